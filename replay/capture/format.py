@@ -1,0 +1,199 @@
+"""The capture file format: records, limits, version, and the byte layout (DESIGN §3).
+
+Layout of a capture file, every piece a zstd frame so that `zstd -dc FILE` prints the records:
+
+    [skippable frame  magic 0x184D2A5E]  b"RPLYCAP\\0" + u16 major + u16 minor (little-endian)
+    [zstd frame: chunk 0]  a msgpack array of records: the Header first
+    [zstd frame: chunk 1]  ... each chunk independent, with its content checksum and content size
+    ...
+    [skippable frame  magic 0x184D2A5F]  msgpack(Index) + u32 crc32(index bytes) + u64 frame offset + b"RPLYIDX1"
+
+A crash leaves the file without the index (and named `NAME.partial`): the reader then scans frames linearly, and
+`recover` rewrites it. Each chunk decompresses to one msgpack array whose items are records, so `zstd -dc` gives a
+plain concatenation of msgpack arrays of records.
+
+Schema evolution (msgspec's rules): new fields go last with defaults, nothing is reordered or retyped. A reader
+skips record tags it does not know (a newer minor version); a newer major version is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic
+
+import msgspec
+
+from replay.contracts import (
+    RID,
+    Array,
+    EngineCoreRequest,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+
+PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
+INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
+PROLOGUE_ID = b"RPLYCAP\0"
+INDEX_TRAILER_ID = b"RPLYIDX1"
+
+# Limits that bound memory on hostile input: a frame that claims (or expands to) more is refused before any
+# allocation of that size. Both are far above anything our writer produces (chunks are ~1 MiB).
+MAX_FRAME_BYTES = 256 << 20
+MAX_RECORD_BYTES = 256 << 20
+MAX_INDEX_BYTES = 256 << 20
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # close a chunk past this many uncompressed bytes
+DEFAULT_FLUSH_INTERVAL = 1.0  # ... or once its oldest record is this many seconds old
+DEFAULT_LEVEL = 3  # zstd level: ~500 MB/s on one core here, within 10 % of level 19 on our frames
+
+
+class ModelIdentity(msgspec.Struct, omit_defaults=True):
+    """Which model produced the capture; replay refuses a different one unless forced."""
+
+    name: str  # "tiny", a checkpoint directory, or a hub-style name
+    architecture: str = ""  # e.g. "LlamaForCausalLM"
+    fingerprint: str = ""  # hash of the weights (sha256 of their bytes, or of config + seed for generated models)
+    dtype: str = ""  # "float32" | "bfloat16" | "float16"
+    path: str = ""  # where it was loaded from, if anywhere
+    config: dict[str, Any] = {}  # the model config (config.json fields)
+
+
+class EngineConfig(msgspec.Struct, omit_defaults=True):
+    """The engine settings that change what a step computes or how steps are formed."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 0  # KV blocks available; replay needs at least the largest block id + 1
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    max_model_len: int = 0
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+    attention_impl: str = ""  # attention backend / implementation
+    seed: int | None = None  # engine-level seed (vLLM ModelConfig.seed)
+    logprobs_mode: str = "raw_logprobs"
+    async_scheduling: bool = False
+    runner_class: str = ""
+    batch_invariant: bool = False
+    extra: dict[str, Any] = {}  # engine-specific settings, by the engine's own names
+
+
+class Environment(msgspec.Struct, omit_defaults=True):
+    """The environment knobs that decide numerics, so replay can say exactly what differs."""
+
+    device: str = ""  # "cpu", or the GPU name
+    torch_version: str = ""
+    cuda_version: str = ""
+    num_threads: int = 0  # torch intra-op threads
+    deterministic_algorithms: bool = False
+    matmul_precision: str = ""  # torch.get_float32_matmul_precision()
+    python_version: str = ""
+    platform: str = ""
+    hostname: str = ""
+    env: dict[str, str] = {}  # relevant environment variables (VLLM_*, CUBLAS_*, OMP_*, ...)
+
+
+class Header(msgspec.Struct, tag="header", array_like=True, omit_defaults=True):
+    """Provenance, always the first record of chunk 0."""
+
+    format_version: tuple[int, int]  # (major, minor) this file was written with
+    tool_version: str  # replay's version
+    created: float  # time.time() at open
+    engine: str  # "builtin" | "vllm" | "synthetic" | another engine's name
+    engine_version: str = ""
+    model: ModelIdentity | None = None
+    engine_config: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    environment: Environment = msgspec.field(default_factory=Environment)
+    extra: dict[str, Any] = {}  # anything else the source wants replay to know, by name
+
+
+class RequestAdded(msgspec.Struct, tag="request_added", array_like=True, omit_defaults=True):
+    """A request arrived; it can first be scheduled in step `step`."""
+
+    step: int  # index of the next step to run when it arrived
+    request: EngineCoreRequest
+
+
+class RequestAborted(msgspec.Struct, tag="request_aborted", array_like=True, omit_defaults=True):
+    """A client aborted a request before step `step`."""
+
+    step: int
+    request_id: str  # internal id, as in EngineCoreRequest.request_id
+
+
+class Ids(msgspec.Struct, tag="ids", array_like=True):
+    """Declares request-id handles: `ids[i]` is handle `first + i`. Written just before the record that first
+    uses them, in the same chunk, so every chunk read in order resolves its handles."""
+
+    first: int
+    ids: list[str]
+
+
+class StepTiming(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where the step's wall time went (ns), as the engine measured it."""
+
+    start_ns: int = 0  # time.monotonic_ns() when schedule() began
+    schedule_ns: int = 0
+    execute_ns: int = 0  # model forward + sampling
+    update_ns: int = 0  # update_from_output
+
+
+class Step(msgspec.Struct, Generic[RID], tag="step", array_like=True, omit_defaults=True):
+    """One engine step: what went into the runner, what came out, and what reproduces its sampling."""
+
+    index: int  # engine step counter; consecutive from 0 unless the tap attached mid-run
+    scheduler_output: SchedulerOutput[RID]
+    model_runner_output: ModelRunnerOutput[RID] | None  # None: the step ran nothing (no scheduled tokens)
+    # req_id -> seed the engine drew for an *unseeded* sampled request (Model Runner V2 style); lets replay
+    # reproduce random sampling without a global generator.
+    drawn_seeds: dict[RID, int] = {}
+    rng_state: Array | None = None  # global generator state before the step, where the engine uses one
+    timing: StepTiming | None = None
+    grammar_output: GrammarOutput[RID] | None = None  # structured-output bitmask given to sample_tokens
+
+
+class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
+    """Last record of a cleanly closed capture."""
+
+    num_steps: int
+    num_records: int
+    status: str = "ok"  # "ok", "error: <why the engine stopped>", or "recovered from <file>: <what was lost>"
+
+
+# Records as stored (request ids in steps are int handles). `Ids` never leaves the reader.
+WireRecord = Header | RequestAdded | RequestAborted | Ids | Step[int] | Footer
+# Records as the reader yields them (ids resolved to vLLM's strings).
+Record = Header | RequestAdded | RequestAborted | Step[str] | Footer
+RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "step", "footer"})
+
+
+class ChunkInfo(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where a chunk is and what it holds, so readers jump to a step and `info` answers from the index."""
+
+    offset: int  # byte offset of the chunk's zstd frame
+    length: int  # compressed bytes of the frame
+    raw_size: int  # uncompressed bytes
+    num_records: int
+    first_step: int = -1  # -1 when the chunk holds no step
+    last_step: int = -1
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_requests_added: int = 0
+
+
+class Index(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The seek index written at close (in a skippable frame) and by `recover`."""
+
+    chunks: list[ChunkInfo]
+    ids: list[str]  # every request-id handle of the capture, in handle order
+    num_steps: int = 0
+    status: str = "ok"  # the Footer's status
+
+
+WIRE_ENCODER = msgspec.msgpack.Encoder()
+WIRE_DECODER: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(WireRecord)
+CHUNK_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
+INDEX_DECODER = msgspec.msgpack.Decoder(Index)

@@ -1,0 +1,363 @@
+"""`CaptureReader`: iterate records, jump to step N through the index, survive damage.
+
+Robustness contract (after MCAP's reader): only `replay.errors` exceptions escape; unknown record tags are
+skipped; a missing or damaged index falls back to a linear frame scan; a damaged chunk is reported (with its
+number and byte offset) and reading goes on with the next one; nothing is ever allocated on a size the file merely
+claims beyond the configured limits.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import msgspec
+import zstandard
+
+from replay.capture import format as fmt
+from replay.capture.frames import SKIPPABLE_BASE, SKIPPABLE_MASK, ZSTD_MAGIC, FrameError, find_next_frame, parse_frame
+from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
+from replay.errors import CaptureDamagedError, CaptureError, LimitExceededError, NotACaptureError, UnsupportedVersionError
+
+
+class Damage(msgspec.Struct, omit_defaults=True):
+    """One place where data could not be read. `kind`: chunk | truncated | garbage | record | unfinished | index."""
+
+    kind: str
+    reason: str
+    chunk: int | None = None  # chunk number (0 = the header chunk)
+    offset: int | None = None  # byte offset in the file
+    first_step: int | None = None  # steps known (from the index) to be lost with it
+    last_step: int | None = None
+
+    def describe(self) -> str:
+        """One line for humans."""
+        where = []
+        if self.chunk is not None:
+            where.append(f"chunk {self.chunk}")
+        if self.offset is not None:
+            where.append(f"byte {self.offset}")
+        lost = ""
+        if self.first_step is not None:
+            lost = f"; steps {self.first_step}-{self.last_step} lost" if self.last_step != self.first_step else f"; step {self.first_step} lost"
+        return f"{' '.join(where) + ': ' if where else ''}{self.reason}{lost}"
+
+
+class ChunkRef(NamedTuple):
+    """A chunk's place in the file, with its index entry when the index is readable."""
+
+    number: int
+    offset: int
+    end: int
+    info: fmt.ChunkInfo | None
+
+
+class _ChunkUnreadable(Exception):
+    pass
+
+
+class CaptureReader:
+    """Reads a capture file. Use as a context manager; `header` is read on open."""
+
+    def __init__(self, path: str | os.PathLike, *, max_frame_bytes: int = fmt.MAX_FRAME_BYTES,
+                 max_record_bytes: int = fmt.MAX_RECORD_BYTES):
+        self.path = Path(path)
+        self.max_frame_bytes = max_frame_bytes
+        self.max_record_bytes = max_record_bytes
+        self.damage: list[Damage] = []
+        self.unknown_records = 0  # records with tags this version does not know (skipped)
+        self.footer: fmt.Footer | None = None
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=max(1 << 20, max_frame_bytes))
+        self._file = None
+        self._buf: mmap.mmap | bytes = b""
+        self._open()
+        try:
+            self.format_version = self._read_prologue()
+            self.index = self._load_index()
+            self._data_start = self._prologue_end
+            self.header = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening -------------------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        p = self.path
+        try:
+            if p.is_dir():
+                raise NotACaptureError(p, "is a directory, not a capture file")
+            self._file = open(p, "rb")
+            size = os.fstat(self._file.fileno()).st_size
+        except NotACaptureError:
+            raise
+        except FileNotFoundError:
+            raise NotACaptureError(p, "no such file") from None
+        except OSError as e:
+            raise NotACaptureError(p, f"cannot open: {e.strerror or e}") from None
+        if size == 0:
+            raise NotACaptureError(p, "empty file, not a capture")
+        self.file_size = size
+        self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def _read_prologue(self) -> tuple[int, int]:
+        buf = self._buf
+        try:
+            fr = parse_frame(buf, 0)
+        except FrameError:
+            fr = None
+        body = bytes(buf[8:20]) if fr is not None and fr.skippable_magic == fmt.PROLOGUE_MAGIC and fr.end >= 20 else b""
+        if not body.startswith(fmt.PROLOGUE_ID):
+            what = "a plain zstd file" if len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] == ZSTD_MAGIC else "no capture signature"
+            raise NotACaptureError(self.path, f"not a replay capture ({what})")
+        major, minor = struct.unpack_from("<HH", body, 8)
+        if major > fmt.FORMAT_MAJOR:
+            raise UnsupportedVersionError(
+                self.path, f"written in capture format {major}.{minor}; this replay reads format "
+                f"{fmt.FORMAT_MAJOR}.x and older: upgrade replay to read it")
+        self._prologue_end = fr.end
+        return major, minor
+
+    def _load_index(self) -> fmt.Index | None:
+        buf, n = self._buf, self.file_size
+        tlen = 4 + 8 + len(fmt.INDEX_TRAILER_ID)
+        if n < self._prologue_end + 8 + tlen or bytes(buf[n - 8:n]) != fmt.INDEX_TRAILER_ID:
+            return None  # no index: an unfinished capture (crash), read by linear scan
+        crc, offset = struct.unpack_from("<IQ", buf, n - tlen)
+        try:
+            if offset >= n:
+                raise ValueError("index offset past the end of the file")
+            fr = parse_frame(buf, offset)
+            if fr.skippable_magic != fmt.INDEX_MAGIC or fr.end != n:
+                raise ValueError("index frame not where the trailer says")
+            body = buf[fr.payload_start:n - tlen]
+            if len(body) > fmt.MAX_INDEX_BYTES:
+                raise ValueError("index larger than the limit")
+            if zlib.crc32(body) != crc:
+                raise ValueError("index checksum mismatch")
+            index = fmt.INDEX_DECODER.decode(body)
+            prev_end = self._prologue_end
+            for c in index.chunks:  # chunks must tile the file from the prologue to the index
+                if c.offset != prev_end or c.length <= 0:
+                    raise ValueError("index chunk table does not match the file")
+                prev_end = c.offset + c.length
+            if prev_end != offset:
+                raise ValueError("index chunk table does not reach the index")
+        except (ValueError, FrameError, msgspec.DecodeError) as e:
+            self.damage.append(Damage("index", f"seek index unreadable ({e}); read by linear scan", offset=int(offset)))
+            return None
+        self._index_offset = offset
+        return index
+
+    def _read_header(self) -> fmt.Header:
+        ref = next(self.iter_chunks(), None)
+        if ref is None:
+            raise NotACaptureError(self.path, "truncated before its header: nothing to read")
+        try:
+            recs = self._decode_chunk(ref)
+        except _ChunkUnreadable as e:
+            raise NotACaptureError(self.path, f"header chunk unreadable: {e}") from None
+        if not recs or not isinstance(recs[0], fmt.Header):
+            raise NotACaptureError(self.path, "first record is not a header")
+        header = recs[0]
+        if tuple(header.format_version)[0] > fmt.FORMAT_MAJOR:
+            raise UnsupportedVersionError(self.path, f"header says capture format {header.format_version[0]}."
+                                          f"{header.format_version[1]}; this replay reads {fmt.FORMAT_MAJOR}.x")
+        return header
+
+    # -- chunks ---------------------------------------------------------------------------------------------------
+
+    def iter_chunks(self) -> Iterator[ChunkRef]:
+        """Every chunk in file order: from the index, or found by a linear frame scan (damage recorded)."""
+        if self.index is not None:
+            for i, c in enumerate(self.index.chunks):
+                yield ChunkRef(i, c.offset, c.offset + c.length, c)
+            return
+        buf, n, pos, k = self._buf, self.file_size, self._prologue_end, 0
+        while pos < n:
+            try:
+                fr = parse_frame(buf, pos)
+            except FrameError as e:
+                if e.truncated:
+                    self._add_damage(Damage("truncated", f"file ends inside chunk {k} ({e.reason})", chunk=k, offset=pos))
+                    return
+                nxt = find_next_frame(buf, pos + 1)
+                self._add_damage(Damage("garbage", f"unreadable bytes ({e.reason})", chunk=k, offset=pos))
+                if nxt is None:
+                    return
+                pos = nxt
+                continue
+            if fr.skippable_magic is not None:
+                if fr.skippable_magic == fmt.INDEX_MAGIC:
+                    return
+                pos = fr.end
+                continue
+            yield ChunkRef(k, fr.start, fr.end, None)
+            k += 1
+            # Trust the frame's end only if another frame (or the end of file) starts there; a bit flip in a block
+            # header makes it point into the middle of the next chunk.
+            if fr.end < n and not self._frame_starts_at(fr.end):
+                nxt = find_next_frame(buf, fr.start + 4)
+                pos = n if nxt is None else nxt
+            else:
+                pos = fr.end
+
+    def _frame_starts_at(self, pos: int) -> bool:
+        if pos + 4 > self.file_size:
+            return False
+        (magic,) = struct.unpack_from("<I", self._buf, pos)
+        return magic == ZSTD_MAGIC or magic & SKIPPABLE_MASK == SKIPPABLE_BASE
+
+    def read_chunk_bytes(self, ref: ChunkRef) -> bytes:
+        """Decompress one chunk, verifying its checksum. Raises CaptureDamagedError / LimitExceededError."""
+        try:
+            return self._decompress(ref)
+        except _ChunkUnreadable as e:
+            raise CaptureDamagedError(self.path, str(e), chunk=ref.number, offset=ref.offset) from None
+
+    def _decompress(self, ref: ChunkRef) -> bytes:
+        frame = self._buf[ref.offset:ref.end]
+        try:
+            fr = parse_frame(frame, 0)
+        except FrameError as e:
+            raise _ChunkUnreadable(e.reason) from None
+        if fr.skippable_magic is not None or fr.end != len(frame):
+            raise _ChunkUnreadable("chunk frame boundaries do not match")
+        if fr.content_size is not None and fr.content_size > self.max_frame_bytes:
+            raise LimitExceededError(self.path, f"chunk claims {fr.content_size} bytes decompressed, over the "
+                                     f"{self.max_frame_bytes}-byte limit", chunk=ref.number, offset=ref.offset)
+        try:
+            if fr.content_size is not None:
+                data = self._dctx.decompress(frame)
+            else:  # no declared size (not written by us): stream with a hard cap
+                out, reader = io.BytesIO(), self._dctx.stream_reader(frame)
+                while True:
+                    piece = reader.read(1 << 20)
+                    if not piece:
+                        break
+                    out.write(piece)
+                    if out.tell() > self.max_frame_bytes:
+                        raise LimitExceededError(self.path, f"chunk expands past the {self.max_frame_bytes}-byte limit",
+                                                 chunk=ref.number, offset=ref.offset)
+                data = out.getvalue()
+        except zstandard.ZstdError as e:
+            raise _ChunkUnreadable(f"corrupt chunk ({e})") from None
+        if len(data) > self.max_frame_bytes:
+            raise LimitExceededError(self.path, "chunk expands past the limit", chunk=ref.number, offset=ref.offset)
+        return data
+
+    def _decode_chunk(self, ref: ChunkRef) -> list:
+        """Wire records of one chunk (unknown tags skipped). Raises _ChunkUnreadable."""
+        data = self._decompress(ref)
+        try:
+            raws = fmt.CHUNK_DECODER.decode(data)
+        except msgspec.DecodeError as e:
+            raise _ChunkUnreadable(f"chunk content is not a record list ({e})") from None
+        out = []
+        for raw in raws:
+            if len(raw) > self.max_record_bytes:
+                raise LimitExceededError(self.path, f"record of {len(raw)} bytes over the {self.max_record_bytes}-byte "
+                                         "limit", chunk=ref.number, offset=ref.offset)
+            try:
+                out.append(fmt.WIRE_DECODER.decode(raw))
+            except msgspec.DecodeError as e:
+                if _is_unknown_tag(raw):
+                    self.unknown_records += 1
+                    continue
+                raise _ChunkUnreadable(f"malformed record ({e})") from None
+        return out
+
+    # -- records --------------------------------------------------------------------------------------------------
+
+    def records(self, *, chunks: Iterator[ChunkRef] | None = None) -> Iterator[fmt.Record]:
+        """Every readable record in order, request ids resolved; damage is recorded in `self.damage`."""
+        table = IdTable(self.index.ids) if self.index is not None else IdTable()
+        saw_footer = False
+        for ref in (chunks if chunks is not None else self.iter_chunks()):
+            try:
+                recs = self._decode_chunk(ref)
+            except (_ChunkUnreadable, LimitExceededError) as e:
+                info = ref.info
+                self._add_damage(Damage("chunk", getattr(e, "reason", str(e)), chunk=ref.number, offset=ref.offset,
+                                        first_step=info.first_step if info and info.num_steps else None,
+                                        last_step=info.last_step if info and info.num_steps else None))
+                continue
+            for rec in recs:
+                if isinstance(rec, fmt.Ids):
+                    table.declare(rec)
+                elif isinstance(rec, fmt.Step):
+                    try:
+                        yield step_from_wire(rec, table)
+                    except Exception as e:  # noqa: BLE001 - any inconsistency in stored data is damage, not a crash
+                        why = ("refers to request ids declared in a lost chunk" if isinstance(e, UnknownHandleError)
+                               else f"has inconsistent contents ({type(e).__name__}: {e})")
+                        self._add_damage(Damage("record", f"step {rec.index} {why}", chunk=ref.number,
+                                                offset=ref.offset, first_step=rec.index, last_step=rec.index))
+                else:
+                    if isinstance(rec, fmt.Footer):
+                        self.footer = rec
+                        saw_footer = True
+                    yield rec
+        if chunks is None and not saw_footer and self.index is None:
+            self._add_damage(Damage("unfinished", "capture was not closed (the recording stopped): records of its "
+                                    "last open chunk are lost; `replay recover` rewrites it with an index"))
+
+    def steps(self, first: int | None = None, last: int | None = None) -> Iterator[fmt.Step]:
+        """Steps with `first <= index <= last` (either bound optional), reading only the chunks that hold them
+        when the index is present."""
+        chunks = None
+        if self.index is not None and (first is not None or last is not None):
+            lo = -1 if first is None else first
+            hi = float("inf") if last is None else last
+            chunks = iter([ChunkRef(i, c.offset, c.offset + c.length, c) for i, c in enumerate(self.index.chunks)
+                           if c.num_steps and c.last_step >= lo and c.first_step <= hi])
+        for rec in self.records(chunks=chunks):
+            if isinstance(rec, fmt.Step) and (first is None or rec.index >= first) and (last is None or rec.index <= last):
+                yield rec
+
+    def step(self, n: int) -> fmt.Step:
+        """Step `n`; with an index this decompresses exactly one chunk. Raises CaptureError if absent."""
+        for s in self.steps(n, n):
+            return s
+        lost = [d for d in self.damage if d.first_step is not None and d.first_step <= n <= (d.last_step or n)]
+        if lost:
+            raise CaptureDamagedError(self.path, f"step {n} is in a damaged part of the capture: {lost[0].describe()}")
+        raise CaptureError(self.path, f"no step {n} in this capture")
+
+    @property
+    def complete(self) -> bool:
+        """True when the capture was closed cleanly (the seek index is present and readable)."""
+        return self.index is not None
+
+    def _add_damage(self, d: Damage) -> None:
+        if d not in self.damage:
+            self.damage.append(d)
+
+    def close(self) -> None:
+        """Release the file."""
+        if isinstance(self._buf, mmap.mmap):
+            self._buf.close()
+        self._buf = b""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "CaptureReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_unknown_tag(raw: msgspec.Raw) -> bool:
+    """True when a record is a well-formed array whose tag this version does not know (a newer minor format)."""
+    try:
+        value = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(value, list) and bool(value) and isinstance(value[0], str) and value[0] not in fmt.RECORD_TAGS

@@ -1,0 +1,282 @@
+"""`CaptureWriter`: append records to a capture from any engine.
+
+Encoding (msgspec, id interning) runs on the caller's thread: it is cheap and it must see the objects before the
+engine mutates them. Compression and I/O run on a background thread, which zstd and file writes let run without
+the GIL. Chunks close by size or by age, so a crash loses at most the open chunk (at most `flush_interval` seconds
+of steps, or `chunk_bytes` of records). Errors of the background thread (a full disk) surface, as one
+CaptureError, on the next call.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import msgspec
+import zstandard
+
+from replay.capture import format as fmt
+from replay.capture.frames import skippable_frame
+from replay.capture.stepcodec import IdTable, step_to_wire
+from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from replay.errors import CaptureError, UsageError
+
+_ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
+
+
+class _Chunk:
+    """Encoded records waiting to be compressed, plus the stats the index keeps for them."""
+
+    __slots__ = ("parts", "raw", "info", "born")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.raw = 0
+        self.info = fmt.ChunkInfo(0, 0, 0, 0)
+        self.born = time.monotonic()
+
+
+class CaptureWriter:
+    """Writes a capture to `path` (as `path.partial` until `close`).
+
+    Usage::
+
+        with CaptureWriter(path, Header(...)) as w:
+            w.add_request(request, step=0)
+            w.write_step(0, scheduler_output, model_runner_output)
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        header: fmt.Header,
+        *,
+        chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+        flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
+        level: int = fmt.DEFAULT_LEVEL,
+        overwrite: bool = False,
+        fsync: bool = False,
+    ):
+        self.path = Path(path)
+        self.partial_path = self.path.with_name(self.path.name + ".partial")
+        if not overwrite and self.path.exists():
+            raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
+        if chunk_bytes <= 0 or flush_interval <= 0:
+            raise UsageError("chunk_bytes and flush_interval must be positive")
+        self.chunk_bytes = chunk_bytes
+        self.flush_interval = flush_interval
+        self._fsync = fsync
+        self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+        self._ids = IdTable()
+        self._lock = threading.Lock()
+        self._chunk = _Chunk()
+        self._chunks: list[fmt.ChunkInfo] = []
+        self._num_steps = 0
+        self._num_records = 0
+        self._last_step = -1
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bytes_written = 0
+        try:
+            self.partial_path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.partial_path, "wb")
+            prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
+            self._write_bytes(skippable_frame(fmt.PROLOGUE_MAGIC, prologue))
+        except OSError as e:
+            raise CaptureError(self.partial_path, f"cannot create capture: {e.strerror or e}") from None
+        self._queue: queue.Queue[_Chunk | None] = queue.Queue(maxsize=8)
+        self._thread = threading.Thread(target=self._run, name="replay-capture-writer", daemon=True)
+        self._thread.start()
+        self._append([self._encode(header)], header=True)
+        self.flush()  # the header is durable as soon as the writer exists
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, step: int) -> None:
+        """Record a request arrival; `step` is the index of the next step to run."""
+        self._append([self._encode(fmt.RequestAdded(step, request))], requests_added=1)
+
+    def abort_request(self, request_id: str, step: int) -> None:
+        """Record a client abort before step `step`."""
+        self._append([self._encode(fmt.RequestAborted(step, request_id))])
+
+    def write_step(
+        self,
+        index: int,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput | None,
+        **extra,
+    ) -> int:
+        """Record one engine step (extra: `drawn_seeds`, `rng_state`, `timing`, `grammar_output` of `Step`).
+
+        Returns the encoded size in bytes. Call it before the engine mutates either object again.
+        """
+        step = fmt.Step(index, scheduler_output, model_runner_output, **extra)
+        return self.write_step_record(step)
+
+    def write_step_record(self, step: fmt.Step) -> int:
+        """Record an already built `Step` (in-memory form, string ids)."""
+        if step.index <= self._last_step:
+            raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
+        with self._lock:  # interning mutates the shared id table
+            wire = step_to_wire(step, self._ids)
+            new_ids = self._ids.take_new()
+        parts = [self._encode(new_ids)] if new_ids is not None else []
+        parts.append(self._encode(wire))
+        mro = step.model_runner_output
+        generated = sum(len(t) for t in mro.sampled_token_ids) if mro is not None else 0
+        self._append(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens, generated=generated)
+        self._last_step = step.index
+        return sum(len(p) for p in parts)
+
+    def flush(self) -> None:
+        """Close the open chunk now and hand it to the background thread."""
+        self._check()
+        with self._lock:
+            self._seal_locked()
+
+    def close(self, status: str = "ok") -> Path:
+        """Write the footer and the seek index, then rename `NAME.partial` to `NAME`. Returns the final path."""
+        if self._closed:
+            return self.path
+        self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
+        with self._lock:
+            self._seal_locked()
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        self._check()
+        try:
+            index = fmt.Index(list(self._chunks), list(self._ids.ids), self._num_steps, status)  # type: ignore[arg-type]
+            body = fmt.WIRE_ENCODER.encode(index)
+            offset = self.bytes_written
+            trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ID
+            self._write_bytes(skippable_frame(fmt.INDEX_MAGIC, body + trailer))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.partial_path, self.path)
+        except OSError as e:
+            raise CaptureError(self.partial_path, f"cannot finish capture: {e.strerror or e}") from None
+        return self.path
+
+    def abandon(self) -> None:
+        """Stop writing without a footer: what was flushed stays in `NAME.partial` for `recover`."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._seal_locked()
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            self._f.close()
+        except OSError:
+            pass
+
+    @property
+    def num_steps(self) -> int:
+        """Steps written so far."""
+        return self._num_steps
+
+    def __enter__(self) -> "CaptureWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif isinstance(exc, CaptureError):
+            self.abandon()
+        else:
+            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    def _encode(self, record: msgspec.Struct) -> bytes:
+        data = fmt.WIRE_ENCODER.encode(record)
+        if len(data) > fmt.MAX_RECORD_BYTES:
+            raise UsageError(f"a {type(record).__name__} record of {len(data)} bytes exceeds the {fmt.MAX_RECORD_BYTES}-byte limit")
+        return data
+
+    def _append(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
+                requests_added: int = 0, header: bool = False) -> None:
+        self._check()
+        if self._closed:
+            raise UsageError(f"{self.path}: capture writer is closed")
+        with self._lock:
+            c = self._chunk
+            if c.raw and time.monotonic() - c.born >= self.flush_interval:
+                self._seal_locked()
+                c = self._chunk
+            c.parts.extend(parts)
+            c.raw += sum(len(p) for p in parts)
+            info = c.info
+            info.num_records += len(parts)
+            self._num_records += len(parts)
+            if step is not None:
+                if info.first_step < 0:
+                    info.first_step = step
+                info.last_step = step
+                info.num_steps += 1
+                info.num_scheduled_tokens += scheduled
+                info.num_generated_tokens += generated
+                self._num_steps += 1
+            info.num_requests_added += requests_added
+            if c.raw >= self.chunk_bytes:
+                self._seal_locked()
+
+    def _seal_locked(self) -> None:
+        c = self._chunk
+        if not c.parts:
+            return
+        self._chunk = _Chunk()
+        self._queue.put(c)  # blocks when the writer thread is 8 chunks behind: back-pressure, not unbounded memory
+
+    def _run(self) -> None:
+        while True:
+            try:
+                c = self._queue.get(timeout=self.flush_interval)
+            except queue.Empty:
+                # An idle engine must not keep a chunk open forever. Never block on the lock here: a producer
+                # holding it may itself be blocked on our full queue.
+                if not self._lock.acquire(blocking=False):
+                    continue
+                try:
+                    c = self._chunk
+                    if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
+                        continue
+                    self._chunk = _Chunk()
+                finally:
+                    self._lock.release()
+            if c is None:
+                return
+            if self._error is not None:
+                continue  # keep draining so producers never block on a dead writer
+            try:
+                body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
+                frame = self._cctx.compress(body)
+                c.info.offset = self.bytes_written
+                c.info.length = len(frame)
+                c.info.raw_size = len(body)
+                self._write_bytes(frame)
+                self._f.flush()
+                if self._fsync:
+                    os.fsync(self._f.fileno())
+                self._chunks.append(c.info)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by _check
+                self._error = e
+
+    def _write_bytes(self, data: bytes) -> None:
+        self._f.write(data)
+        self.bytes_written += len(data)
+
+    def _check(self) -> None:
+        e = self._error
+        if e is not None:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise CaptureError(self.partial_path, f"writing failed: {why}; what was flushed before stays readable") from None

@@ -1,0 +1,108 @@
+"""Mirrors `vllm/v1/outputs.py` (vLLM 0.32): what the model runner hands back each step.
+
+vLLM's `LogprobsLists` holds numpy arrays and `LogprobsTensors` torch tensors; both become packed `Array`s here so
+float32 logprobs survive bit for bit. Column 0 of the logprob matrices is the sampled token, columns 1.. the
+top-k (DESIGN §4.7).
+"""
+
+from __future__ import annotations
+
+from typing import Generic
+
+import msgspec
+
+from replay.contracts.arrays import Array, Opaque
+from replay.contracts.reqid import RID
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The CPU form the scheduler and frontend receive (a NamedTuple of numpy arrays in vLLM)."""
+
+    logprob_token_ids: Array  # [num_reqs x num_generated_tokens, max_num_logprobs + 1] int32
+    logprobs: Array  # [num_reqs x num_generated_tokens, max_num_logprobs + 1] float32
+    sampled_token_ranks: Array  # [num_reqs x num_generated_tokens] int64 (int32 from tolists())
+    cu_num_generated_tokens: list[int] | None = None  # [num_reqs]; only with spec decode (variable tokens/req)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows = generated positions covered (one per request without spec decode)."""
+        return self.logprob_token_ids.shape[0] if self.logprob_token_ids.shape else 0
+
+
+class LogprobsTensors(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The torch form (prompt logprobs, sampler output). Field names as vLLM's NamedTuple."""
+
+    logprob_token_ids: Array  # [num_positions, num_logprobs + 1] int32
+    logprobs: Array  # [num_positions, num_logprobs + 1] float32
+    selected_token_ranks: Array  # [num_positions] int32
+    cu_num_generated_tokens: list[int] | None = None
+
+    def tolists(self, cu_num_generated_tokens: list[int] | None = None) -> LogprobsLists:
+        """The same values as `LogprobsLists` (vLLM's `tolists`)."""
+        return LogprobsLists(self.logprob_token_ids, self.logprobs, self.selected_token_ranks, cu_num_generated_tokens)
+
+
+class SamplerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the sampler returns before the runner turns it into lists."""
+
+    sampled_token_ids: Array  # [num_reqs, max_num_generated_tokens] int32, -1 (PLACEHOLDER_TOKEN_ID) padding
+    logprobs_tensors: LogprobsTensors | None
+
+
+class DraftTokenIds(msgspec.Struct, Generic[RID], array_like=True, omit_defaults=True, gc=False):
+    """Speculative-decoding drafts proposed after a step."""
+
+    req_ids: list[RID]  # [num_reqs]
+    draft_token_ids: list[list[int]]  # [num_reqs][num_draft_tokens]
+
+
+class KVConnectorOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults=True, gc=False):
+    """KV transfer progress reported by a KV connector (disaggregated prefill)."""
+
+    finished_sending: set[RID] | None = None
+    finished_recving: set[RID] | None = None
+    kv_connector_stats: Opaque | None = None  # vLLM: KVConnectorStats
+    kv_cache_events: Opaque | None = None
+    kv_connector_worker_meta: Opaque | None = None
+    invalid_block_ids: set[int] = set()  # externally computed blocks that failed to load
+    expected_finished_count: int = 0
+
+    def is_empty(self) -> bool:
+        """True when there is nothing to report (vLLM's `is_empty`)."""
+        return not (self.finished_sending or self.finished_recving or self.kv_connector_stats or self.invalid_block_ids)
+
+
+class ECConnectorOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults=True, gc=False):
+    """Encoder-cache transfer progress (vLLM's `ECConnectorOutput`)."""
+
+    finished_sending: set[RID] | None = None
+    finished_recving: set[RID] | None = None
+
+
+class ModelRunnerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults=True, gc=False):
+    """The runner's result for one step."""
+
+    req_ids: list[RID]  # [num_reqs], in the persistent batch's order
+    req_id_to_index: dict[RID, int]  # req_id -> index in req_ids
+    # [num_reqs][num_generated_tokens]; [] = nothing sampled (partial prefill chunk, or discarded)
+    sampled_token_ids: list[list[int]] = []
+    logprobs: LogprobsLists | None = None  # rows follow req_ids (x generated tokens)
+    # req_id -> prompt logprobs: [prompt_len - 1, num_prompt_logprobs + 1]; None while the prefill is chunked
+    prompt_logprobs_dict: dict[RID, LogprobsTensors | None] = {}
+    prompt_token_id_logprobs_dict: dict[RID, Array] = {}  # req_id -> [num_scored_rows, num_token_ids]
+    pooler_output: list[Array | None] | None = None  # [num_reqs][hidden_size]
+    kv_connector_output: KVConnectorOutput[RID] | None = None
+    ec_connector_output: ECConnectorOutput[RID] | None = None
+    num_nans_in_logits: dict[RID, int] | None = None  # req_id -> NaNs seen in its logits
+    cudagraph_stats: Opaque | None = None
+    aux_output_connector_output: Opaque | None = None
+    sampling_masks: Opaque | None = None  # vLLM 0.32: SamplingMaskLists
+    # vLLM main also has routed_experts (MoE routing); not in 0.32, added here when a capture needs it.
+
+    def sampled(self, req_id: RID) -> list[int]:
+        """Tokens sampled for `req_id` this step ([] if none or not in the batch)."""
+        i = self.req_id_to_index.get(req_id)
+        return self.sampled_token_ids[i] if i is not None and i < len(self.sampled_token_ids) else []
+
+
+EMPTY_MODEL_RUNNER_OUTPUT: ModelRunnerOutput = ModelRunnerOutput(req_ids=[], req_id_to_index={})
