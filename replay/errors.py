@@ -44,6 +44,10 @@ class NotACaptureError(CaptureError):
     """The file is empty, is not a capture, or is cut before its header: nothing in it can be read."""
 
 
+class HeaderLostError(NotACaptureError):
+    """The file starts like a capture but its header chunk is cut off or unreadable."""
+
+
 class UnsupportedVersionError(CaptureError):
     """The capture was written by a newer major format version than this reader understands."""
 

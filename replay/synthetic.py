@@ -9,6 +9,7 @@ as incompressible as real ones (measurements §1-2). Everything is drawn from on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -176,3 +177,24 @@ def _logprobs(rng, zipf_tokens, sampled: list[list[int]], greedy: list[bool], k:
                 tok[i, 0] = s[0]
             vals[i, 0] = vals[i, k] - np.float32(rng.exponential(1.0))
     return LogprobsLists(Array.from_numpy(tok), Array.from_numpy(vals), Array.from_numpy(ranks))
+
+
+def record_synthetic(path, workload: Workload, *, overwrite: bool = False, **writer_options) -> Path:
+    """Record a synthetic run into a capture at `path`; returns the final path."""
+    from replay.capture import CaptureWriter, EngineConfig
+    from replay.environment import make_header
+
+    header = make_header(
+        "synthetic",
+        engine_config=EngineConfig(block_size=workload.block_size, max_num_seqs=workload.running,
+                                   max_num_batched_tokens=workload.max_num_batched_tokens,
+                                   enable_chunked_prefill=True, seed=workload.seed),
+        extra={"workload": {f: getattr(workload, f) for f in Workload.__slots__}},
+    )
+    with CaptureWriter(path, header, overwrite=overwrite, **writer_options) as w:
+        for ev in generate(workload):
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+    return w.path

@@ -22,7 +22,14 @@ import zstandard
 from replay.capture import format as fmt
 from replay.capture.frames import SKIPPABLE_BASE, SKIPPABLE_MASK, ZSTD_MAGIC, FrameError, find_next_frame, parse_frame
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
-from replay.errors import CaptureDamagedError, CaptureError, LimitExceededError, NotACaptureError, UnsupportedVersionError
+from replay.errors import (
+    CaptureDamagedError,
+    CaptureError,
+    HeaderLostError,
+    LimitExceededError,
+    NotACaptureError,
+    UnsupportedVersionError,
+)
 
 
 class Damage(msgspec.Struct, omit_defaults=True):
@@ -157,13 +164,13 @@ class CaptureReader:
     def _read_header(self) -> fmt.Header:
         ref = next(self.iter_chunks(), None)
         if ref is None:
-            raise NotACaptureError(self.path, "truncated before its header: nothing to read")
+            raise HeaderLostError(self.path, "truncated before its header: nothing to read")
         try:
             recs = self._decode_chunk(ref)
-        except _ChunkUnreadable as e:
-            raise NotACaptureError(self.path, f"header chunk unreadable: {e}") from None
+        except (_ChunkUnreadable, LimitExceededError) as e:
+            raise HeaderLostError(self.path, f"header chunk unreadable: {getattr(e, 'reason', e)}") from None
         if not recs or not isinstance(recs[0], fmt.Header):
-            raise NotACaptureError(self.path, "first record is not a header")
+            raise HeaderLostError(self.path, "first record is not a header")
         header = recs[0]
         if tuple(header.format_version)[0] > fmt.FORMAT_MAJOR:
             raise UnsupportedVersionError(self.path, f"header says capture format {header.format_version[0]}."

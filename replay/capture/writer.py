@@ -184,6 +184,11 @@ class CaptureWriter:
         """Steps written so far."""
         return self._num_steps
 
+    @property
+    def num_records(self) -> int:
+        """Records written so far (id declarations and the footer included)."""
+        return self._num_records
+
     def __enter__(self) -> "CaptureWriter":
         return self
 

@@ -1,0 +1,71 @@
+"""`recover`: salvage every readable record of a damaged or unfinished capture into a new, indexed one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from replay.capture import format as fmt
+from replay.capture.reader import CaptureReader, Damage
+from replay.capture.writer import CaptureWriter
+from replay.errors import HeaderLostError, NothingRecoverableError, UsageError
+
+
+class RecoverResult(msgspec.Struct):
+    """What `recover` wrote and what it could not save."""
+
+    source: str
+    output: str
+    num_steps: int
+    num_records: int
+    damage: list[Damage]  # what was lost; empty when the input was intact
+    unknown_records_dropped: int
+
+    @property
+    def lost_data(self) -> bool:
+        """True when anything of the input could not be carried over (exit code 3)."""
+        return bool(self.damage) or self.unknown_records_dropped > 0
+
+
+def default_output(src: Path) -> Path:
+    """`x.capture.partial` -> `x.capture`; anything else -> `x.recovered.capture`."""
+    if src.name.endswith(".partial"):
+        return src.with_name(src.name[: -len(".partial")])
+    return src.with_name(f"{src.stem}.recovered{src.suffix or '.capture'}")
+
+
+def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, force: bool = False) -> RecoverResult:
+    """Rewrite `src` into `out` (default: see `default_output`) with every readable record and a seek index.
+
+    Raises NothingRecoverableError when not even the header can be read, UsageError when `out` exists
+    (unless `force`) or is the input itself.
+    """
+    src = Path(src)
+    dst = Path(out) if out is not None else default_output(src)
+    if dst.resolve() == src.resolve():
+        raise UsageError(f"{dst}: recover writes a new file; choose an output other than the input")
+    try:
+        reader = CaptureReader(src)
+    except HeaderLostError as e:
+        raise NothingRecoverableError(src, f"nothing recoverable: {e.reason}") from None
+    with reader:
+        writer = CaptureWriter(dst, reader.header, overwrite=force)
+        try:
+            for rec in reader.records():
+                if isinstance(rec, fmt.Step):
+                    writer.write_step_record(rec)
+                elif isinstance(rec, fmt.RequestAdded):
+                    writer.add_request(rec.request, rec.step)
+                elif isinstance(rec, fmt.RequestAborted):
+                    writer.abort_request(rec.request_id, rec.step)
+                # Header was written by the writer itself; Footer is replaced by the new one.
+        except BaseException:
+            writer.abandon()
+            raise
+        damage = list(reader.damage)
+        lost = "; ".join(d.describe() for d in damage) or "nothing lost"
+        old = reader.footer.status if reader.footer is not None else "unfinished"
+        writer.close(status=f"recovered from {src.name} ({old}): {lost}"[:1000])
+        return RecoverResult(str(src), str(dst), writer.num_steps, writer.num_records, damage, reader.unknown_records)
