@@ -33,8 +33,8 @@ def current_environment(*, with_torch: bool = True, device: str = "cpu") -> Envi
     if with_torch or "torch" in sys.modules:
         import torch
 
-        env.torch_version = torch.__version__
-        env.cuda_version = torch.version.cuda or ""
+        env.torch_version = str(torch.__version__)
+        env.cuda_version = str(torch.version.cuda or "")
         env.num_threads = torch.get_num_threads()
         env.deterministic_algorithms = torch.are_deterministic_algorithms_enabled()
         env.matmul_precision = torch.get_float32_matmul_precision()

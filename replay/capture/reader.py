@@ -258,8 +258,11 @@ class CaptureReader:
             raise LimitExceededError(self.path, "chunk expands past the limit", chunk=ref.number, offset=ref.offset)
         return data
 
-    def _decode_chunk(self, ref: ChunkRef) -> list:
-        """Wire records of one chunk (unknown tags skipped). Raises _ChunkUnreadable."""
+    def _decode_chunk(self, ref: ChunkRef, keep_step=None) -> list:
+        """Wire records of one chunk (unknown tags skipped). Raises _ChunkUnreadable.
+
+        `keep_step(index) -> bool`, when given, selects steps by their index *before* decoding them, and `Ids`
+        records are skipped (the caller resolves handles from the index): random access decodes one record."""
         data = self._decompress(ref)
         try:
             raws = fmt.CHUNK_DECODER.decode(data)
@@ -270,6 +273,10 @@ class CaptureReader:
             if len(raw) > self.max_record_bytes:
                 raise LimitExceededError(self.path, f"record of {len(raw)} bytes over the {self.max_record_bytes}-byte "
                                          "limit", chunk=ref.number, offset=ref.offset)
+            if keep_step is not None:
+                tag, index = _peek(raw)
+                if tag == "ids" or (tag == "step" and index is not None and not keep_step(index)):
+                    continue
             try:
                 out.append(fmt.WIRE_DECODER.decode(raw))
             except msgspec.DecodeError as e:
@@ -281,13 +288,17 @@ class CaptureReader:
 
     # -- records --------------------------------------------------------------------------------------------------
 
-    def records(self, *, chunks: Iterator[ChunkRef] | None = None) -> Iterator[fmt.Record]:
-        """Every readable record in order, request ids resolved; damage is recorded in `self.damage`."""
+    def records(self, *, chunks: Iterator[ChunkRef] | None = None, keep_step=None) -> Iterator[fmt.Record]:
+        """Every readable record in order, request ids resolved; damage is recorded in `self.damage`.
+
+        `chunks` restricts reading to some chunks, `keep_step(index)` to some steps (both need the index)."""
         table = IdTable(self.index.ids) if self.index is not None else IdTable()
+        if self.index is None:
+            keep_step = None  # handles are declared in-band: every Ids record must be read
         saw_footer = False
         for ref in (chunks if chunks is not None else self.iter_chunks()):
             try:
-                recs = self._decode_chunk(ref)
+                recs = self._decode_chunk(ref, keep_step)
             except (_ChunkUnreadable, LimitExceededError) as e:
                 info = ref.info
                 self._add_damage(Damage("chunk", getattr(e, "reason", str(e)), chunk=ref.number, offset=ref.offset,
@@ -323,8 +334,10 @@ class CaptureReader:
             hi = float("inf") if last is None else last
             chunks = iter([ChunkRef(i, c.offset, c.offset + c.length, c) for i, c in enumerate(self.index.chunks)
                            if c.num_steps and c.last_step >= lo and c.first_step <= hi])
-        for rec in self.records(chunks=chunks):
-            if isinstance(rec, fmt.Step) and (first is None or rec.index >= first) and (last is None or rec.index <= last):
+        lo = -1 if first is None else first
+        hi = float("inf") if last is None else last
+        for rec in self.records(chunks=chunks, keep_step=lambda i: lo <= i <= hi):
+            if isinstance(rec, fmt.Step) and lo <= rec.index <= hi:
                 yield rec
 
     def step(self, n: int) -> fmt.Step:
@@ -368,3 +381,29 @@ def _is_unknown_tag(raw: msgspec.Raw) -> bool:
     except msgspec.DecodeError:
         return False
     return isinstance(value, list) and bool(value) and isinstance(value[0], str) and value[0] not in fmt.RECORD_TAGS
+
+
+def _peek(raw: bytes) -> tuple[str | None, int | None]:
+    """(tag, first field as int) of a stored record, read from its first bytes without decoding it; (None, None)
+    when the bytes do not look as expected (the caller then decodes the record in full)."""
+    b = memoryview(raw)
+    try:
+        h = b[0]
+        p = 1 if 0x90 <= h <= 0x9F else 3 if h == 0xDC else 5 if h == 0xDD else 0
+        if not p:
+            return None, None
+        h = b[p]
+        if not 0xA0 <= h <= 0xBF:
+            return None, None
+        n = h & 0x1F
+        tag = bytes(b[p + 1:p + 1 + n]).decode("ascii")
+        p += 1 + n
+        h = b[p]
+        if h <= 0x7F:
+            return tag, h
+        width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(h)
+        if width is None:
+            return tag, None
+        return tag, int.from_bytes(b[p + 1:p + 1 + width], "big")
+    except (IndexError, UnicodeDecodeError):
+        return None, None

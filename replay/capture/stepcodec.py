@@ -9,6 +9,7 @@ Two lossless transforms, both undone exactly on read:
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -32,21 +33,43 @@ class UnknownHandleError(KeyError):
     """A stored step refers to a request-id handle whose `Ids` record was never read (it sat in a lost chunk)."""
 
 
+class _Handles(dict):
+    """id -> handle; a missing id gets the next handle, so `dict.__getitem__` interns at C speed in `map`."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: list[str]):
+        super().__init__((s, i) for i, s in enumerate(ids))
+        self.ids = ids
+
+    def __missing__(self, req_id: str) -> int:
+        h = self[req_id] = len(self.ids)
+        self.ids.append(req_id)
+        return h
+
+
+class _Resolver(dict):
+    """handle -> id; a handle never declared raises UnknownHandleError."""
+
+    __slots__ = ()
+
+    def __missing__(self, h: int) -> str:
+        raise UnknownHandleError(h)
+
+
 class IdTable:
     """Request id <-> handle, handles given in order of first appearance."""
 
     def __init__(self, ids: list[str] | None = None):
-        self.ids: list[str | None] = list(ids or [])
-        self._handles: dict[str, int] = {s: i for i, s in enumerate(self.ids) if s is not None}
+        self.ids: list[str] = []
+        self._handles = _Handles(self.ids)
+        self._resolver = _Resolver()
+        for s in ids or []:
+            self._handles[s]
+        self._resolver.update(enumerate(self.ids))
         self._pending_first = len(self.ids)
-
-    def handle(self, req_id: str) -> int:
-        """The handle of `req_id`, assigning the next one if it is new."""
-        h = self._handles.get(req_id)
-        if h is None:
-            h = self._handles[req_id] = len(self.ids)
-            self.ids.append(req_id)
-        return h
+        self.handle = self._handles.__getitem__  # str -> int, assigning new handles
+        self.resolve = self._resolver.__getitem__  # int -> str, UnknownHandleError if undeclared
 
     def take_new(self) -> Ids | None:
         """An `Ids` record declaring every handle assigned since the last call, or None."""
@@ -54,126 +77,96 @@ class IdTable:
         if first == len(self.ids):
             return None
         self._pending_first = len(self.ids)
-        return Ids(first, [s for s in self.ids[first:]])  # type: ignore[misc]
+        new = self.ids[first:]
+        self._resolver.update(enumerate(new, first))
+        return Ids(first, new)
 
     def declare(self, rec: Ids) -> None:
         """Learn the handles an `Ids` record declares (reader side). Gaps from lost chunks stay unknown."""
-        end = rec.first + len(rec.ids)
-        if end > len(self.ids):
-            self.ids.extend([None] * (end - len(self.ids)))
-        for i, s in enumerate(rec.ids, rec.first):
-            self.ids[i] = s
-            self._handles[s] = i
-        self._pending_first = len(self.ids)
+        self._resolver.update(enumerate(rec.ids, rec.first))
 
-    def resolve(self, h: int) -> str:
-        """The id string of handle `h`; UnknownHandleError if it was never declared."""
-        s = self.ids[h] if 0 <= h < len(self.ids) else None
-        if s is None:
-            raise UnknownHandleError(h)
-        return s
+
+# Mapping helpers: `map` with a C-level callable (a dict's __getitem__) keeps interning off the Python loop.
+def _ml(f, xs):
+    return list(map(f, xs)) if xs else xs
+
+
+def _ms(f, xs):
+    return set(map(f, xs)) if xs else xs
+
+
+def _md(f, d):
+    return dict(zip(map(f, d), d.values())) if d else d
 
 
 def _map_so(so: SchedulerOutput, f: Callable[[A], B]) -> SchedulerOutput:
     cr = so.scheduled_cached_reqs
+    if cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
+        cr = replace(cr, req_ids=_ml(f, cr.req_ids), resumed_req_ids=_ms(f, cr.resumed_req_ids),
+                     all_token_ids=_md(f, cr.all_token_ids))
     return replace(
         so,
         scheduled_new_reqs=[replace(r, req_id=f(r.req_id)) for r in so.scheduled_new_reqs],
-        scheduled_cached_reqs=replace(
-            cr,
-            req_ids=[f(x) for x in cr.req_ids],
-            resumed_req_ids={f(x) for x in cr.resumed_req_ids},
-            all_token_ids={f(k): v for k, v in cr.all_token_ids.items()},
-        ),
-        num_scheduled_tokens={f(k): v for k, v in so.num_scheduled_tokens.items()},
-        scheduled_spec_decode_tokens={f(k): v for k, v in so.scheduled_spec_decode_tokens.items()},
-        scheduled_encoder_inputs={f(k): v for k, v in so.scheduled_encoder_inputs.items()},
-        finished_req_ids={f(x) for x in so.finished_req_ids},
-        preempted_req_ids=None if so.preempted_req_ids is None else {f(x) for x in so.preempted_req_ids},
-        num_invalid_spec_tokens=None
-        if so.num_invalid_spec_tokens is None
-        else {f(k): v for k, v in so.num_invalid_spec_tokens.items()},
+        scheduled_cached_reqs=cr,
+        num_scheduled_tokens=_md(f, so.num_scheduled_tokens),
+        scheduled_spec_decode_tokens=_md(f, so.scheduled_spec_decode_tokens),
+        scheduled_encoder_inputs=_md(f, so.scheduled_encoder_inputs),
+        finished_req_ids=_ms(f, so.finished_req_ids),
+        preempted_req_ids=None if so.preempted_req_ids is None else _ms(f, so.preempted_req_ids),
+        num_invalid_spec_tokens=None if so.num_invalid_spec_tokens is None else _md(f, so.num_invalid_spec_tokens),
+    )
+
+
+def _map_connector(out, f):
+    if out is None:
+        return None
+    return replace(
+        out,
+        finished_sending=None if out.finished_sending is None else _ms(f, out.finished_sending),
+        finished_recving=None if out.finished_recving is None else _ms(f, out.finished_recving),
     )
 
 
 def _map_mro(mro: ModelRunnerOutput, f: Callable[[A], B], lp: Callable, plp: Callable) -> ModelRunnerOutput:
-    kv = mro.kv_connector_output
-    if kv is not None:
-        kv = replace(
-            kv,
-            finished_sending=None if kv.finished_sending is None else {f(x) for x in kv.finished_sending},
-            finished_recving=None if kv.finished_recving is None else {f(x) for x in kv.finished_recving},
-        )
-    ec = mro.ec_connector_output
-    if ec is not None:
-        ec = replace(
-            ec,
-            finished_sending=None if ec.finished_sending is None else {f(x) for x in ec.finished_sending},
-            finished_recving=None if ec.finished_recving is None else {f(x) for x in ec.finished_recving},
-        )
     return replace(
         mro,
-        req_ids=[f(x) for x in mro.req_ids],
-        req_id_to_index={f(k): v for k, v in mro.req_id_to_index.items()},
+        req_ids=_ml(f, mro.req_ids),
+        req_id_to_index=_md(f, mro.req_id_to_index),
         logprobs=None if mro.logprobs is None else lp(mro.logprobs, mro.sampled_token_ids),
         prompt_logprobs_dict={f(k): (None if v is None else plp(v)) for k, v in mro.prompt_logprobs_dict.items()},
-        prompt_token_id_logprobs_dict={f(k): v for k, v in mro.prompt_token_id_logprobs_dict.items()},
-        kv_connector_output=kv,
-        ec_connector_output=ec,
-        num_nans_in_logits=None if mro.num_nans_in_logits is None else {f(k): v for k, v in mro.num_nans_in_logits.items()},
+        prompt_token_id_logprobs_dict=_md(f, mro.prompt_token_id_logprobs_dict),
+        kv_connector_output=_map_connector(mro.kv_connector_output, f),
+        ec_connector_output=_map_connector(mro.ec_connector_output, f),
+        num_nans_in_logits=None if mro.num_nans_in_logits is None else _md(f, mro.num_nans_in_logits),
     )
 
 
 def _predicted_col0(n_rows: int, sampled: list[list[int]]) -> np.ndarray | None:
     """What column 0 should hold: the sampled token of each row, when rows line up with the sampled tokens.
     Rows of requests that sampled nothing (partial prefill) predict 0; they still hold a token in vLLM."""
-    if len(sampled) == n_rows and all(len(s) <= 1 for s in sampled):
-        return np.fromiter((s[0] if s else 0 for s in sampled), dtype=np.int64, count=n_rows)
-    flat = [t for s in sampled for t in s]
-    if len(flat) == n_rows:
-        return np.asarray(flat, dtype=np.int64)
+    try:
+        flat = list(chain.from_iterable(sampled))
+        if len(flat) == n_rows:  # one row per sampled token (the common case, and spec decode)
+            return np.array(flat, dtype=np.int64)
+        if len(sampled) == n_rows and all(len(s) <= 1 for s in sampled):
+            return np.fromiter((s[0] if s else 0 for s in sampled), dtype=np.int64, count=n_rows)
+    except OverflowError:  # token ids beyond int64: no prediction, column 0 is stored as it is
+        pass
     return None
 
 
-def _pack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
-    ids = lp.logprob_token_ids
-    out_ids = Array.from_numpy(ids.to_numpy(), transpose=True)
-    if len(ids.shape) == 2 and ids.shape[1] >= 1 and ids.dtype.startswith("int"):
-        pred = _predicted_col0(ids.shape[0], sampled)
-        if pred is not None:
-            arr = ids.to_numpy()
-            arr[:, 0] = (arr[:, 0].astype(np.int64) - pred).astype(arr.dtype)  # wraps like C ints: reversible
-            out_ids = Array.from_numpy(arr, transpose=True)
-            out_ids = replace(out_ids, filters=out_ids.filters + (FILTER_COL0,))
-    return replace(
-        lp,
-        logprob_token_ids=out_ids,
-        logprobs=_pack_col0_values(lp.logprobs, ids),
-        sampled_token_ranks=Array.from_numpy(lp.sampled_token_ranks.to_numpy(), shuffle=True),
-    )
+def _plain(a: Array) -> np.ndarray:
+    """A read-only numpy view of an unfiltered array (no copy), else a decoded copy."""
+    if a.filters:
+        return a.to_numpy()
+    a.validate()
+    return np.frombuffer(a.data, dtype=np.dtype(_np_dtype(a.dtype))).reshape(a.shape)
 
 
-def _unpack_array(a: Array) -> Array:
-    return Array.from_numpy(a.to_numpy()) if a.filters else a
+def _np_dtype(name: str) -> str:
+    from replay.contracts.arrays import _NUMPY_DTYPES
 
-
-def _unpack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
-    ids = lp.logprob_token_ids
-    if FILTER_COL0 in ids.filters:
-        arr = replace(ids, filters=tuple(x for x in ids.filters if x != FILTER_COL0)).to_numpy()
-        pred = _predicted_col0(arr.shape[0], sampled)
-        if pred is None:
-            raise ValueError("stored logprobs do not line up with the stored sampled tokens")
-        arr[:, 0] = (arr[:, 0].astype(np.int64) + pred).astype(arr.dtype)
-        ids = Array.from_numpy(arr)
-    else:
-        ids = _unpack_array(ids)
-    values = lp.logprobs
-    if FILTER_COL0_XOR in values.filters:
-        values = _xor_col0(replace(values, filters=tuple(x for x in values.filters if x != FILTER_COL0_XOR)), ids)
-    else:
-        values = _unpack_array(values)
-    return replace(lp, logprob_token_ids=ids, logprobs=values, sampled_token_ranks=_unpack_array(lp.sampled_token_ranks))
+    return _NUMPY_DTYPES[name]
 
 
 def _same_token_column(ids: np.ndarray) -> np.ndarray:
@@ -182,29 +175,74 @@ def _same_token_column(ids: np.ndarray) -> np.ndarray:
     return np.where(match.any(axis=1), match.argmax(axis=1) + 1, 0)
 
 
-def _xor_col0(values: Array, ids: Array) -> Array:
-    """XOR column 0's bits with those of its same-token column (an involution: packs and unpacks)."""
-    v = values.to_numpy()
-    bits = v.view(np.dtype(f"<u{v.dtype.itemsize}"))
-    j = _same_token_column(ids.to_numpy())
+def _xor_col0_inplace(values: np.ndarray, ids: np.ndarray) -> None:
+    """XOR column 0's bits with those of its same-token column: an involution, so it both packs and unpacks."""
+    bits = values.view(np.dtype(f"<u{values.dtype.itemsize}"))
+    j = _same_token_column(ids)
     rows = np.nonzero(j)[0]
     bits[rows, 0] ^= bits[rows, j[rows]]
-    return Array.from_numpy(v)
 
 
-def _pack_col0_values(values: Array, ids: Array) -> Array:
-    if len(values.shape) != 2 or tuple(values.shape) != tuple(ids.shape) or values.shape[1] < 2 or values.itemsize < 2:
-        return Array.from_numpy(values.to_numpy(), shuffle=True, transpose=True)
-    packed = Array.from_numpy(_xor_col0(values, ids).to_numpy(), shuffle=True, transpose=True)
-    return replace(packed, filters=packed.filters + (FILTER_COL0_XOR,))
+def _with(a: Array, extra: str) -> Array:
+    return replace(a, filters=a.filters + (extra,))
+
+
+def _pack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
+    ids = _plain(lp.logprob_token_ids)
+    vals = _plain(lp.logprobs)
+    two_d = ids.ndim == 2 and ids.shape[1] >= 1
+    xor_ok = two_d and vals.shape == ids.shape and ids.shape[1] >= 2 and vals.dtype.itemsize >= 2
+    if xor_ok:
+        vals = vals.copy()
+        _xor_col0_inplace(vals, ids)  # before column 0 of ids changes
+    out_vals = Array.from_numpy(vals, shuffle=True, transpose=True)
+    if xor_ok:
+        out_vals = _with(out_vals, FILTER_COL0_XOR)
+    pred = _predicted_col0(ids.shape[0], sampled) if two_d and ids.dtype.kind in "iu" else None
+    if pred is not None:
+        ids = ids.copy()
+        ids[:, 0] = (ids[:, 0].astype(np.int64) - pred).astype(ids.dtype)  # wraps like C ints: reversible
+        out_ids = _with(Array.from_numpy(ids, transpose=True), FILTER_COL0)
+    else:
+        out_ids = Array.from_numpy(ids, transpose=True)
+    return replace(lp, logprob_token_ids=out_ids, logprobs=out_vals,
+                   sampled_token_ranks=Array.from_numpy(_plain(lp.sampled_token_ranks), shuffle=True))
+
+
+def _without(a: Array, name: str) -> tuple[Array, bool]:
+    if name not in a.filters:
+        return a, False
+    return replace(a, filters=tuple(x for x in a.filters if x != name)), True
+
+
+def _unpack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
+    ids_a, col0 = _without(lp.logprob_token_ids, FILTER_COL0)
+    ids = ids_a.to_numpy()
+    if col0:
+        pred = _predicted_col0(ids.shape[0], sampled)
+        if pred is None or ids.ndim != 2:
+            raise ValueError("stored logprobs do not line up with the stored sampled tokens")
+        ids[:, 0] = (ids[:, 0].astype(np.int64) + pred).astype(ids.dtype)
+    vals_a, xor = _without(lp.logprobs, FILTER_COL0_XOR)
+    vals = vals_a.to_numpy()
+    if xor:
+        if vals.shape != ids.shape or ids.ndim != 2:
+            raise ValueError("stored logprob values do not line up with their token ids")
+        _xor_col0_inplace(vals, ids)
+    return replace(lp, logprob_token_ids=Array.from_numpy(ids), logprobs=Array.from_numpy(vals),
+                   sampled_token_ranks=_unpack_array(lp.sampled_token_ranks))
+
+
+def _unpack_array(a: Array) -> Array:
+    return Array.from_numpy(a.to_numpy()) if a.filters else a
 
 
 def _pack_plp(t: LogprobsTensors) -> LogprobsTensors:
     return replace(
         t,
-        logprob_token_ids=Array.from_numpy(t.logprob_token_ids.to_numpy(), transpose=True),
-        logprobs=Array.from_numpy(t.logprobs.to_numpy(), shuffle=True, transpose=True),
-        selected_token_ranks=Array.from_numpy(t.selected_token_ranks.to_numpy(), shuffle=True),
+        logprob_token_ids=Array.from_numpy(_plain(t.logprob_token_ids), transpose=True),
+        logprobs=Array.from_numpy(_plain(t.logprobs), shuffle=True, transpose=True),
+        selected_token_ranks=Array.from_numpy(_plain(t.selected_token_ranks), shuffle=True),
     )
 
 
@@ -223,8 +261,8 @@ def _map_step(step: Step, f: Callable, lp: Callable, plp: Callable) -> Step:
         step,
         scheduler_output=_map_so(step.scheduler_output, f),
         model_runner_output=None if step.model_runner_output is None else _map_mro(step.model_runner_output, f, lp, plp),
-        drawn_seeds={f(k): v for k, v in step.drawn_seeds.items()},
-        grammar_output=None if go is None else replace(go, structured_output_request_ids=[f(x) for x in go.structured_output_request_ids]),
+        drawn_seeds=_md(f, step.drawn_seeds),
+        grammar_output=None if go is None else replace(go, structured_output_request_ids=_ml(f, go.structured_output_request_ids)),
     )
 
 

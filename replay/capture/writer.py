@@ -203,7 +203,10 @@ class CaptureWriter:
     # -- internals ------------------------------------------------------------------------------------------------
 
     def _encode(self, record: msgspec.Struct) -> bytes:
-        data = fmt.WIRE_ENCODER.encode(record)
+        try:
+            data = fmt.WIRE_ENCODER.encode(record)
+        except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int beyond 64 bits in extra_args
+            raise UsageError(f"cannot record a {type(record).__name__}: {e}") from None
         if len(data) > fmt.MAX_RECORD_BYTES:
             raise UsageError(f"a {type(record).__name__} record of {len(data)} bytes exceeds the {fmt.MAX_RECORD_BYTES}-byte limit")
         return data

@@ -1,0 +1,22 @@
+"""Shared fixtures: small real captures written by the real writer into tmp_path."""
+
+from __future__ import annotations
+
+import pytest
+
+from replay.synthetic import Workload, record_synthetic
+
+SMALL = Workload(steps=40, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000,
+                 block_size=4, max_num_batched_tokens=64, seed=7)
+
+
+@pytest.fixture
+def small_capture(tmp_path):
+    """A closed capture of 40 synthetic steps spread over many small chunks."""
+    return record_synthetic(tmp_path / "small.capture", SMALL, chunk_bytes=1500)
+
+
+@pytest.fixture
+def small_capture_bytes(small_capture):
+    """The bytes of `small_capture`."""
+    return small_capture.read_bytes()
