@@ -53,9 +53,13 @@ def command(fn):
     return app.command()(wrapper)
 
 
-def _damage_exit(damage) -> None:
+def _damage_exit(damage, *, listed: bool = True) -> None:
+    """Exit 3 after saying the capture is damaged; `listed=False` also names each problem (on stderr)."""
     if damage:
-        _err(f"capture is damaged: {len(damage)} problem(s), data was lost (see above)")
+        if not listed:
+            for d in damage:
+                _err(f"{d.kind}: {d.describe()}")
+        _err(f"capture is damaged: {len(damage)} problem(s), data was lost" + (" (see above)" if listed else ""))
         raise typer.Exit(EXIT_DAMAGED)
 
 
@@ -143,8 +147,8 @@ def export(
             from replay.errors import UsageError
 
             raise UsageError(f"{output}: cannot write: {e.strerror or e}") from None
-    print(f"exported {n} records", file=sys.stderr)
-    _damage_exit(damage)
+    _err(f"exported {n} records")
+    _damage_exit(damage, listed=False)
 
 
 @command

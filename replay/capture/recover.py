@@ -51,7 +51,9 @@ def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, for
     except HeaderLostError as e:
         raise NothingRecoverableError(src, f"nothing recoverable: {e.reason}") from None
     with reader:
-        writer = CaptureWriter(dst, reader.header, overwrite=force)
+        # Recovering `x.capture.partial` into `x.capture`: the writer's own `.partial` would be the input itself.
+        tmp = dst.with_name(dst.name + ".recovering") if dst.with_name(dst.name + ".partial").resolve() == src.resolve() else None
+        writer = CaptureWriter(dst, reader.header, overwrite=force, partial_path=tmp)
         try:
             for rec in reader.records():
                 if isinstance(rec, fmt.Step):

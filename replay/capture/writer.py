@@ -61,9 +61,10 @@ class CaptureWriter:
         level: int = fmt.DEFAULT_LEVEL,
         overwrite: bool = False,
         fsync: bool = False,
+        partial_path: str | os.PathLike | None = None,
     ):
         self.path = Path(path)
-        self.partial_path = self.path.with_name(self.path.name + ".partial")
+        self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
             raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
         if chunk_bytes <= 0 or flush_interval <= 0:

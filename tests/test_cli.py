@@ -1,0 +1,145 @@
+"""The command line through typer's runner: results on stdout, one-line errors on stderr, exit codes."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from replay.capture import format as fmt
+from replay.cli import app, main
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    """Run `replay ARGS` in-process; returns typer's Result (stdout / stderr / exit_code)."""
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_info_human_and_json(small_capture):
+    res = invoke("info", small_capture)
+    assert res.exit_code == 0, res.stderr
+    assert "steps     40 (0-39)" in res.stdout and "damage    none" in res.stdout
+    res = invoke("info", small_capture, "--json")
+    data = json.loads(res.stdout)
+    assert data["num_steps"] == 40 and data["damage"] == [] and data["header"]["engine"] == "synthetic"
+
+
+def test_show_one_step_a_range_and_a_request(small_capture):
+    res = invoke("show", small_capture, "--step", "7")
+    assert res.exit_code == 0 and res.stdout.startswith("step 7:")
+    data = json.loads(invoke("show", small_capture, "--step", "3-5", "--json").stdout)
+    assert [s["index"] for s in data["steps"]] == [3, 4, 5]
+    assert data["steps"][0]["type"] == "step"
+    res = invoke("show", small_capture, "--request", "req-2", "--json")
+    data = json.loads(res.stdout)
+    assert data["steps"] and all(data["request"] in s["scheduler_output"]["num_scheduled_tokens"]
+                                 or data["request"] in s["scheduler_output"]["finished_req_ids"] for s in data["steps"])
+
+
+def test_export_jsonl_has_one_object_per_record(small_capture, tmp_path):
+    out = tmp_path / "x.jsonl"
+    res = invoke("export", small_capture, "-o", out)
+    assert res.exit_code == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["type"] == "header" and lines[-1]["type"] == "footer"
+    steps = [r for r in lines if r["type"] == "step"]
+    assert len(steps) == 40
+    lp = steps[5]["model_runner_output"]["logprobs"]["logprobs"]
+    assert lp["dtype"] == "float32" and len(lp["values"]) == lp["shape"][0]
+
+
+def test_recover_exit_codes(small_capture, tmp_path):
+    data = small_capture.read_bytes()
+    index_at = struct.unpack_from("<Q", data, len(data) - 16)[0]
+    partial = tmp_path / "run.capture.partial"
+    partial.write_bytes(data[: index_at - 40])  # a crash mid-way through the last chunk
+    res = invoke("recover", partial)
+    assert res.exit_code == 3 and "lost:" in res.stdout
+    assert invoke("info", tmp_path / "run.capture").exit_code == 0
+    res = invoke("recover", small_capture, "-o", tmp_path / "same.capture")
+    assert res.exit_code == 0 and "nothing was lost" in res.stdout
+    (tmp_path / "tiny.capture").write_bytes(data[:25])
+    res = invoke("recover", tmp_path / "tiny.capture")
+    assert res.exit_code == 1 and "nothing recoverable" in res.stderr
+
+
+def _file(path, content: bytes):
+    path.write_bytes(content)
+    return path
+
+
+def _newer(path, tmp_path):
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<HH", data, 16, fmt.FORMAT_MAJOR + 1, 0)
+    p = tmp_path / "newer.capture"
+    p.write_bytes(bytes(data))
+    return p
+
+
+def _corrupted(path, tmp_path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    p = tmp_path / "corrupt.capture"
+    p.write_bytes(bytes(data))
+    return p
+
+
+def _truncated(path, tmp_path):
+    p = tmp_path / "trunc.capture"
+    p.write_bytes(path.read_bytes()[: len(path.read_bytes()) * 2 // 3])
+    return p
+
+
+@pytest.mark.parametrize("command", ["info", "show", "export", "recover"])
+@pytest.mark.parametrize(
+    "make, code, message",
+    [
+        (lambda p, t: t / "missing.capture", 2, "no such file"),
+        (lambda p, t: t, 2, "is a directory"),
+        (lambda p, t: _file(t / "empty.capture", b""), 2, "empty file"),
+        (lambda p, t: _file(t / "text.capture", b"hello\n"), 2, "not a replay capture"),
+        (_newer, 2, "upgrade replay"),
+        (_truncated, 3, "damaged"),
+        (_corrupted, 3, "damaged"),
+    ],
+    ids=["missing", "directory", "empty", "not-a-capture", "newer-version", "truncated", "corrupted"],
+)
+def test_bad_input_is_one_line_and_the_right_exit_code(small_capture, tmp_path, command, make, code, message):
+    path = make(small_capture, tmp_path)
+    args = [command, path] + (["--step", "0-"] if command == "show" else [])
+    args += ["-o", tmp_path / "out.x"] if command in ("export", "recover") else []
+    res = invoke(*args)
+    if command == "recover" and code == 3:
+        assert res.exit_code == 3 and "lost:" in res.stdout
+        return
+    assert res.exit_code == code, (res.stdout, res.stderr)
+    err = res.stderr.strip().splitlines()
+    assert message in res.stderr and all(line.startswith("replay: ") for line in err)
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_usage_errors_exit_2_in_one_line(capsys):
+    assert main(["info"]) == 2
+    assert main(["info", "x", "--bogus"]) == 2
+    assert main(["show", "x", "--step", "9-3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("replay: ") for line in err)
+
+
+def test_root_cli_py_hands_over_to_the_package(small_capture):
+    out = subprocess.run([sys.executable, "cli.py", "info", str(small_capture), "--json"], capture_output=True, text=True,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.returncode == 0 and json.loads(out.stdout)["num_steps"] == 40
+
+
+def test_read_commands_do_not_import_torch(small_capture):
+    code = ("import sys; from replay.cli import main; rc = main(['info', sys.argv[1]]); "
+            "print('torch' in sys.modules); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, str(small_capture)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("False")
