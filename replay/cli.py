@@ -168,6 +168,84 @@ def synth(
     print(f"wrote {path}")
 
 
+def _range(text: str, flag: str) -> tuple[int, int]:
+    from replay.errors import UsageError
+
+    try:
+        lo, _, hi = text.partition(":")
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected MIN:MAX (integers)") from None
+
+
+@command
+def record(
+    prompts: Optional[Path] = typer.Option(None, "--prompts", "-p", help="JSONL: prompt or prompt_token_ids, request_id, arrival_step, SamplingParams fields."),
+    model: str = typer.Option("tiny", "--model", "-m", help="'tiny' (builtin, generated from a fixed seed) or a local HF checkpoint directory."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ..."),
+    attention: str = typer.Option("sdpa", "--attention", help="Attention implementation: sdpa | reference."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+    max_num_seqs: int = typer.Option(32, "--max-num-seqs", min=1),
+    max_num_batched_tokens: int = typer.Option(256, "--max-num-batched-tokens", min=1),
+    block_size: int = typer.Option(16, "--block-size", min=1),
+    num_blocks: int = typer.Option(512, "--num-blocks", min=1),
+    max_model_len: int = typer.Option(2048, "--max-model-len", min=2),
+    prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
+    seed: int = typer.Option(0, "--seed", help="Engine seed (seeds drawn for unseeded requests) and synthetic workload seed."),
+    num_requests: int = typer.Option(16, "--num-requests", min=1, help="Synthetic workload: requests."),
+    prompt_len: str = typer.Option("8:48", "--prompt-len", help="Synthetic workload: MIN:MAX prompt tokens."),
+    output_len: str = typer.Option("8:32", "--output-len", help="Synthetic workload: MIN:MAX output tokens."),
+    arrival_rate: float = typer.Option(2.0, "--arrival-rate", min=0, help="Synthetic workload: mean arrivals per step (0: all at once)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0, help="Sampling default for every request."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", min=0, max=1),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", min=-1),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Capture path (default: captures/<model>-<time>.capture)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
+    json: bool = JsonOpt,
+) -> None:
+    """Run the builtin engine on a workload with the tap on; write every step to a capture."""
+    import time as _time
+
+    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+    from replay.record import RecordOptions
+    from replay.record import record as do_record
+    from replay.workload import SyntheticWorkload, load_jsonl, synthetic
+
+    defaults = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                      logprobs=logprobs).items() if v is not None}
+    cfg = EngineConfig(
+        model=model,
+        scheduler=SchedulerConfig(block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                  enable_prefix_caching=prefix_caching),
+        runner=RunnerConfig(dtype=dtype, device=device, attention_impl=attention, num_threads=threads, seed=seed),
+    )
+    if prompts is not None:
+        reqs = load_jsonl(prompts, defaults)
+    else:
+        from replay.engine.weights import load_model_config_for
+
+        vocab = load_model_config_for(model).vocab_size
+        reqs = synthetic(SyntheticWorkload(num_requests=num_requests, prompt_len=_range(prompt_len, "--prompt-len"),
+                                           output_len=_range(output_len, "--output-len"), arrival_rate=arrival_rate,
+                                           seed=seed, defaults=defaults), vocab)
+    if out is None:
+        stem = Path(model).name if model != "tiny" else "tiny"
+        out = Path("captures") / f"{stem}-{_time.strftime('%Y%m%d-%H%M%S')}.capture"
+    res = do_record(RecordOptions(cfg, reqs, out, overwrite=force, progress=sys.stderr.isatty()))
+    if json:
+        from replay.jsonable import dumps
+
+        print(dumps(res))
+    else:
+        print(f"recorded {res.steps} steps, {res.requests} requests, {res.prompt_tokens} prompt + "
+              f"{res.generated_tokens} generated tokens in {res.wall_s:.2f} s ({res.tokens_per_s:,.0f} tokens/s)\n"
+              f"capture {res.path} ({res.capture_bytes:,} bytes)")
+
+
 @command
 def demo(
     output: Path = typer.Option(Path("captures/demo.capture"), "--output", "-o", help="Where to write the demo capture."),

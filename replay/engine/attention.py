@@ -1,0 +1,101 @@
+"""Paged attention over the KV cache, in two implementations selectable as a knob.
+
+The model computes q, k, v for the flattened tokens of a step and calls `attend(layer, q, k, v)`. We write k and v
+into the cache slots that each request's block table names (vLLM's `slot_mapping`), then attend each request's
+queries to its whole context read back from the cache, so prefix-cache hits and earlier chunks are read exactly as
+vLLM's kernels read them. Each request is attended on its own: attention is batch-invariant by construction; the
+linear layers around it are not (that is what `bisect batch` hunts).
+
+- `sdpa`: torch's scaled_dot_product_attention per request (fast).
+- `reference`: plain math with the softmax in float64, for "which side is closer to the truth".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_IMPLS = ("sdpa", "reference")
+
+
+class KVCache:
+    """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the model dtype."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def slots(self, block_ids: list[int], start: int, end: int, device) -> torch.Tensor:
+        """Flat slot indices of token positions [start, end) of a request with this block table."""
+        pos = torch.arange(start, end, device=device)
+        table = torch.tensor(block_ids, dtype=torch.long, device=device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One request's part of a step: tokens [start, end) of the flat batch, at positions
+    [num_computed, num_computed + end - start), attending to slots `context_slots` (its whole context)."""
+
+    start: int
+    end: int
+    num_computed: int
+    write_slots: torch.Tensor  # [end - start]
+    context_slots: torch.Tensor  # [num_computed + end - start]
+
+
+class PagedAttention:
+    """The attention context of one step (the model calls `attend` once per layer)."""
+
+    def __init__(self, kv: KVCache, spans: list[SeqSpan], impl: str = "sdpa", sliding_window: int | None = None):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention implementation {impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
+        self.kv = kv
+        self.spans = spans
+        self.impl = impl
+        self.sliding_window = sliding_window
+        self._write = torch.cat([s.write_slots for s in spans]) if spans else None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        flat_k = kc.view(-1, *kc.shape[2:])
+        flat_v = vc.view(-1, *vc.shape[2:])
+        flat_k[self._write] = k.to(kc.dtype)
+        flat_v[self._write] = v.to(vc.dtype)
+        out = torch.empty_like(q)
+        for s in self.spans:
+            keys = flat_k[s.context_slots]  # [ctx, Hkv, D]
+            values = flat_v[s.context_slots]
+            out[s.start:s.end] = self._one(q[s.start:s.end], keys, values, s.num_computed)
+        return out
+
+    def _mask(self, n: int, ctx: int, num_computed: int, device) -> torch.Tensor:
+        qpos = torch.arange(num_computed, num_computed + n, device=device)[:, None]
+        kpos = torch.arange(ctx, device=device)[None, :]
+        mask = kpos <= qpos
+        if self.sliding_window is not None:
+            mask &= kpos > qpos - self.sliding_window
+        return mask  # [n, ctx], True = attend
+
+    def _one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int) -> torch.Tensor:
+        n, hq, d = q.shape
+        ctx, hkv, _ = k.shape
+        if hq != hkv:  # grouped-query attention: each kv head serves hq // hkv query heads
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+        mask = self._mask(n, ctx, num_computed, q.device)
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|ctx, D]
+        if self.impl == "sdpa":
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=d ** -0.5)
+        else:
+            scores = (qh.double() @ kh.double().transpose(1, 2)) * d ** -0.5
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = (torch.softmax(scores, dim=-1) @ vh.double()).to(q.dtype)
+        return o.transpose(0, 1)

@@ -1,0 +1,132 @@
+"""`LLMEngine`: the builtin engine's step loop (vLLM's `EngineCore.step`): schedule -> execute -> update.
+
+Every step the engine runs is handed to its listeners (a `CaptureTap` when recording), including steps that
+schedule no token but report finished requests: the runner's state depends on those too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from replay.capture import EngineConfig as CaptureEngineConfig
+from replay.capture import ModelIdentity, StepTiming
+from replay.contracts import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from replay.engine.config import EngineConfig
+from replay.engine.runner import ModelRunner
+from replay.engine.scheduler import Scheduler
+from replay.engine.weights import load_model
+from replay.errors import UsageError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a dtype name (float32 | bfloat16 | float16)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UsageError(f"dtype {name!r}: expected one of {', '.join(_DTYPES)}") from None
+
+
+class LLMEngine:
+    """Scheduler + model runner + listeners, driven one step at a time."""
+
+    def __init__(self, config: EngineConfig, listeners: list | None = None):
+        rc = config.runner
+        if rc.num_threads:
+            torch.set_num_threads(rc.num_threads)
+        torch_dtype(rc.dtype)
+        self.config = config
+        self.model, self.model_config, self.fingerprint = load_model(config.model, rc.dtype, rc.device)
+        eos = self.model_config.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
+        sc = config.scheduler
+        self.scheduler = Scheduler(sc, eos_token_id=self.eos_token_id)
+        self.runner = ModelRunner(self.model, sc.num_gpu_blocks, sc.block_size, attention_impl=rc.attention_impl,
+                                  seed=rc.seed, eos_token_id=self.eos_token_id)
+        self.listeners = list(listeners or [])
+        self.step_index = 0
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its internal id (`request_id` is kept as the external id)."""
+        n = next(self._ids)
+        ext = request_id if request_id is not None else str(n)
+        rid = f"{ext}-{n:06d}" if request_id is not None else ext
+        sp = params or SamplingParams()
+        if not prompt_token_ids:
+            raise UsageError(f"request {ext!r}: empty prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise UsageError(f"request {ext!r}: token id {bad[0]} outside the model's vocabulary of "
+                             f"{self.model_config.vocab_size}")
+        ecr = EngineCoreRequest(rid, list(prompt_token_ids), None, sp, None,
+                                time.time() if arrival_time is None else arrival_time, None, None, None,
+                                external_req_id=ext)
+        self.add_engine_core_request(ecr)
+        return rid
+
+    def add_engine_core_request(self, ecr: EngineCoreRequest) -> None:
+        """Queue a request built elsewhere (same fields as vLLM's)."""
+        try:
+            self.scheduler.add_request(ecr)
+        except ValueError as e:  # the scheduler's refusal of an impossible request is the user's input error
+            raise UsageError(f"request {ecr.external_req_id or ecr.request_id!r}: {e}") from None
+        for listener in self.listeners:
+            listener.on_request_added(ecr, self.step_index)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request; its id is reported in the next step's finished_req_ids."""
+        self.scheduler.abort_requests([request_id])
+        for listener in self.listeners:
+            listener.on_request_aborted(request_id, self.step_index)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits, runs, or has a finish still to report."""
+        return self.scheduler.has_requests()
+
+    # -- the step ------------------------------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """One schedule -> execute -> update cycle."""
+        t0 = time.monotonic_ns()
+        so = self.scheduler.schedule()
+        t1 = time.monotonic_ns()
+        mro = self.runner.execute_model(so)
+        t2 = time.monotonic_ns()
+        outputs = self.scheduler.update_from_output(so, mro)
+        t3 = time.monotonic_ns()
+        timing = StepTiming(t0, t1 - t0, t2 - t1, t3 - t2)
+        for listener in self.listeners:
+            listener.on_step(self.step_index, so, mro, drawn_seeds=self.runner.last_drawn_seeds, timing=timing)
+        self.step_index += 1
+        return outputs
+
+    # -- provenance ------------------------------------------------------------------------------------------------------
+
+    def model_identity(self) -> ModelIdentity:
+        """What the capture header says about the model."""
+        import dataclasses
+
+        mc = self.model_config
+        return ModelIdentity(name=self.config.model, architecture=mc.architecture, fingerprint=self.fingerprint,
+                             dtype=self.config.runner.dtype,
+                             path="" if self.config.model == "tiny" else str(self.config.model),
+                             config=dataclasses.asdict(mc))
+
+    def capture_engine_config(self) -> CaptureEngineConfig:
+        """What the capture header says about the engine configuration."""
+        sc, rc = self.config.scheduler, self.config.runner
+        return CaptureEngineConfig(
+            block_size=sc.block_size, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
+            enable_prefix_caching=sc.enable_prefix_caching, enable_chunked_prefill=sc.enable_chunked_prefill,
+            attention_impl=rc.attention_impl, seed=rc.seed, logprobs_mode=rc.logprobs_mode,
+            runner_class="replay.engine.runner.ModelRunner", batch_invariant=rc.batch_invariant,
+            extra={"device": rc.device, "dtype": rc.dtype})

@@ -1,0 +1,216 @@
+"""`ModelRunner.execute_model(SchedulerOutput) -> ModelRunnerOutput`, with vLLM v1's runner semantics.
+
+A SchedulerOutput is a diff against the runner's cached per-request state (DESIGN §4), applied in vLLM's order
+(`GPUModelRunner._update_states`): drop finished requests; requests cached but not scheduled leave the batch and
+keep their state; create new requests (a per-request generator: the request's seed, or one the engine draws and
+the capture records); update cached requests (`new_block_ids` appended, or replacing the table for
+`resumed_req_ids`); then run every scheduled token, writing K/V to the slots the block tables name, and sample for
+the requests whose scheduled tokens reach the end of their known tokens (a partial prefill chunk yields `[]`).
+The runner caches the tokens it sampled and feeds them back as the next step's input, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from replay.contracts import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    SAMPLING_EPS,
+    Array,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+from replay.engine.attention import KVCache, PagedAttention, SeqSpan
+from replay.engine.sampler import SampleRow, sample
+from replay.errors import UsageError
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner keeps per request between steps (vLLM's `CachedRequestState`)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # chunks so far
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens known to the runner."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token(self, i: int) -> int:
+        """The i-th token of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+
+class ModelRunner:
+    """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
+                 eos_token_id: int | None = None):
+        self.model = model
+        cfg = model.cfg
+        self.device = next(model.parameters()).device
+        self.kv = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                          model.dtype, self.device)
+        self.attention_impl = attention_impl
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_id = eos_token_id
+        self.requests: dict[str, CachedRequestState] = {}
+        self.batch: list[str] = []  # the persistent batch: request ids in row order
+        # Seeds for unseeded random requests come from here (Model Runner V2 style) and are recorded per step,
+        # so replay reproduces them without this generator's history.
+        self._seed_gen = torch.Generator().manual_seed(seed)
+        self.last_drawn_seeds: dict[str, int] = {}
+
+    # -- state updates (vLLM _update_states) ----------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        scheduled = set(so.num_scheduled_tokens)
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        # requests in the batch but not scheduled (preempted, or skipped) leave it, keeping their state
+        self.batch = [r for r in self.batch if r in scheduled and r not in resumed and r in self.requests]
+        in_batch = set(self.batch)
+        self.last_drawn_seeds = {}
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params or SamplingParams()
+            if new.prompt_token_ids is None:
+                raise UsageError(f"request {new.req_id}: prompt embeddings are not supported by the builtin runner")
+            gen = None
+            if sp.temperature >= SAMPLING_EPS:
+                seed = sp.seed
+                if seed is None:
+                    seed = drawn_seeds[new.req_id] if drawn_seeds and new.req_id in drawn_seeds else \
+                        int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+                    self.last_drawn_seeds[new.req_id] = seed
+                gen = torch.Generator(device="cpu").manual_seed(seed)
+            eos = sp.eos_token_id if sp.eos_token_id is not None else self.eos_token_id
+            stops = tuple(sp.stop_token_ids or ()) + (() if eos is None or sp.ignore_eos else (eos,))
+            self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
+                                                           list(new.block_ids[0]), new.num_computed_tokens,
+                                                           stop_token_ids=stops)
+            self.batch.append(new.req_id)
+            in_batch.add(new.req_id)
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            st = self.requests.get(rid)
+            if st is None:
+                raise UsageError(f"step schedules cached request {rid!r} the runner has never seen: the capture does "
+                                 "not start at a clean step boundary")
+            st.num_computed_tokens = cr.num_computed_tokens[i]
+            if cr.num_output_tokens and cr.num_output_tokens[i] < len(st.output_token_ids):
+                del st.output_token_ids[cr.num_output_tokens[i]:]
+            new_blocks = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids:
+                st.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                st.block_ids.extend(new_blocks[0])
+            if rid not in in_batch:
+                self.batch.append(rid)
+                in_batch.add(rid)
+
+    # -- the step --------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
+                      sampled_override: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """Run one step. `drawn_seeds` replays recorded seeds of unseeded requests; `sampled_override` replaces
+        the tokens cached from the previous step before this step reads them (replay's forced mode)."""
+        self._update_states(so, drawn_seeds)
+        if sampled_override:
+            for rid, toks in sampled_override.items():
+                st = self.requests.get(rid)
+                if st is not None and toks:
+                    st.output_token_ids[-len(toks):] = toks
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        rows = [r for r in self.batch if r in so.num_scheduled_tokens]
+        ids, pos, spans, last = [], [], [], []
+        start = 0
+        for rid in rows:
+            st = self.requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            a, b = st.num_computed_tokens, st.num_computed_tokens + n
+            if b > st.num_tokens:
+                raise UsageError(f"step schedules {n} tokens of request {rid} past its {st.num_tokens} known tokens")
+            ids.extend(st.token(i) for i in range(a, b))
+            pos.extend(range(a, b))
+            spans.append(SeqSpan(start, start + n, a, self.kv.slots(st.block_ids, a, b, self.device),
+                                 self.kv.slots(st.block_ids, 0, b, self.device)))
+            start += n
+            last.append(start - 1)
+        ctx = PagedAttention(self.kv, spans, self.attention_impl, getattr(self.model.cfg, "sliding_window", None))
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
+        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        sample_rows, asked = [], -1
+        for rid in rows:
+            st = self.requests[rid]
+            done = st.num_computed_tokens + so.num_scheduled_tokens[rid] >= st.num_tokens
+            sample_rows.append(SampleRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids,
+                                         st.stop_token_ids, draw=done))
+            if st.sampling_params.logprobs is not None:
+                asked = max(asked, self.vocab_size if st.sampling_params.logprobs == -1 else st.sampling_params.logprobs)
+        res = sample(logits.cpu(), sample_rows, asked)
+        sampled: list[list[int]] = []
+        for rid, tok, row in zip(rows, res.tokens, sample_rows):
+            if row.draw:
+                self.requests[rid].output_token_ids.append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])  # partial prefill chunk: nothing sampled, the generator did not advance
+        lp = None
+        if res.logprobs is not None:
+            lp = LogprobsLists(Array.from_torch(res.logprob_token_ids), Array.from_torch(res.logprobs),
+                               Array.from_torch(res.ranks))
+        plp = self._prompt_logprobs(so, rows, spans, hidden)
+        for rid in rows:  # num_computed_tokens is the scheduler's to advance; keep ours in step for the next diff
+            self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
+        return ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, sampled, lp, plp)
+
+    def _prompt_logprobs(self, so, rows, spans, hidden) -> dict[str, LogprobsTensors | None]:
+        """Logprobs of each prompt token given the ones before it, for requests that asked (vLLM's
+        `_get_prompt_logprobs_dict`): accumulated over chunks, returned whole with the last chunk."""
+        out: dict[str, LogprobsTensors | None] = {}
+        for rid, span in zip(rows, spans):
+            st = self.requests[rid]
+            k = st.sampling_params.prompt_logprobs
+            plen = len(st.prompt_token_ids)
+            if k is None or span.num_computed >= plen:
+                continue
+            k = self.vocab_size if k == -1 else k
+            first, end = span.num_computed, min(span.num_computed + span.end - span.start, plen - 1)
+            if end > first:  # positions first..end-1 predict prompt tokens first+1..end
+                lg = self.model.compute_logits(hidden[span.start:span.start + end - first]).cpu()
+                raw = torch.log_softmax(lg, dim=-1)
+                target = torch.tensor(st.prompt_token_ids[first + 1:end + 1], dtype=torch.long)
+                tlp = raw.gather(1, target[:, None])
+                rank = (raw > tlp).sum(dim=-1) + 1
+                top_lp, top_ids = torch.topk(raw, k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
+                st.prompt_logprobs.append((torch.cat([target[:, None], top_ids], 1).to(torch.int32).numpy(),
+                                           torch.cat([tlp, top_lp], 1).float().numpy(), rank.to(torch.int32).numpy()))
+            if span.num_computed + span.end - span.start >= plen:  # prefill complete: hand over every chunk
+                chunks = st.prompt_logprobs
+                st.prompt_logprobs = []
+                width = k + 1
+                ids = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros((0, width), np.int32)
+                vals = np.concatenate([c[1] for c in chunks]) if chunks else np.zeros((0, width), np.float32)
+                ranks = np.concatenate([c[2] for c in chunks]) if chunks else np.zeros((0,), np.int32)
+                out[rid] = LogprobsTensors(Array.from_numpy(ids), Array.from_numpy(vals), Array.from_numpy(ranks))
+            else:
+                out[rid] = None
+        return out

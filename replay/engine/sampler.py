@@ -1,0 +1,117 @@
+"""The sampler, in vLLM v1's order (`vllm/v1/sample/sampler.py`), one row per request of the batch.
+
+1. raw logprobs: log_softmax of the float32 logits *before* any processing (vLLM's default `raw_logprobs`);
+2. allowed-token mask, min_tokens (stop tokens masked until enough output), logit_bias, then penalties
+   (repetition over prompt + output, frequency and presence over output);
+3. greedy rows take the argmax; random rows divide by temperature, apply min-p, top-k, top-p, and draw with the
+   exponential race `argmax(probs / q)`, `q ~ Exp(1)` from the request's own torch.Generator — so a request's
+   sample does not depend on what else is in the batch;
+4. logprobs: column 0 the sampled token, columns 1..k the top-k of the raw logprobs, plus the sampled token's
+   rank (1 + number of tokens with a strictly higher logprob).
+
+Rows are processed one by one on purpose: a row's result must not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replay.contracts import SAMPLING_EPS, SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs to know about one request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy rows
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]  # eos + stop_token_ids: masked while len(output) < min_tokens
+    draw: bool = True  # False for a partial prefill chunk: the result is discarded, the generator must not advance
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """Per row: the token, and (if asked) top-k ids/logprobs with the sampled token first, and its rank."""
+
+    tokens: list[int]
+    logprob_token_ids: torch.Tensor | None  # [B, k + 1] int32
+    logprobs: torch.Tensor | None  # [B, k + 1] float32
+    ranks: torch.Tensor | None  # [B] int64
+
+
+def _process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """Logits processors and penalties on one float32 row (a copy)."""
+    p = row.params
+    x = logits.clone()
+    vocab = x.shape[-1]
+    if p.allowed_token_ids:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[[t for t in p.allowed_token_ids if 0 <= t < vocab]] = True
+        x = x.masked_fill(~keep, float("-inf"))
+    if p.min_tokens and len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
+        x[[t for t in row.stop_token_ids if 0 <= t < vocab]] = float("-inf")
+    if p.logit_bias:
+        for t, b in p.logit_bias.items():
+            if 0 <= t < vocab:
+                x[t] += b
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = seen[(seen >= 0) & (seen < vocab)]
+        vals = x[seen]
+        x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and row.output_token_ids:
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long).clamp(0, vocab - 1), minlength=vocab)
+        x -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool) -> int:
+    """Temperature, min-p, top-k, top-p, then the exponential race."""
+    x = x / p.temperature
+    if p.min_p > 0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if 0 < p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=False)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - p.top_p
+        drop[-1] = False  # always keep the most likely token
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if not draw:
+        return int(probs.argmax())
+    q = torch.empty_like(probs).exponential_(generator=gen)
+    return int((probs / q).argmax())
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> SampleResult:
+    """Sample one token per row of `logits` [B, V]; `num_logprobs` = the largest top-k asked in the batch
+    (-1: none asked; 0: only the sampled token's logprob)."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1) if num_logprobs >= 0 else None
+    tokens = []
+    for i, row in enumerate(rows):
+        x = _process(logits[i], row)
+        if row.params.temperature < SAMPLING_EPS:
+            tokens.append(int(x.argmax()))
+        else:
+            tokens.append(_random(x, row.params, row.generator, row.draw))
+    if raw is None:
+        return SampleResult(tokens, None, None, None)
+    sampled = torch.tensor(tokens, dtype=torch.long)
+    sampled_lp = raw.gather(1, sampled[:, None])
+    ranks = (raw > sampled_lp).sum(dim=-1) + 1
+    if num_logprobs > 0:
+        top_lp, top_ids = torch.topk(raw, num_logprobs, dim=-1)
+        ids = torch.cat([sampled[:, None], top_ids], dim=1)
+        lps = torch.cat([sampled_lp, top_lp], dim=1)
+    else:
+        ids, lps = sampled[:, None], sampled_lp
+    return SampleResult(tokens, ids.to(torch.int32), lps.float(), ranks.to(torch.int64))

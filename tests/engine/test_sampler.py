@@ -1,0 +1,84 @@
+"""Sampler: vLLM's order and layout; seeded rows independent of the batch; top-k/top-p statistics."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from replay.contracts import SamplingParams
+from replay.engine.sampler import SampleRow, sample
+
+
+def row(params: SamplingParams, seed: int | None = None, output=(), prompt=(1, 2, 3), draw=True) -> SampleRow:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SampleRow(params, gen, list(prompt), list(output), (), draw)
+
+
+def test_greedy_takes_argmax_and_logprobs_follow_vllm_layout():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 1.0]])
+    res = sample(logits, [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.0))], 2)
+    assert res.tokens == [1, 0]
+    raw = torch.log_softmax(logits, dim=-1)
+    assert res.logprob_token_ids.tolist() == [[1, 1, 3], [0, 0, 3]]  # column 0 = sampled, then top-k
+    assert torch.equal(res.logprobs[:, 0], raw[[0, 1], [1, 0]])
+    assert res.ranks.tolist() == [1, 1]
+
+
+def test_rank_of_a_sampled_token_outside_the_top_k():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    res = sample(logits, [row(SamplingParams(temperature=0.0, allowed_token_ids=[3]))], 1)
+    assert res.tokens == [3] and res.ranks.tolist() == [4]
+    assert res.logprob_token_ids.tolist() == [[3, 0]]
+
+
+def test_seeded_row_does_not_depend_on_its_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    p = SamplingParams(temperature=1.0, seed=7)
+    alone = [sample(logits[2:3], [row(p, 7)], -1).tokens[0]]
+    g = row(p, 7)
+    batched = sample(logits, [row(SamplingParams(temperature=1.0), 1), row(SamplingParams(temperature=0.0)), g,
+                              row(SamplingParams(temperature=0.5), 3), row(SamplingParams(temperature=0.0)),
+                              row(SamplingParams(temperature=2.0), 9)], -1).tokens[2]
+    assert alone == [batched]
+
+
+def test_partial_prefill_row_does_not_advance_its_generator():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=1.0)
+    r = row(p, 11)
+    before = r.generator.get_state().clone()
+    sample(logits, [SampleRow(p, r.generator, [1], [], (), draw=False)], -1)
+    assert torch.equal(r.generator.get_state(), before)
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (SamplingParams(temperature=1.0, top_k=3), {0, 1, 2}),
+    (SamplingParams(temperature=1.0, top_p=0.5), {0, 1}),
+    (SamplingParams(temperature=1.0, min_p=0.6), {0, 1}),  # keeps p >= 0.6 * 0.4
+])
+def test_top_k_top_p_min_p_restrict_the_support(params, allowed):
+    # probabilities 0.4, 0.3, 0.2, 0.1 (logits = log p)
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    r = row(params, 5)
+    seen = collections.Counter(sample(logits, [r], -1).tokens[0] for _ in range(400))
+    assert set(seen) <= allowed and set(seen) == allowed
+
+
+def test_temperature_sampling_matches_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    r = row(SamplingParams(temperature=1.0), 3)
+    n = 3000
+    counts = collections.Counter(sample(torch.log(probs)[None], [r], -1).tokens[0] for _ in range(n))
+    for t, p in enumerate(probs.tolist()):
+        assert abs(counts[t] / n - p) < 0.04
+
+
+def test_penalties_and_min_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
+    assert sample(logits, [row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=(0,))], -1).tokens == [1]
+    assert sample(logits, [row(SamplingParams(temperature=0.0, presence_penalty=1.0), output=(0,))], -1).tokens == [1]
+    r = SampleRow(SamplingParams(temperature=0.0, min_tokens=2), None, [1], [], (0,), True)
+    assert sample(logits, [r], -1).tokens == [1]  # the stop token 0 is masked until 2 outputs exist
