@@ -250,14 +250,19 @@ def record(
 def demo(
     output: Path = typer.Option(Path("captures/demo.capture"), "--output", "-o", help="Where to write the demo capture."),
 ) -> None:
-    """The main job on the embedded default: record a capture, then inspect it."""
+    """The main job on the embedded default: record the default workload on `tiny`, then inspect the capture."""
+    from replay.engine.config import EngineConfig, RunnerConfig
+    from replay.record import RecordOptions
+    from replay.record import record as do_record
     from replay.render import render_info
     from replay.summary import capture_info
-    from replay.synthetic import Workload, record_synthetic
+    from replay.workload import SyntheticWorkload, synthetic
 
-    path = record_synthetic(output, Workload(steps=300, running=64, seed=0), overwrite=True)
-    print(f"recorded {path}\n")
-    print(render_info(capture_info(path)))
+    res = do_record(RecordOptions(EngineConfig(runner=RunnerConfig(num_threads=1)), synthetic(SyntheticWorkload(), 512),
+                                  output, overwrite=True, progress=sys.stderr.isatty()))
+    print(f"recorded {res.steps} steps, {res.requests} requests, {res.generated_tokens} generated tokens on tiny "
+          f"in {res.wall_s:.2f} s -> {res.path}\n")
+    print(render_info(capture_info(res.path)))
 
 
 def main(argv: list[str] | None = None) -> int:
