@@ -143,3 +143,97 @@ def render_recover(res: RecoverResult) -> str:
 
 
 __all__ = ["render_info", "render_shown", "render_step", "render_recover", "render_damage"]
+
+
+def _batch_line(b) -> str:
+    ids = ", ".join(b.request_ids[:12]) + (f", ... ({len(b.request_ids)} in all)" if len(b.request_ids) > 12 else "")
+    return (f"step {b.step}: {b.num_requests} requests, {b.num_tokens} tokens ({b.num_prefill} prefill, "
+            f"{b.num_decode} decode): {ids}")
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_divergence(d) -> list[str]:
+    """The lines that describe one divergence."""
+    if d.kind == "token":
+        margin = f"top1-top2 margin {_fmt(d.margin, '.4g')}" if d.margin is not None else "margin unknown (no top-2 logprobs)"
+        return [f"  step {d.step}, request {d.request_id}, output position {d.position}: token {d.expected_token} "
+                f"expected, {d.actual_token} replayed ({(d.flip or '').upper()} FLIP)",
+                f"  rank {d.expected_rank} -> {d.actual_rank}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}, {margin}"]
+    if d.kind == "missing":
+        return [f"  step {d.step}, request {d.request_id}: the replay did not run this request"]
+    what = "prompt logprobs" if d.kind == "prompt_logprobs" else "logprobs"
+    extra = f", sampled-token Δ {_fmt(d.sampled_logprob_diff)}" if d.sampled_logprob_diff is not None else ""
+    topk = ", top-k set changed" if d.topk_changed else ""
+    return [f"  step {d.step}, request {d.request_id}, output position {d.position}: same token {d.expected_token}, "
+            f"{what} differ: max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}{extra}{topk}"]
+
+
+def render_replay(rep) -> str:
+    """`replay run --diff`: verdict, first divergence with its batch, the repro command, then a per-step table."""
+    tol = rep.tolerance
+    tol_text = "bitwise" if tol.bitwise else f"atol {tol.atol:g}, rtol {tol.rtol:g}"
+    lines = []
+    for d in rep.environment_differences:
+        lines.append(f"note: {d}")
+    head = (f"replayed {rep.steps_replayed} steps of {rep.capture} ({rep.mode} mode, {tol_text}; a tie flip is a "
+            f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)")
+    lines.append(head)
+    if rep.plant is not None:
+        p = rep.plant
+        lines.append(f"planted: {p.size:g} added to {p.module} for request {p.request} at step {p.step}")
+    if rep.run_to_run:
+        lines.append(f"run to run: {rep.run_to_run}")
+    if not rep.diverged:
+        lines.append("MATCH: every replayed step equals the recording")
+        return "\n".join(lines)
+    tokens = sum(s.token_mismatches for s in rep.steps)
+    lines.append(f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "
+                 f"{rep.first_divergence.step}")
+    lines += render_divergence(rep.first_divergence)
+    if rep.batch is not None:
+        lines.append("  batch: " + _batch_line(rep.batch))
+    lines.append(f"  re-run: {rep.repro}")
+    flip = rep.first_token_flip
+    if flip is not None and flip is not rep.first_divergence:
+        lines.append("first token flip:")
+        lines += render_divergence(flip)
+    bad = [s for s in rep.steps if s.token_mismatches or s.logprob_mismatches]
+    lines.append("")
+    lines.append(f"{'step':>6} {'reqs':>5} {'tokens':>7} {'token flips':>12} {'logprob diffs':>14} {'max |Δlogprob|':>15} "
+                 f"{'top-k changes':>14} {'rank changes':>13}")
+    for s in bad[:40]:
+        lines.append(f"{s.step:>6} {s.num_requests:>5} {s.num_tokens:>7} {s.token_mismatches:>12} {s.logprob_mismatches:>14} "
+                     f"{s.max_abs_logprob_diff:>15.3g} {s.topk_set_changes:>14} {s.rank_changes:>13}")
+    if len(bad) > 40:
+        lines.append(f"... {len(bad) - 40} more steps differ (--json has every number)")
+    lines.append(f"{len(bad)} of {len(rep.steps)} steps differ")
+    return "\n".join(lines)
+
+
+def render_capture_diff(res) -> str:
+    """`replay diff A B`."""
+    lines = [f"compared {res.requests_compared} requests of {res.a} (A) and {res.b} (B)"]
+    if res.only_in_a or res.only_in_b:
+        lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
+    d = res.first_divergence
+    if d is None:
+        lines.append("MATCH: every common request produced the same tokens and logprobs")
+        return "\n".join(lines)
+    lines.append(f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, output position "
+                 f"{d.position}")
+    if d.kind == "token":
+        lines.append(f"  token {d.a_token} in A, {d.b_token} in B ({(d.flip or '').upper()} FLIP, top1-top2 margin "
+                     f"{_fmt(d.margin, '.4g')}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)})")
+    elif d.kind == "logprobs":
+        lines.append(f"  same token {d.a_token}; logprobs differ by up to {_fmt(d.max_abs_logprob_diff)}")
+    else:
+        lines.append("  one side generated more tokens than the other")
+    if d.a_batch is not None:
+        lines.append("  A " + _batch_line(d.a_batch))
+    if d.b_batch is not None:
+        lines.append("  B " + _batch_line(d.b_batch))
+    lines.append(f"  batches {'DIFFER' if d.batches_differ else 'are the same'}: suspect {d.suspect}")
+    return "\n".join(lines)

@@ -75,6 +75,9 @@ class ModelRunner:
         # so replay reproduces them without this generator's history.
         self._seed_gen = torch.Generator().manual_seed(seed)
         self.last_drawn_seeds: dict[str, int] = {}
+        self.last_margins: dict[str, float] = {}  # top1 - top2 raw logprob per row of the last step
+        self.current_spans: dict[str, tuple[int, int]] = {}  # rows of each request in the flat token batch
+        self.current_rows: list[str] = []  # request of each logits row
 
     # -- state updates (vLLM _update_states) ----------------------------------------------------------------------
 
@@ -131,12 +134,23 @@ class ModelRunner:
                       sampled_override: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
         """Run one step. `drawn_seeds` replays recorded seeds of unseeded requests; `sampled_override` replaces
         the tokens cached from the previous step before this step reads them (replay's forced mode)."""
+        self.update_states(so, drawn_seeds, sampled_override)
+        return self.run_step(so)
+
+    def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
+                      sampled_override: dict[str, list[int]] | None = None) -> None:
+        """Apply a step's diff to the cached state (the first half of `execute_model`)."""
         self._update_states(so, drawn_seeds)
-        if sampled_override:
-            for rid, toks in sampled_override.items():
-                st = self.requests.get(rid)
-                if st is not None and toks:
-                    st.output_token_ids[-len(toks):] = toks
+        for rid, toks in (sampled_override or {}).items():
+            st = self.requests.get(rid)
+            if st is not None and toks and len(st.output_token_ids) >= len(toks):
+                st.output_token_ids[-len(toks):] = toks
+
+    @torch.inference_mode()
+    def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward + sample for the scheduled tokens (the second half of `execute_model`)."""
+        self.current_spans = {}
+        self.last_margins = {}
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         rows = [r for r in self.batch if r in so.num_scheduled_tokens]
@@ -152,11 +166,16 @@ class ModelRunner:
             pos.extend(range(a, b))
             spans.append(SeqSpan(start, start + n, a, self.kv.slots(st.block_ids, a, b, self.device),
                                  self.kv.slots(st.block_ids, 0, b, self.device)))
+            self.current_spans[rid] = (start, start + n)
             start += n
             last.append(start - 1)
+        self.current_rows = rows  # logits row i belongs to rows[i] (hooks on lm_head need this)
         ctx = PagedAttention(self.kv, spans, self.attention_impl, getattr(self.model.cfg, "sliding_window", None))
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).cpu()
+        # the top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it
+        top2 = torch.topk(torch.log_softmax(logits.float(), dim=-1), 2, dim=-1).values
+        self.last_margins = {rid: float(top2[i, 0] - top2[i, 1]) for i, rid in enumerate(rows)}
         sample_rows, asked = [], -1
         for rid in rows:
             st = self.requests[rid]
@@ -165,7 +184,7 @@ class ModelRunner:
                                          st.stop_token_ids, draw=done))
             if st.sampling_params.logprobs is not None:
                 asked = max(asked, self.vocab_size if st.sampling_params.logprobs == -1 else st.sampling_params.logprobs)
-        res = sample(logits.cpu(), sample_rows, asked)
+        res = sample(logits, sample_rows, asked)
         sampled: list[list[int]] = []
         for rid, tok, row in zip(rows, res.tokens, sample_rows):
             if row.draw:
@@ -181,6 +200,37 @@ class ModelRunner:
         for rid in rows:  # num_computed_tokens is the scheduler's to advance; keep ours in step for the next diff
             self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
         return ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, sampled, lp, plp)
+
+    # -- snapshots of one step's effects (re-executing a step several ways) ----------------------------------------
+
+    def snapshot_step(self, so: SchedulerOutput) -> "StepSnapshot":
+        """Everything `run_step(so)` will change: the KV slots it writes, generators, outputs, progress."""
+        slots = []
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.requests.get(rid)
+            if st is not None and n:
+                slots.append(self.kv.slots(st.block_ids, st.num_computed_tokens, st.num_computed_tokens + n, self.device))
+        flat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long, device=self.device)
+        kv = [(k.view(-1, *k.shape[2:])[flat].clone(), v.view(-1, *v.shape[2:])[flat].clone())
+              for k, v in zip(self.kv.k, self.kv.v)]
+        reqs = {rid: (len(st.output_token_ids), st.num_computed_tokens,
+                      None if st.generator is None else st.generator.get_state(), list(st.prompt_logprobs))
+                for rid, st in self.requests.items()}
+        return StepSnapshot(flat, kv, reqs)
+
+    def restore_step(self, snap: "StepSnapshot") -> None:
+        """Undo a `run_step` to the state `snapshot_step` saw."""
+        for (k, v), (ks, vs) in zip(zip(self.kv.k, self.kv.v), snap.kv):
+            k.view(-1, *k.shape[2:])[snap.slots] = ks
+            v.view(-1, *v.shape[2:])[snap.slots] = vs
+        for rid, (n_out, n_comp, gen_state, plp) in snap.requests.items():
+            st = self.requests[rid]
+            del st.output_token_ids[n_out:]
+            st.num_computed_tokens = n_comp
+            if gen_state is not None:
+                st.generator.set_state(gen_state)
+            st.prompt_logprobs = plp
+
 
     def _prompt_logprobs(self, so, rows, spans, hidden) -> dict[str, LogprobsTensors | None]:
         """Logprobs of each prompt token given the ones before it, for requests that asked (vLLM's
@@ -214,3 +264,12 @@ class ModelRunner:
             else:
                 out[rid] = None
         return out
+
+
+@dataclass(slots=True)
+class StepSnapshot:
+    """The part of the runner's state one step can change."""
+
+    slots: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    requests: dict[str, tuple[int, int, torch.Tensor | None, list]]

@@ -1,0 +1,57 @@
+"""Planting a divergence: add a chosen amount to one module's output, for one request, at one replayed step.
+
+`--plant STEP:REQUEST:MODULE:SIZE` (e.g. `12:req-3:layers.2.mlp.down_proj:1e-3`) lets a user check that their
+pipeline catches what it should, and lets the tests prove the diff finds exactly what was planted. The planted step
+is executed twice by the replayer: once with the perturbation (its outputs are the ones compared) and once clean
+after restoring the runner's state, so the KV cache and generators carry no trace of it and, in forced mode, no
+other step can differ.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from replay.errors import UsageError
+
+
+class Plant(msgspec.Struct, frozen=True):
+    """Where and how much to perturb."""
+
+    step: int
+    request: str  # external or internal request id
+    module: str  # a module name of the model, e.g. "layers.2.mlp.down_proj", "norm", "lm_head"
+    size: float  # added to every element of the module's output rows of that request
+
+    @classmethod
+    def parse(cls, text: str) -> "Plant":
+        """STEP:REQUEST:MODULE:SIZE (the request id may itself contain ':' characters)."""
+        parts = text.split(":")
+        try:
+            if len(parts) < 4:
+                raise ValueError
+            return cls(int(parts[0]), ":".join(parts[1:-2]), parts[-2], float(parts[-1]))
+        except ValueError:
+            raise UsageError(f"--plant {text!r}: expected STEP:REQUEST:MODULE:SIZE, e.g. 12:req-3:layers.1.mlp:1e-3") from None
+
+
+def install(plant: Plant, runner, internal_id: str):
+    """Register the perturbing forward hook on the runner's model; returns the handle to remove it."""
+    modules = dict(runner.model.named_modules())
+    if plant.module not in modules:
+        names = [n for n in modules if n][:8]
+        raise UsageError(f"--plant: the model has no module {plant.module!r} (modules are named like {', '.join(names)}, ...)")
+
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            return output
+        out = output.clone()
+        if plant.module == "lm_head":  # one row per request, in batch order
+            rows = [i for i, r in enumerate(runner.current_rows) if r == internal_id]
+            out[rows] += plant.size
+        else:
+            start, end = runner.current_spans[internal_id]
+            out[start:end] += plant.size
+        return out
+
+    return modules[plant.module].register_forward_hook(hook)
