@@ -355,19 +355,24 @@ def record(
 def demo(
     output: Path = typer.Option(Path("captures/demo.capture"), "--output", "-o", help="Where to write the demo capture."),
 ) -> None:
-    """The main job on the embedded default: record the default workload on `tiny`, then inspect the capture."""
+    """The main job on the embedded default: record the default workload on `tiny`, inspect the capture, replay it
+    bit for bit, then replay it in bfloat16 to show what a divergence report looks like."""
     from replay.engine.config import EngineConfig, RunnerConfig
     from replay.record import RecordOptions
     from replay.record import record as do_record
-    from replay.render import render_info
+    from replay.render import render_info, render_replay
+    from replay.replayer import ReplayOptions, replay_capture
     from replay.summary import capture_info
     from replay.workload import SyntheticWorkload, synthetic
 
     res = do_record(RecordOptions(EngineConfig(runner=RunnerConfig(num_threads=1)), synthetic(SyntheticWorkload(), 512),
                                   output, overwrite=True, progress=sys.stderr.isatty()))
-    print(f"recorded {res.steps} steps, {res.requests} requests, {res.generated_tokens} generated tokens on tiny "
-          f"in {res.wall_s:.2f} s -> {res.path}\n")
-    print(render_info(capture_info(res.path)))
+    print(f"$ replay record --out {res.path}\nrecorded {res.steps} steps, {res.requests} requests, "
+          f"{res.generated_tokens} generated tokens on tiny in {res.wall_s:.2f} s\n")
+    print(f"$ replay info {res.path}\n{render_info(capture_info(res.path))}\n")
+    print(f"$ replay run {res.path} --diff\n{render_replay(replay_capture(res.path))}\n")
+    bf16 = replay_capture(res.path, ReplayOptions(overrides={"dtype": "bfloat16"}))
+    print(f"$ replay run {res.path} --diff --set dtype=bfloat16\n{render_replay(bf16)}")
 
 
 def main(argv: list[str] | None = None) -> int:

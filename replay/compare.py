@@ -28,6 +28,7 @@ class _Side:
     outputs: dict[str, list[tuple[int, int, tuple | None]]] = field(default_factory=lambda: defaultdict(list))
     batches: dict[int, BatchComposition] = field(default_factory=dict)
     key_of: dict[str, str] = field(default_factory=dict)  # internal id -> key
+    header: object = None
 
 
 class TokenMismatch(msgspec.Struct, omit_defaults=True):
@@ -61,12 +62,29 @@ class CaptureDiff(msgspec.Struct):
     only_in_a: list[str]
     only_in_b: list[str]
     tolerance: Tolerance
+    config_differences: list[str] = []  # header fields that differ between A and B (engine, model, knobs, env)
+
+
+def _header_differences(a, b) -> list[str]:
+    """Header fields (model, engine config, environment) whose values differ, as 'name: A vs B'."""
+    out = []
+    pairs = [("engine", a.engine, b.engine), ("engine version", a.engine_version, b.engine_version)]
+    if a.model is not None and b.model is not None:
+        pairs += [("model", a.model.name, b.model.name), ("fingerprint", a.model.fingerprint[:12], b.model.fingerprint[:12]),
+                  ("dtype", a.model.dtype, b.model.dtype)]
+    for part in ("engine_config", "environment"):
+        da, db = msgspec.structs.asdict(getattr(a, part)), msgspec.structs.asdict(getattr(b, part))
+        for k in da:
+            if k not in ("extra", "env", "hostname") and da[k] != db.get(k):
+                pairs.append((k, da[k], db.get(k)))
+    return [f"{k}: {x} vs {y}" for k, x, y in pairs if x != y]
 
 
 def _read(path) -> _Side:
     side = _Side()
     seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
     with CaptureReader(path) as r:
+        side.header = r.header
         for rec in r.records():
             if isinstance(rec, RequestAdded):
                 req = rec.request
@@ -140,8 +158,16 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         first.a_batch = a.batches.get(first.a_step) if first.a_step is not None else None
         first.b_batch = b.batches.get(first.b_step) if first.b_step is not None else None
         first.batches_differ = not _same_batch(first.a_batch, first.b_batch)
-        first.suspect = "batch variance" if first.batches_differ else "run-to-run nondeterminism"
+        confdiff = _header_differences(a.header, b.header)
+        knobs = [c for c in confdiff if not c.startswith(("max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks",
+                                                          "enable_prefix_caching", "enable_chunked_prefill"))]
+        if first.batches_differ:
+            first.suspect = "batch variance"
+        elif knobs:
+            first.suspect = "configuration (" + "; ".join(knobs[:3]) + ")"
+        else:
+            first.suspect = "run-to-run nondeterminism"
     strip = lambda keys: [k.partition(":")[2] for k in keys]  # noqa: E731
     return CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
                        strip(k for k in a.order if k not in b.prompts), strip(k for k in b.order if k not in a.prompts),
-                       tol)
+                       tol, _header_differences(a.header, b.header))

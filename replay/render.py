@@ -216,6 +216,8 @@ def render_replay(rep) -> str:
 def render_capture_diff(res) -> str:
     """`replay diff A B`."""
     lines = [f"compared {res.requests_compared} requests of {res.a} (A) and {res.b} (B)"]
+    for c in res.config_differences:
+        lines.append(f"note: {c}")
     if res.only_in_a or res.only_in_b:
         lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
     d = res.first_divergence
