@@ -34,3 +34,10 @@ def test_engine_still_produces_the_golden_outputs(name, tmp_path):
     for a, b in zip(got["steps"], want["steps"]):  # logprobs: bitwise here, a little slack across CPU kernels
         for rid in b["logprobs"]:
             np.testing.assert_allclose(a["logprobs"][rid], b["logprobs"][rid], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(regenerate.GOLDEN))
+def test_committed_golden_capture_replays_bitwise(name):
+    from replay.replayer import check_capture
+
+    assert check_capture(CAPTURES / f"{name}.capture") == 0  # the numerics regression test `git bisect run` uses

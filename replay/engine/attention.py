@@ -31,10 +31,11 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def slots(self, block_ids: list[int], start: int, end: int, device) -> torch.Tensor:
+    def slots(self, block_ids: list[int] | torch.Tensor, start: int, end: int, device) -> torch.Tensor:
         """Flat slot indices of token positions [start, end) of a request with this block table."""
         pos = torch.arange(start, end, device=device)
-        table = torch.tensor(block_ids, dtype=torch.long, device=device)
+        table = block_ids if isinstance(block_ids, torch.Tensor) else torch.tensor(block_ids, dtype=torch.long,
+                                                                                  device=device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
@@ -61,6 +62,12 @@ class PagedAttention:
         self.impl = impl
         self.sliding_window = sliding_window
         self._write = torch.cat([s.write_slots for s in spans]) if spans else None
+        # every request's context read in one gather per layer (not one per request), then sliced
+        self._read = torch.cat([s.context_slots for s in spans]) if spans else None
+        offsets = [0]
+        for s in spans:
+            offsets.append(offsets[-1] + len(s.context_slots))
+        self._offsets = offsets
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
@@ -70,10 +77,17 @@ class PagedAttention:
         flat_k[self._write] = k.to(kc.dtype)
         flat_v[self._write] = v.to(vc.dtype)
         out = torch.empty_like(q)
-        for s in self.spans:
-            keys = flat_k[s.context_slots]  # [ctx, Hkv, D]
-            values = flat_v[s.context_slots]
-            out[s.start:s.end] = self._one(q[s.start:s.end], keys, values, s.num_computed)
+        # every request's context in one gather per layer, then per request a contiguous [H, ctx, D] copy with the
+        # kv heads expanded (grouped-query attention: each kv head serves hq // hkv query heads); the fused
+        # attention kernel wants contiguous inputs
+        keys_all, values_all = flat_k[self._read], flat_v[self._read]  # [sum of contexts, Hkv, D]
+        group = q.shape[1] // k.shape[1]
+        qh = q.transpose(0, 1)  # [H, N, D]
+        for i, s in enumerate(self.spans):
+            a, b = self._offsets[i], self._offsets[i + 1]
+            kh = keys_all[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+            vh = values_all[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+            out[s.start:s.end] = self._one(qh[:, s.start:s.end], kh, vh, s.num_computed).transpose(0, 1)
         return out
 
     def _mask(self, n: int, ctx: int, num_computed: int, device) -> torch.Tensor:
@@ -84,18 +98,24 @@ class PagedAttention:
             mask &= kpos > qpos - self.sliding_window
         return mask  # [n, ctx], True = attend
 
-    def _one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int) -> torch.Tensor:
-        n, hq, d = q.shape
-        ctx, hkv, _ = k.shape
-        if hq != hkv:  # grouped-query attention: each kv head serves hq // hkv query heads
-            k = k.repeat_interleave(hq // hkv, dim=1)
-            v = v.repeat_interleave(hq // hkv, dim=1)
-        mask = self._mask(n, ctx, num_computed, q.device)
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n|ctx, D]
+    def _one(self, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_computed: int) -> torch.Tensor:
+        """One request: qh [H, n, D] against its context kh, vh [H, ctx, D] -> [H, n, D]."""
+        n, d = qh.shape[1], qh.shape[2]
+        ctx = kh.shape[1]
         if self.impl == "sdpa":
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=d ** -0.5)
-        else:
-            scores = (qh.double() @ kh.double().transpose(1, 2)) * d ** -0.5
-            scores = scores.masked_fill(~mask, float("-inf"))
-            o = (torch.softmax(scores, dim=-1) @ vh.double()).to(q.dtype)
-        return o.transpose(0, 1)
+            # Fast paths without a mask tensor (torch then picks its fused kernels): a whole prefill is plain
+            # causal, a decode token sees its whole context. Only a chunk after cached context needs the mask.
+            window = self.sliding_window is not None and ctx > self.sliding_window
+            if n == ctx and not window:
+                mask, causal = None, True
+            elif n == 1 and not window:
+                mask, causal = None, False
+            else:
+                mask, causal = self._mask(n, ctx, num_computed, qh.device), False
+            # 4-D inputs: torch's fused CPU kernel takes them (3-D falls back to the ~3x slower math path)
+            return F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask, is_causal=causal,
+                                                  scale=d ** -0.5)[0]
+        mask = self._mask(n, ctx, num_computed, qh.device)
+        scores = (qh.double() @ kh.double().transpose(1, 2)) * d ** -0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ vh.double()).to(qh.dtype)

@@ -164,8 +164,8 @@ class ModelRunner:
                 raise UsageError(f"step schedules {n} tokens of request {rid} past its {st.num_tokens} known tokens")
             ids.extend(st.token(i) for i in range(a, b))
             pos.extend(range(a, b))
-            spans.append(SeqSpan(start, start + n, a, self.kv.slots(st.block_ids, a, b, self.device),
-                                 self.kv.slots(st.block_ids, 0, b, self.device)))
+            context = self.kv.slots(st.block_ids, 0, b, self.device)
+            spans.append(SeqSpan(start, start + n, a, context[a:b], context))
             self.current_spans[rid] = (start, start + n)
             start += n
             last.append(start - 1)
@@ -173,8 +173,10 @@ class ModelRunner:
         ctx = PagedAttention(self.kv, spans, self.attention_impl, getattr(self.model.cfg, "sliding_window", None))
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).cpu()
-        # the top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it
-        top2 = torch.topk(torch.log_softmax(logits.float(), dim=-1), 2, dim=-1).values
+        # The top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it.
+        # log_softmax shifts a row by one constant, so the logit margin is the logprob margin (without a pass
+        # over the vocabulary).
+        top2 = torch.topk(logits.float(), 2, dim=-1).values
         self.last_margins = {rid: float(top2[i, 0] - top2[i, 1]) for i, rid in enumerate(rows)}
         sample_rows, asked = [], -1
         for rid in rows:
