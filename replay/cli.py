@@ -63,20 +63,25 @@ def _damage_exit(damage, *, listed: bool = True) -> None:
         raise typer.Exit(EXIT_DAMAGED)
 
 
+def _emit(result, json: bool, render: str) -> None:
+    """Print a library result: as JSON, or through `replay.render.<render>` (imported only when needed)."""
+    if json:
+        from replay.jsonable import dumps
+
+        print(dumps(result))
+    else:
+        from replay import render as r
+
+        print(getattr(r, render)(result))
+
+
 @command
 def info(capture: Path = CaptureArg, json: bool = JsonOpt) -> None:
     """Header summary, steps, requests, tokens, sizes and damage of a capture."""
     from replay.summary import capture_info
 
     res = capture_info(capture)
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-    else:
-        from replay.render import render_info
-
-        print(render_info(res))
+    _emit(res, json, "render_info")
     _damage_exit(res.damage)
 
 
@@ -92,14 +97,7 @@ def show(
     from replay.show import show_steps
 
     res = show_steps(capture, step, request, limit)
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-    else:
-        from replay.render import render_shown
-
-        print(render_shown(res))
+    _emit(res, json, "render_shown")
     _damage_exit(res.damage)
 
 
@@ -116,14 +114,7 @@ def recover(
     from replay.capture.recover import recover as do_recover
 
     res = do_recover(capture, output, force=force)
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-    else:
-        from replay.render import render_recover
-
-        print(render_recover(res))
+    _emit(res, json, "render_recover")
     if res.lost_data:
         raise typer.Exit(EXIT_DAMAGED)
 
@@ -261,14 +252,7 @@ def diff(
     from replay.diff import Tolerance
 
     res = diff_captures(a, b, Tolerance(atol, rtol, tie_margin))
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-    else:
-        from replay.render import render_capture_diff
-
-        print(render_capture_diff(res))
+    _emit(res, json, "render_capture_diff")
     if res.diverged:
         raise typer.Exit(1)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from replay.capture import CaptureWriter
+from replay.capture.writer_process import ProcessCaptureWriter
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
 from replay.tap import CaptureTap
@@ -118,7 +118,7 @@ def record(opts: RecordOptions) -> RecordResult:
         header = make_header("builtin", engine_version=_version(), model=engine.model_identity(),
                              engine_config=engine.capture_engine_config(),
                              environment=current_environment(device=opts.engine.runner.device))
-        writer = CaptureWriter(opts.out, header, overwrite=opts.overwrite)
+        writer = ProcessCaptureWriter(opts.out, header, overwrite=opts.overwrite)
         engine.listeners.append(CaptureTap(writer))
     t = time.perf_counter()
     try:

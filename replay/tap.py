@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from replay.capture import CaptureWriter, StepTiming
+import time
+
+from replay.capture import StepTiming
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 
 
@@ -26,9 +28,10 @@ class StepListener(Protocol):
 
 
 class CaptureTap:
-    """A StepListener that writes everything to a `CaptureWriter`."""
+    """A StepListener that writes everything to a capture writer (`CaptureWriter`, or `ProcessCaptureWriter`
+    which keeps interning, compression and I/O off the engine's interpreter lock)."""
 
-    def __init__(self, writer: CaptureWriter):
+    def __init__(self, writer):
         self.writer = writer
         self.encode_ns = 0  # time spent on the engine thread, for the tap-overhead benchmark
 
@@ -43,8 +46,6 @@ class CaptureTap:
     def on_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
                 *, drawn_seeds: dict[str, int] | None = None, timing: StepTiming | None = None) -> None:
         """Record one step."""
-        import time
-
         t = time.perf_counter_ns()
         self.writer.write_step(index, scheduler_output, model_runner_output, drawn_seeds=drawn_seeds or {},
                                timing=timing)

@@ -1,0 +1,218 @@
+"""`ProcessCaptureWriter`: the `CaptureWriter` API, with interning, compression and I/O in a child process.
+
+The engine thread only msgspec-encodes each record (tens of µs) and writes the bytes into a pipe. Everything
+else (id interning, the logprob transforms, zstd, the file) runs in a separate Python process, so it can never
+take the engine's interpreter lock: a background *thread* doing the same Python work measurably slows a
+Python-heavy engine step (measurements §3). A bonus: if the engine process dies, the writer process reads the end
+of the pipe, seals every record it received into chunks and leaves a `.partial` capture for `replay recover`.
+
+Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
+added, `X` request aborted, `S` step (payloads are msgpack records with string ids), `F` flush, `C` close (payload:
+the footer status), `Q` quit without a footer. The child answers on stdout with one JSON line: `{"ok": ...}` or
+`{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+
+from replay.capture import format as fmt
+from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from replay.errors import CaptureError, UsageError
+
+_FRAME = struct.Struct("<cI")
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class ProcessCaptureWriter:
+    """Writes a capture through a child process; same methods as `CaptureWriter`."""
+
+    def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
+                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
+                 level: int = fmt.DEFAULT_LEVEL):
+        self.path = Path(path)
+        self.partial_path = self.path.with_name(self.path.name + ".partial")
+        if not overwrite and self.path.exists():
+            raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
+        options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
+                   "flush_interval": flush_interval, "level": level}
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # the child must import this very package
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+        self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writer_process", json.dumps(options)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._num_steps = 0
+        self._last_step = -1
+        self._closed = False
+        self._send(b"H", _ENCODER.encode(header))
+        self._answer()  # the child reports whether it could create the file before we go on
+
+    # -- the CaptureWriter API ------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, step: int) -> None:
+        """Record a request arrival before step `step`."""
+        self._send(b"A", _ENCODER.encode(fmt.RequestAdded(step, request)))
+
+    def abort_request(self, request_id: str, step: int) -> None:
+        """Record a client abort before step `step`."""
+        self._send(b"X", _ENCODER.encode(fmt.RequestAborted(step, request_id)))
+
+    def write_step(self, index: int, scheduler_output: SchedulerOutput,
+                   model_runner_output: ModelRunnerOutput | None, **extra) -> int:
+        """Record one step (see `CaptureWriter.write_step`); returns the bytes handed to the writer process."""
+        return self.write_step_record(fmt.Step(index, scheduler_output, model_runner_output, **extra))
+
+    def write_step_record(self, step: fmt.Step) -> int:
+        """Record an already built `Step`."""
+        if step.index <= self._last_step:
+            raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
+        try:
+            data = _ENCODER.encode(step)
+        except (TypeError, OverflowError, msgspec.EncodeError) as e:
+            raise UsageError(f"cannot record a Step: {e}") from None
+        self._send(b"S", data)
+        self._last_step = step.index
+        self._num_steps += 1
+        return len(data)
+
+    def flush(self) -> None:
+        """Ask the writer process to close its open chunk now."""
+        self._send(b"F", b"")
+
+    def close(self, status: str = "ok") -> Path:
+        """Footer, seek index, rename; waits for the writer process. Returns the final path."""
+        if self._closed:
+            return self.path
+        self._closed = True
+        self._send(b"C", status.encode())
+        self._proc.stdin.close()
+        answer = self._answer()
+        self._proc.wait()
+        self._num_records = answer.get("records", 0)
+        return self.path
+
+    def abandon(self) -> None:
+        """Stop without a footer: what was received stays in `NAME.partial` for `recover`."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(b"Q", b"")
+            self._proc.stdin.close()
+        except CaptureError:
+            pass
+        self._proc.wait()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps handed to the writer so far."""
+        return self._num_steps
+
+    @property
+    def num_records(self) -> int:
+        """Records in the closed capture (known after `close`)."""
+        return getattr(self, "_num_records", 0)
+
+    def __enter__(self) -> "ProcessCaptureWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif isinstance(exc, CaptureError):
+            self.abandon()
+        else:
+            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
+
+    # -- plumbing -------------------------------------------------------------------------------------------------
+
+    def _send(self, kind: bytes, payload: bytes) -> None:
+        try:
+            self._proc.stdin.write(_FRAME.pack(kind, len(payload)))
+            self._proc.stdin.write(payload)
+            self._proc.stdin.flush()  # a crash of the engine must not strand records in our buffer
+        except (BrokenPipeError, OSError, ValueError):
+            answer = self._answer()
+            raise CaptureError(self.partial_path, answer.get("error", "capture writer process died")) from None
+
+    def _answer(self) -> dict:
+        line = self._proc.stdout.readline()
+        try:
+            answer = json.loads(line) if line else {"error": f"capture writer process exited ({self._proc.wait()})"}
+        except json.JSONDecodeError:
+            answer = {"error": f"capture writer process said {line[:200]!r}"}
+        if "error" in answer:
+            self._closed = True
+            raise CaptureError(self.partial_path, answer["error"])
+        return answer
+
+
+def _child(options: dict) -> int:
+    """The writer process: read frames from stdin, write the capture with a CaptureWriter."""
+    from replay.capture.writer import CaptureWriter
+    from replay.errors import ReplayError
+
+    out = sys.stdout
+    stdin = sys.stdin.buffer
+    decoders = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
+                b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
+
+    def say(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    def read_frame():
+        head = stdin.read(_FRAME.size)
+        if len(head) < _FRAME.size:
+            return None, b""
+        kind, n = _FRAME.unpack(head)
+        return kind, stdin.read(n)
+
+    writer = None
+    try:
+        kind, payload = read_frame()
+        header = msgspec.msgpack.decode(payload, type=fmt.Header)
+        writer = CaptureWriter(options["path"], header, overwrite=options["overwrite"],
+                               chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
+                               level=options["level"])
+        say({"ok": "ready"})
+        while True:
+            kind, payload = read_frame()
+            if kind is None or kind == b"Q":  # the engine is gone (or gave up): keep what we have, no footer
+                writer.abandon()
+                return 0
+            if kind == b"C":
+                writer.close(status=payload.decode())
+                say({"ok": "closed", "records": writer.num_records})
+                return 0
+            if kind == b"F":
+                writer.flush()
+                continue
+            rec = decoders[kind].decode(payload)
+            if kind == b"S":
+                writer.write_step_record(rec)
+            elif kind == b"A":
+                writer.add_request(rec.request, rec.step)
+            else:
+                writer.abort_request(rec.request_id, rec.step)
+    except ReplayError as e:
+        if writer is not None:
+            writer.abandon()
+        say({"error": str(e).split(": ", 1)[-1] if isinstance(e, CaptureError) else str(e)})
+        return 1
+    except Exception as e:  # noqa: BLE001 - reported to the engine as one line
+        if writer is not None:
+            writer.abandon()
+        say({"error": f"capture writer process failed: {type(e).__name__}: {e}"})
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(_child(json.loads(sys.argv[1])))
