@@ -48,6 +48,7 @@ class ProcessCaptureWriter:
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
         self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writer_process", json.dumps(options)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._fd = self._proc.stdin.fileno()
         self._num_steps = 0
         self._last_step = -1
         self._closed = False
@@ -135,9 +136,11 @@ class ProcessCaptureWriter:
 
     def _send(self, kind: bytes, payload: bytes) -> None:
         try:
-            self._proc.stdin.write(_FRAME.pack(kind, len(payload)))
-            self._proc.stdin.write(payload)
-            self._proc.stdin.flush()  # a crash of the engine must not strand records in our buffer
+            # one unbuffered write per record: nothing waits in our buffer if the engine crashes
+            data = _FRAME.pack(kind, len(payload)) + payload
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
         except (BrokenPipeError, OSError, ValueError):
             answer = self._answer()
             raise CaptureError(self.partial_path, answer.get("error", "capture writer process died")) from None
