@@ -87,8 +87,10 @@ def main() -> None:
         med["replay_wall_over_engine"] = med["replay_wall_s"] / med["record_engine_s"]
         med["diff_us_per_step"] = (med["replay_diff_wall_s"] - med["replay_wall_s"]) / med["steps"] * 1e6
         rows[name] = med
+    targets = [{"target": f"replay <= 1.1x the record run's engine time ({name})", "measured": m["replay_over_engine"],
+                "pass": m["replay_over_engine"] <= 1.1} for name, m in rows.items()]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"workloads": rows, "targets": targets}, indent=2))
         return
     print(f"machine: python {platform.python_version()}, torch {torch.__version__}, 1 thread; medians of "
           f"{args.repeats} rounds on a shared, noisy 2-core box")

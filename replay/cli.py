@@ -292,6 +292,7 @@ def record(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", min=-1),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Capture path (default: captures/<model>-<time>.capture)."),
+    flush_interval: float = typer.Option(1.0, "--flush-interval", min=0.01, help="Seconds before an open chunk is written: bounds what a crash of the writer can lose."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json: bool = JsonOpt,
 ) -> None:
@@ -324,7 +325,8 @@ def record(
     if out is None:
         stem = Path(model).name if model != "tiny" else "tiny"
         out = Path("captures") / f"{stem}-{_time.strftime('%Y%m%d-%H%M%S')}.capture"
-    res = do_record(RecordOptions(cfg, reqs, out, overwrite=force, progress=sys.stderr.isatty()))
+    res = do_record(RecordOptions(cfg, reqs, out, overwrite=force, progress=sys.stderr.isatty(),
+                                  flush_interval=flush_interval))
     if json:
         from replay.jsonable import dumps
 

@@ -39,6 +39,7 @@ class RecordOptions:
     progress: bool = False
     listeners: list = field(default_factory=list)  # extra StepListeners (tests, benchmarks)
     tap: bool = True  # False: run without recording (the tap-overhead benchmark's baseline)
+    flush_interval: float | None = None  # seconds; bounds what a crash of the writer can lose (default 1 s)
 
 
 def _tokenize(engine, reqs: list[WorkloadRequest]) -> list[list[int]]:
@@ -118,7 +119,8 @@ def record(opts: RecordOptions) -> RecordResult:
         header = make_header("builtin", engine_version=_version(), model=engine.model_identity(),
                              engine_config=engine.capture_engine_config(),
                              environment=current_environment(device=opts.engine.runner.device))
-        writer = ProcessCaptureWriter(opts.out, header, overwrite=opts.overwrite)
+        extra = {} if opts.flush_interval is None else {"flush_interval": opts.flush_interval}
+        writer = ProcessCaptureWriter(opts.out, header, overwrite=opts.overwrite, **extra)
         engine.listeners.append(CaptureTap(writer))
     t = time.perf_counter()
     try:

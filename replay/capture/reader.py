@@ -228,7 +228,8 @@ class CaptureReader:
             raise CaptureDamagedError(self.path, str(e), chunk=ref.number, offset=ref.offset) from None
 
     def _decompress(self, ref: ChunkRef) -> bytes:
-        frame = self._buf[ref.offset:ref.end]
+        frame = self._buf[ref.offset:ref.end]  # a copy: the mapped pages can go right away
+        self._release(ref.offset, ref.end)
         try:
             fr = parse_frame(frame, 0)
         except FrameError as e:
@@ -257,6 +258,18 @@ class CaptureReader:
         if len(data) > self.max_frame_bytes:
             raise LimitExceededError(self.path, "chunk expands past the limit", chunk=ref.number, offset=ref.offset)
         return data
+
+    def _release(self, start: int, end: int) -> None:
+        """Drop mapped pages we are done with, so a full scan's resident memory stays flat (file-backed pages
+        would otherwise count towards it until the scan ends)."""
+        if isinstance(self._buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+            page = mmap.PAGESIZE
+            a = start - start % page
+            if end > a:
+                try:
+                    self._buf.madvise(mmap.MADV_DONTNEED, a, min(end, self.file_size) - a)
+                except (OSError, ValueError):  # advice only
+                    pass
 
     def _decode_chunk(self, ref: ChunkRef, keep_step=None) -> list:
         """Wire records of one chunk (unknown tags skipped). Raises _ChunkUnreadable.

@@ -44,15 +44,15 @@ def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, for
     """
     src = Path(src)
     dst = Path(out) if out is not None else default_output(src)
-    if dst.resolve() == src.resolve():
-        raise UsageError(f"{dst}: recover writes a new file; choose an output other than the input")
     try:
-        reader = CaptureReader(src)
+        reader = CaptureReader(src)  # first: a missing file or a symlink loop is the input's problem
     except HeaderLostError as e:
         raise NothingRecoverableError(src, f"nothing recoverable: {e.reason}") from None
     with reader:
+        if _same(dst, src):
+            raise UsageError(f"{dst}: recover writes a new file; choose an output other than the input")
         # Recovering `x.capture.partial` into `x.capture`: the writer's own `.partial` would be the input itself.
-        tmp = dst.with_name(dst.name + ".recovering") if dst.with_name(dst.name + ".partial").resolve() == src.resolve() else None
+        tmp = dst.with_name(dst.name + ".recovering") if _same(dst.with_name(dst.name + ".partial"), src) else None
         writer = CaptureWriter(dst, reader.header, overwrite=force, partial_path=tmp)
         try:
             for rec in reader.records():
@@ -71,3 +71,11 @@ def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, for
         old = reader.footer.status if reader.footer is not None else "unfinished"
         writer.close(status=f"recovered from {src.name} ({old}): {lost}"[:1000])
         return RecoverResult(str(src), str(dst), writer.num_steps, writer.num_records, damage, reader.unknown_records)
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether two paths name the same file (a path that cannot be resolved names none)."""
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False

@@ -61,6 +61,10 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
                  eos_token_id: int | None = None):
+        from replay.engine.attention import ATTENTION_IMPLS
+
+        if attention_impl not in ATTENTION_IMPLS:
+            raise UsageError(f"attention implementation {attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
         self.model = model
         cfg = model.cfg
         self.device = next(model.parameters()).device

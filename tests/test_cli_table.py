@@ -1,0 +1,62 @@
+"""Every command with missing, wrong-typed, out-of-range and contradictory arguments, unreadable paths and
+symlink loops: exit 2 and exactly one line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from replay.cli import main
+
+
+@pytest.fixture
+def paths(tmp_path, small_capture):
+    loop_a, loop_b = tmp_path / "loop_a", tmp_path / "loop_b"
+    os.symlink(loop_b, loop_a)
+    os.symlink(loop_a, loop_b)
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"prompt": 5}\n')
+    return {"cap": str(small_capture), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
+            "jsonl": str(bad_jsonl), "out": str(tmp_path / "out.capture")}
+
+
+CASES = [
+    # command line problems
+    ("info",), ("show",), ("recover",), ("export",), ("run",), ("check-noargs",), ("diff", "{cap}"), ("synth",),
+    ("info", "{cap}", "--bogus"), ("show", "{cap}", "--step", "x"), ("show", "{cap}", "--step", "9-3"),
+    ("show", "{cap}", "--limit", "0"), ("show", "{cap}", "--limit", "many"), ("export", "{cap}", "--format", "xml"),
+    ("synth", "{out}", "--steps", "0"), ("synth", "{out}", "--running", "-3"), ("synth", "{cap}"),
+    ("record", "--num-requests", "0"), ("record", "--prompt-len", "a:b", "--out", "{out}"),
+    ("record", "--prompt-len", "9:3", "--out", "{out}"), ("record", "--dtype", "float8", "--out", "{out}"),
+    ("record", "--attention", "magic", "--out", "{out}"), ("record", "--prompts", "{missing}", "--out", "{out}"),
+    ("record", "--prompts", "{jsonl}", "--out", "{out}"), ("record", "--top-p", "2", "--out", "{out}"),
+    ("record", "--model", "{missing}", "--out", "{out}"), ("record", "--model", "{dir}", "--out", "{out}"),
+    ("run", "{cap}", "--repeat", "0"), ("run", "{cap}", "--atol", "-1"), ("run", "{cap}", "--mode", "sideways"),
+    ("run", "{cap}", "--set", "nonsense"), ("recover", "{cap}", "-o", "{cap}"),
+    # unreadable inputs
+    ("info", "{missing}"), ("info", "{dir}"), ("info", "{loop}"), ("show", "{loop}", "--step", "1"),
+    ("export", "{loop}"), ("recover", "{loop}"), ("run", "{loop}", "--diff"), ("run", "{cap}", "--diff"),
+    ("diff", "{loop}", "{cap}"), ("diff", "{cap}", "{missing}"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_bad_arguments_exit_2_in_one_line(paths, capsys, case):
+    args = [a.format(**paths) for a in case]
+    if args == ["check-noargs"]:
+        args = ["check"]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    lines = [line for line in err.strip().splitlines() if line]
+    if lines and lines[0].startswith("Usage:"):  # a bare command prints its help (still exit 2)
+        return
+    assert len(lines) == 1 and lines[0].startswith("replay: "), err
+    assert "Traceback" not in err
+
+
+def test_check_maps_every_failure_to_125(paths, capsys):
+    assert main(["check", paths["loop"]]) == 125
+    assert main(["check", paths["cap"]]) == 125  # synthetic capture: no model to replay on
+    assert main(["check", paths["cap"], "--set", "colour=red"]) == 125
