@@ -274,8 +274,8 @@ class CaptureReader:
     def _decode_chunk(self, ref: ChunkRef, keep_step=None) -> list:
         """Wire records of one chunk (unknown tags skipped). Raises _ChunkUnreadable.
 
-        `keep_step(index) -> bool`, when given, selects steps by their index *before* decoding them, and `Ids`
-        records are skipped (the caller resolves handles from the index): random access decodes one record."""
+        With an index, `Ids` records are skipped (handles resolve from the index) and `keep_step(index) -> bool`,
+        when given, selects steps by their index *before* decoding them: random access decodes one record."""
         data = self._decompress(ref)
         try:
             raws = fmt.CHUNK_DECODER.decode(data)
@@ -286,9 +286,10 @@ class CaptureReader:
             if len(raw) > self.max_record_bytes:
                 raise LimitExceededError(self.path, f"record of {len(raw)} bytes over the {self.max_record_bytes}-byte "
                                          "limit", chunk=ref.number, offset=ref.offset)
-            if keep_step is not None:
+            if self.index is not None:  # handles come from the index: skip the in-band declarations
                 tag, index = _peek(raw)
-                if tag == "ids" or (tag == "step" and index is not None and not keep_step(index)):
+                if tag == "ids" or (keep_step is not None and tag == "step" and index is not None
+                                    and not keep_step(index)):
                     continue
             try:
                 out.append(fmt.WIRE_DECODER.decode(raw))
