@@ -1,7 +1,7 @@
 """Planting a divergence: add a chosen amount to one module's output, for one request, at one replayed step.
 
-`--plant STEP:REQUEST:MODULE:SIZE` (e.g. `12:req-3:layers.2.mlp.down_proj:1e-3`: add 1e-3 to the first element of
-each of that module's output rows for request req-3 at step 12) lets a user check that their
+`--plant STEP:REQUEST:MODULE:SIZE` (e.g. `12:req-3:layers.2.mlp.down_proj:1e-3`: add 1e-3 to the largest element
+of each of that module's output rows for request req-3 at step 12) lets a user check that their
 pipeline catches what it should, and lets the tests prove the diff finds exactly what was planted. The planted step
 is executed twice by the replayer: once with the perturbation (its outputs are the ones compared) and once clean
 after restoring the runner's state, so the KV cache and generators carry no trace of it and, in forced mode, no
@@ -22,7 +22,7 @@ class Plant(msgspec.Struct, frozen=True):
     step: int
     request: str  # external or internal request id
     module: str  # a module name of the model, e.g. "layers.2.mlp.down_proj", "norm", "lm_head"
-    size: float  # added to the first element of each of the module's output rows of that request
+    size: float  # added to the largest element of each of the module's output rows of that request
 
     @classmethod
     def parse(cls, text: str) -> "Plant":
@@ -46,16 +46,18 @@ def install(plant: Plant, runner, internal_id: str):
     def hook(module, args, output):
         if not isinstance(output, torch.Tensor):
             return output
-        # Only the first element of each row moves: a constant added to a whole row of logits would vanish in the
-        # log-softmax, and a fault rarely hits every element alike.
+        # Only the largest element of each row moves: a constant added to a whole row of logits would vanish in
+        # the log-softmax, another element may be one nothing downstream can see (the logit of a token of
+        # probability 1e-10), and a fault rarely hits every element alike.
         out = output.clone()
         flat = out.view(out.shape[0], -1)
         if plant.module == "lm_head":  # one row per request, in batch order
-            rows = [i for i, r in enumerate(runner.current_rows) if r == internal_id]
-            flat[rows, 0] += plant.size
+            rows = torch.tensor([i for i, r in enumerate(runner.current_rows) if r == internal_id], dtype=torch.long)
         else:
             start, end = runner.current_spans[internal_id]
-            flat[start:end, 0] += plant.size
+            rows = torch.arange(start, end)
+        cols = flat[rows].argmax(dim=1)
+        flat[rows, cols] += plant.size
         return out
 
     return modules[plant.module].register_forward_hook(hook)

@@ -42,16 +42,16 @@ class BuiltRunner(msgspec.Struct):
     engine: str
 
 
-def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False) -> BuiltRunner:
+def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False, extra_blocks: int = 0) -> BuiltRunner:
     """A fresh runner for `header`'s engine. Raises UsageError (exit 2) for a capture no runner can replay and
     for a different model without `force`."""
     if header.engine == "builtin" or (header.model is not None and header.engine not in ("synthetic",)):
-        return _build_builtin(header, overrides, force)
+        return _build_builtin(header, overrides, force, extra_blocks)
     raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
                      "(record one with `replay record`)")
 
 
-def _build_builtin(header: Header, overrides: dict[str, str], force: bool) -> BuiltRunner:
+def _build_builtin(header: Header, overrides: dict[str, str], force: bool, extra_blocks: int = 0) -> BuiltRunner:
     import torch
 
     from replay.engine.runner import ModelRunner
@@ -76,7 +76,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], force: bool) -> Bu
     model, model_cfg, fingerprint = load_model(model_ref, dtype, device)
     eos = model_cfg.eos_token_id
     eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
-    runner = ModelRunner(model, max(ec.num_gpu_blocks, 1), ec.block_size, attention_impl=attention, seed=seed,
+    runner = ModelRunner(model, max(ec.num_gpu_blocks, 1) + extra_blocks, ec.block_size, attention_impl=attention, seed=seed,
                          eos_token_id=eos)
     now = current_environment(device=device)
     diffs = []

@@ -207,6 +207,31 @@ class ModelRunner:
             self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
         return ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, sampled, lp, plp)
 
+    # -- snapshots (re-executing a step several ways without replaying the steps before it) -----------------------
+
+    def snapshot(self) -> "RunnerSnapshot":
+        """The complete runner state: KV blocks, per-request state (generators as their states), the batch."""
+        reqs = {}
+        for rid, st in self.requests.items():
+            reqs[rid] = (st, list(st.output_token_ids), list(st.block_ids), st.num_computed_tokens,
+                         None if st.generator is None else st.generator.get_state(), list(st.prompt_logprobs))
+        return RunnerSnapshot([k.clone() for k in self.kv.k], [v.clone() for v in self.kv.v], reqs, list(self.batch),
+                              self._seed_gen.get_state())
+
+    def restore(self, snap: "RunnerSnapshot") -> None:
+        """Go back to a `snapshot`: the runner behaves exactly as it did then."""
+        for dst, src in zip(self.kv.k + self.kv.v, snap.k + snap.v):
+            dst.copy_(src)
+        self.requests = {}
+        for rid, (st, out, blocks, computed, gen, plp) in snap.requests.items():
+            st.output_token_ids, st.block_ids, st.num_computed_tokens, st.prompt_logprobs = list(out), list(blocks), \
+                computed, list(plp)
+            if gen is not None:
+                st.generator.set_state(gen)
+            self.requests[rid] = st
+        self.batch = list(snap.batch)
+        self._seed_gen.set_state(snap.seed_gen)
+
     # -- snapshots of one step's effects (re-executing a step several ways) ----------------------------------------
 
     def snapshot_step(self, so: SchedulerOutput) -> "StepSnapshot":
@@ -279,3 +304,14 @@ class StepSnapshot:
     slots: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     requests: dict[str, tuple[int, int, torch.Tensor | None, list]]
+
+
+@dataclass(slots=True)
+class RunnerSnapshot:
+    """The whole runner state between two steps."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    requests: dict[str, tuple]
+    batch: list[str]
+    seed_gen: torch.Tensor

@@ -1,0 +1,1 @@
+"""Bisecting nondeterminism: steps, co-batched requests (ddmin), layers (hooks), configuration knobs (ddmin)."""

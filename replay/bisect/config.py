@@ -1,0 +1,53 @@
+"""`bisect_config`: delta debugging over the knob differences between a good and a bad configuration, to find the
+minimal change that makes the replay diverge."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from replay.bisect.ddmin import Ddmin
+from replay.errors import UsageError
+from replay.replayer import ReplayOptions, replay_capture
+from replay.runners import parse_overrides
+
+
+class ConfigBisect(msgspec.Struct):
+    """The answer of `bisect config`."""
+
+    capture: str
+    verdict: str
+    good: dict[str, str]
+    bad: dict[str, str]
+    minimal_change: dict[str, str]
+    re_executions: int
+
+
+def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: str | None = None, log=None) -> ConfigBisect:
+    """`good` / `bad`: "K=V,K=V" knob settings (see `replay.runners.KNOBS`). The good one must replay within
+    tolerance, the bad one must diverge."""
+    log = log or (lambda msg: None)
+    g = parse_overrides([x for x in good.split(",") if x])
+    b = parse_overrides([x for x in bad.split(",") if x])
+    changes = [(k, v) for k, v in b.items() if g.get(k) != v]
+    if not changes:
+        raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")
+
+    def diverges(subset) -> bool:
+        knobs = {**g, **dict(subset)}
+        rep = replay_capture(path, ReplayOptions(overrides=knobs, steps=steps, force=True))
+        return rep.diverged
+
+    dd = Ddmin(diverges, log)
+    log(f"checking the good configuration ({good or 'as recorded'})")
+    if dd.fails(()):
+        raise UsageError(f"the good configuration ({good or 'as recorded'}) already diverges: nothing to bisect")
+    log(f"checking the bad configuration ({bad})")
+    if not dd.fails(changes):
+        raise UsageError(f"the bad configuration ({bad}) replays within tolerance: nothing to bisect")
+    minimal = dict(dd.minimize(changes))
+    what = ", ".join(f"{k}={v}" for k, v in minimal.items())
+    verdict = (f"changing {what} alone makes {path} diverge" if len(minimal) == 1
+               else f"these changes together make {path} diverge (each alone does not): {what}")
+    return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests)

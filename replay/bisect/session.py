@@ -1,0 +1,153 @@
+"""`StepSession`: the runner's state just before step S, restored at will, so that step S can be re-executed
+many ways (another batch, hooks on every module, a planted fault) without replaying steps 0..S-1 each time."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from msgspec.structs import replace
+
+from replay.capture import CaptureReader, RequestAdded, Step
+from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from replay.errors import UsageError
+from replay.runners import build_runner
+
+PAD_BLOCKS = 64  # spare KV blocks for padding requests (batch-size experiments)
+
+
+@dataclass(slots=True)
+class Run:
+    """One re-execution of the step: the outputs, and the requested request's logits row."""
+
+    logits: torch.Tensor | None  # [vocab] float32 logits of the watched request
+    token: list[int]
+    modules: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (module name, output rows), in order
+
+
+class StepSession:
+    """Replays a capture (forced mode) up to step `step`, then re-executes that step on demand."""
+
+    def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
+                 force: bool = False, log=None):
+        self.path = str(path)
+        self.log = log or (lambda msg: None)
+        self.ext: dict[str, str] = {}
+        self.internal: dict[str, str] = {}
+        with CaptureReader(path) as r:
+            self.header = r.header
+            built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
+            self.runner = built.runner
+            self.environment = built.environment
+            prev: dict[str, list[int]] = {}
+            target = None
+            for rec in r.records():
+                if isinstance(rec, RequestAdded):
+                    rid = rec.request.request_id
+                    self.ext[rid] = rec.request.external_req_id or rid
+                    self.internal[self.ext[rid]] = rid
+                    continue
+                if not isinstance(rec, Step):
+                    continue
+                if rec.index == step:
+                    target = rec
+                    break
+                self.runner.update_states(rec.scheduler_output, rec.drawn_seeds, prev)
+                self.runner.run_step(rec.scheduler_output)
+                mro = rec.model_runner_output
+                prev = {rid: t for rid, t in zip(mro.req_ids, mro.sampled_token_ids) if t} if mro else {}
+                if rec.index % 50 == 0:
+                    self.log(f"  replaying to step {step}: at {rec.index}")
+        if target is None:
+            raise UsageError(f"{path}: no step {step} in this capture")
+        self.step = target
+        self.prev = prev
+        self.snap = self.runner.snapshot()
+        self.num_blocks = self.runner.kv.num_blocks
+
+    def request_id(self, name: str) -> str:
+        """Internal id of a request given by its external or internal id, checked to be in the step."""
+        rid = self.internal.get(name, name)
+        if rid not in self.step.scheduler_output.num_scheduled_tokens:
+            raise UsageError(f"request {name!r} is not scheduled in step {self.step.index} "
+                             f"(scheduled: {', '.join(self.names(self.step.scheduler_output.num_scheduled_tokens))})")
+        return rid
+
+    def names(self, ids) -> list[str]:
+        """External ids of internal ids."""
+        return [self.ext.get(r, r) for r in ids]
+
+    def neighbours(self, rid: str) -> list[str]:
+        """The requests co-scheduled with `rid` at the step."""
+        return [r for r in self.step.scheduler_output.num_scheduled_tokens if r != rid]
+
+    def run(self, watch: str, keep: set[str] | None = None, pad: int = 0, hooks=None, modules: bool = False) -> Run:
+        """Re-execute the step from the snapshot with only `keep` (None: everyone) plus `pad` one-token padding
+        requests; return `watch`'s logits (and every module's output rows for it, with `modules`)."""
+        self.runner.restore(self.snap)
+        so = self.step.scheduler_output if keep is None else subset(self.step.scheduler_output, keep)
+        if pad:
+            so = padded(so, pad, self.num_blocks - PAD_BLOCKS, self.runner.kv.block_size)
+        self.runner.update_states(so, self.step.drawn_seeds, self.prev)
+        captured: list[tuple[str, torch.Tensor]] = []
+        handles = []
+        model = self.runner.model
+        runner = self.runner
+
+        def rows(name, out):
+            if not isinstance(out, torch.Tensor):
+                return
+            flat = out.reshape(out.shape[0], -1)
+            if name == "lm_head":
+                i = runner.current_rows.index(watch)
+                captured.append((name, flat[i:i + 1].detach().clone()))
+            elif name and watch in runner.current_spans:
+                a, b = runner.current_spans[watch]
+                captured.append((name, flat[a:b].detach().clone()))
+
+        handles += [h() for h in (hooks or [])]  # first: the capture hooks below must see what these did
+        if modules:
+            for name, m in model.named_modules():
+                if name:
+                    handles.append(m.register_forward_hook(lambda mod, args, out, name=name: rows(name, out)))
+        else:
+            handles.append(model.lm_head.register_forward_hook(lambda mod, args, out: rows("lm_head", out)))
+        try:
+            mro = self.runner.run_step(so)
+        finally:
+            for h in handles:
+                h.remove()
+        logits = next((t[0].float() for n, t in captured if n == "lm_head"), None)
+        return Run(logits, mro.sampled(watch), captured if modules else [])
+
+
+def subset(so: SchedulerOutput, keep: set[str]) -> SchedulerOutput:
+    """The step with only the requests in `keep`, each with its recorded number of scheduled tokens."""
+    cr = so.scheduled_cached_reqs
+    idx = [i for i, r in enumerate(cr.req_ids) if r in keep]
+    pick = lambda xs: [xs[i] for i in idx] if xs else xs  # noqa: E731
+    cached = CachedRequestData(pick(cr.req_ids), {r for r in cr.resumed_req_ids if r in keep}, pick(cr.new_token_ids),
+                               {k: v for k, v in cr.all_token_ids.items() if k in keep}, pick(cr.new_block_ids),
+                               pick(cr.num_computed_tokens), pick(cr.num_output_tokens))
+    sched = {r: n for r, n in so.num_scheduled_tokens.items() if r in keep}
+    return replace(so, scheduled_new_reqs=[n for n in so.scheduled_new_reqs if n.req_id in keep],
+                   scheduled_cached_reqs=cached, num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()))
+
+
+def padded(so: SchedulerOutput, k: int, first_block: int, block_size: int) -> SchedulerOutput:
+    """The step plus `k` new one-token requests in spare blocks (they only change the batch's size)."""
+    if k > PAD_BLOCKS:
+        raise UsageError(f"at most {PAD_BLOCKS} padding requests")
+    pads = [NewRequestData(f"__pad{i}", [3 + i], [], SamplingParams(temperature=0.0), None, ([first_block + i],), 0, None)
+            for i in range(k)]
+    sched = dict(so.num_scheduled_tokens)
+    sched.update({p.req_id: 1 for p in pads})
+    return replace(so, scheduled_new_reqs=list(so.scheduled_new_reqs) + pads, num_scheduled_tokens=sched,
+                   total_num_scheduled_tokens=sum(sched.values()))
+
+
+def stderr_log(msg: str) -> None:
+    """Progress lines for humans, on stderr."""
+    print(msg, file=sys.stderr, flush=True)

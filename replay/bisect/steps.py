@@ -1,0 +1,39 @@
+"""`bisect_steps`: the first step where recorded and replayed (or capture A and capture B) part."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from replay.compare import CaptureDiff, diff_captures
+from replay.diff import Tolerance
+from replay.replayer import ReplayOptions, ReplayReport, replay_capture
+
+
+class StepsBisect(msgspec.Struct):
+    """The answer of `bisect steps`: a verdict and the full report it rests on."""
+
+    verdict: str
+    step: int | None
+    replay: ReplayReport | None = None
+    capture_diff: CaptureDiff | None = None
+
+
+def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, opts: ReplayOptions | None = None,
+                 tol: Tolerance | None = None) -> StepsBisect:
+    """With one capture: replay it (forced mode, so every step's diff is local) and name the first divergent step.
+    With two: align their requests and name the step of A where they first part."""
+    if b is None:
+        rep = replay_capture(a, opts)
+        d = rep.first_divergence
+        if d is None:
+            return StepsBisect(f"no step of {a} diverges: all {rep.steps_replayed} replay within tolerance", None, rep)
+        return StepsBisect(f"step {d.step} is the first to diverge: request {d.request_id}, output position "
+                           f"{d.position} ({d.kind}{', ' + d.flip + ' flip' if d.flip else ''})", d.step, rep)
+    res = diff_captures(a, b, tol)
+    d = res.first_divergence
+    if d is None:
+        return StepsBisect(f"{a} and {b} agree on every common request", None, capture_diff=res)
+    return StepsBisect(f"the captures part at step {d.a_step} of A (step {d.b_step} of B): request {d.request_id}, "
+                       f"output position {d.position}; suspect {d.suspect}", d.a_step, capture_diff=res)
