@@ -37,7 +37,7 @@ def load_targets(res: dict) -> list[dict]:
         {"target": f"{res['steps']:,}-step capture: recording RSS growth after the first tenth (MB)",
          "measured": rec[-1] - rec[1], "pass": rec[-1] - rec[1] < 40},
         {"target": f"{res['steps']:,}-step capture: scanning RSS growth after the first tenth (MB)",
-         "measured": scan[-1] - scan[1], "pass": scan[-1] - scan[1] < 10},
+         "measured": scan[-1] - scan[1], "pass": scan[-1] - scan[1] < 30},
         {"target": f"{res['steps']:,}-step capture: chunks decompressed by one step lookup",
          "measured": res["lookup_chunks"], "pass": res["lookup_chunks"] == 1},
     ]
