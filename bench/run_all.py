@@ -50,7 +50,8 @@ def table(sections: list[tuple[str, list[dict]]]) -> str:
         for t in targets:
             v = t["measured"]
             shown = f"{v:,.3g}" if isinstance(v, float) else f"{v:,}"
-            lines.append(f"| {name} | {t['target']} | {shown} | {'pass' if t['pass'] else '**FAIL**'} |")
+            target = t["target"].replace("|", "\\|")  # a literal | would split the markdown cell
+            lines.append(f"| {name} | {target} | {shown} | {'pass' if t['pass'] else '**FAIL**'} |")
     return "\n".join(lines)
 
 

@@ -34,8 +34,8 @@ def _err(msg: str) -> None:
     print(f"replay: {msg}", file=sys.stderr)
 
 
-def command(fn):
-    """Register a command whose ReplayErrors become one stderr line and their exit code."""
+def _guarded(fn):
+    """`fn` with ReplayErrors turned into one stderr line and their exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -50,7 +50,12 @@ def command(fn):
         except BrokenPipeError:  # `replay export x | head`
             raise typer.Exit(EXIT_OK) from None
 
-    return app.command()(wrapper)
+    return wrapper
+
+
+def command(fn):
+    """Register a top-level command."""
+    return app.command()(_guarded(fn))
 
 
 def _damage_exit(damage, *, listed: bool = True) -> None:
@@ -263,16 +268,8 @@ app.add_typer(bisect_app, name="bisect")
 
 
 def _bisect_command(fn):
-    """Register a bisect subcommand with the same error handling as the top-level ones."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ReplayError as e:
-            _err(str(e))
-            raise typer.Exit(e.exit_code) from None
-
-    return bisect_app.command(fn.__name__.removeprefix("bisect_"))(wrapper)
+    """Register `replay bisect NAME` for a function named `bisect_NAME`."""
+    return bisect_app.command(fn.__name__.removeprefix("bisect_"))(_guarded(fn))
 
 
 def _log(quiet: bool):
