@@ -387,6 +387,55 @@ def bisect_config(
     print(f"  {res.re_executions} replays")
 
 
+@command
+def stress(
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Text prompt (the model's tokenizer)."),
+    prompt_token_ids: Optional[str] = typer.Option(None, "--prompt-token-ids", help="Comma-separated token ids."),
+    model: str = typer.Option("tiny", "--model", "-m"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    trials: int = typer.Option(20, "--trials", min=2, help="How many times to run the prompt."),
+    max_tokens: int = typer.Option(24, "--max-tokens", min=1),
+    neighbours: str = typer.Option("0:12", "--neighbours", help="MIN:MAX random co-batched requests per trial."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Run the builtin runner's batch-invariant mode."),
+    threads: int = typer.Option(1, "--threads", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    json: bool = JsonOpt,
+) -> None:
+    """The same prompt N times, greedy, under varied co-batching: how many unique completions and logprob sequences?"""
+    from replay.engine.config import EngineConfig, RunnerConfig
+    from replay.errors import UsageError
+    from replay.stress import stress as run_it
+
+    if (prompt is None) == (prompt_token_ids is None):
+        raise UsageError("give exactly one of --prompt and --prompt-token-ids")
+    if prompt is not None:
+        from replay.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model)
+        if tok is None:
+            raise UsageError(f"{model}: no tokenizer.json; use --prompt-token-ids")
+        ids = tok.encode(prompt)
+    else:
+        try:
+            ids = [int(x) for x in prompt_token_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-token-ids {prompt_token_ids!r}: expected comma-separated integers") from None
+    cfg = EngineConfig(model=model, runner=RunnerConfig(dtype=dtype, num_threads=threads, batch_invariant=batch_invariant))
+    res = run_it(ids, cfg, trials=trials, max_tokens=max_tokens, neighbours=_range(neighbours, "--neighbours"),
+                 seed=seed, log=_log(quiet))
+    if json:
+        from replay.jsonable import dumps
+
+        print(dumps(res))
+        return
+    print(res.verdict)
+    f = res.first_fork
+    if f is not None:
+        print(f"  trials {f.trials[0]} and {f.trials[1]} part at output position {f.position}: the target ran in batches of "
+              f"{f.batch_sizes[0]} and {f.batch_sizes[1]} requests ({f.batch_tokens[0]} and {f.batch_tokens[1]} tokens)")
+
+
 def _range(text: str, flag: str) -> tuple[int, int]:
     from replay.errors import UsageError
 
@@ -411,6 +460,7 @@ def record(
     num_blocks: int = typer.Option(512, "--num-blocks", min=1),
     max_model_len: int = typer.Option(2048, "--max-model-len", min=2),
     prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Batch-invariant runner (slower; see README)."),
     seed: int = typer.Option(0, "--seed", help="Engine seed (seeds drawn for unseeded requests) and synthetic workload seed."),
     num_requests: int = typer.Option(16, "--num-requests", min=1, help="Synthetic workload: requests."),
     prompt_len: str = typer.Option("8:48", "--prompt-len", help="Synthetic workload: MIN:MAX prompt tokens."),
@@ -441,7 +491,8 @@ def record(
         scheduler=SchedulerConfig(block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                   enable_prefix_caching=prefix_caching),
-        runner=RunnerConfig(dtype=dtype, device=device, attention_impl=attention, num_threads=threads, seed=seed),
+        runner=RunnerConfig(dtype=dtype, device=device, attention_impl=attention, num_threads=threads, seed=seed,
+                            batch_invariant=batch_invariant),
     )
     if prompts is not None:
         reqs = load_jsonl(prompts, defaults)

@@ -8,7 +8,7 @@ import msgspec
 from replay.capture import Header
 from replay.errors import UsageError
 
-KNOBS = ("dtype", "attention", "threads", "device", "model", "seed")
+KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant")
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, str]:
@@ -66,6 +66,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], force: bool, extra
     device = overrides.get("device", ec.extra.get("device", "cpu"))
     attention = overrides.get("attention", ec.attention_impl or "sdpa")
     seed = int(overrides.get("seed", ec.seed or 0))
+    invariant = str(overrides.get("batch_invariant", ec.batch_invariant)).lower() in ("1", "true", "yes", "on")
     if "threads" in overrides:
         try:
             torch.set_num_threads(int(overrides["threads"]))
@@ -77,7 +78,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], force: bool, extra
     eos = model_cfg.eos_token_id
     eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
     runner = ModelRunner(model, max(ec.num_gpu_blocks, 1) + extra_blocks, ec.block_size, attention_impl=attention, seed=seed,
-                         eos_token_id=eos)
+                         eos_token_id=eos, batch_invariant=invariant)
     now = current_environment(device=device)
     diffs = []
 
@@ -87,6 +88,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], force: bool, extra
 
     note("dtype", m.dtype, dtype)
     note("attention", ec.attention_impl, attention)
+    note("batch-invariant mode", ec.batch_invariant, invariant)
     note("device", env.device, now.device)
     note("torch", env.torch_version, now.torch_version)
     note("threads", env.num_threads, now.num_threads)

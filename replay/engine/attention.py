@@ -54,13 +54,15 @@ class SeqSpan:
 class PagedAttention:
     """The attention context of one step (the model calls `attend` once per layer)."""
 
-    def __init__(self, kv: KVCache, spans: list[SeqSpan], impl: str = "sdpa", sliding_window: int | None = None):
+    def __init__(self, kv: KVCache, spans: list[SeqSpan], impl: str = "sdpa", sliding_window: int | None = None,
+                 per_token: bool = False):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention implementation {impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
         self.kv = kv
         self.spans = spans
         self.impl = impl
         self.sliding_window = sliding_window
+        self.per_token = per_token  # batch-invariant mode: every query token attends on its own (see batch_invariant)
         self._write = torch.cat([s.write_slots for s in spans]) if spans else None
         # every request's context read in one gather per layer (not one per request), then sliced
         self._read = torch.cat([s.context_slots for s in spans]) if spans else None
@@ -87,6 +89,12 @@ class PagedAttention:
             a, b = self._offsets[i], self._offsets[i + 1]
             kh = keys_all[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
             vh = values_all[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+            if self.per_token:
+                for t in range(s.end - s.start):
+                    ctx = s.num_computed + t + 1  # the token at this position sees positions 0..itself
+                    out[s.start + t] = self._one(qh[:, s.start + t:s.start + t + 1], kh[:, :ctx], vh[:, :ctx],
+                                                 ctx - 1).transpose(0, 1)[0]
+                continue
             out[s.start:s.end] = self._one(qh[:, s.start:s.end], kh, vh, s.num_computed).transpose(0, 1)
         return out
 

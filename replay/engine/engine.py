@@ -46,7 +46,7 @@ class LLMEngine:
         sc = config.scheduler
         self.scheduler = Scheduler(sc, eos_token_id=self.eos_token_id)
         self.runner = ModelRunner(self.model, sc.num_gpu_blocks, sc.block_size, attention_impl=rc.attention_impl,
-                                  seed=rc.seed, eos_token_id=self.eos_token_id)
+                                  seed=rc.seed, eos_token_id=self.eos_token_id, batch_invariant=rc.batch_invariant)
         self.listeners = list(listeners or [])
         self.step_index = 0
         self._ids = itertools.count()

@@ -60,12 +60,17 @@ class ModelRunner:
     """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
 
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, batch_invariant: bool = False):
         from replay.engine.attention import ATTENTION_IMPLS
 
         if attention_impl not in ATTENTION_IMPLS:
             raise UsageError(f"attention implementation {attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
         self.model = model
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            from replay.engine.batch_invariant import enable
+
+            enable(model)
         cfg = model.cfg
         self.device = next(model.parameters()).device
         self.kv = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -174,7 +179,8 @@ class ModelRunner:
             start += n
             last.append(start - 1)
         self.current_rows = rows  # logits row i belongs to rows[i] (hooks on lm_head need this)
-        ctx = PagedAttention(self.kv, spans, self.attention_impl, getattr(self.model.cfg, "sliding_window", None))
+        ctx = PagedAttention(self.kv, spans, self.attention_impl, getattr(self.model.cfg, "sliding_window", None),
+                             per_token=self.batch_invariant)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).cpu()
         # The top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it.
