@@ -279,6 +279,7 @@ def _log(quiet: bool):
 
 
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress lines on stderr.")
+StateOpt = typer.Option(None, "--state", help="JSON file keeping every re-execution's result: an interrupted run resumes from it.")
 
 
 @_bisect_command
@@ -317,6 +318,7 @@ def bisect_batch(
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
     set_: Optional[list[str]] = SetOpt,
+    state: Optional[Path] = StateOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
@@ -325,7 +327,8 @@ def bisect_batch(
     from replay.diff import Tolerance
     from replay.runners import parse_overrides
 
-    res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(set_), log=_log(quiet))
+    res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(set_), log=_log(quiet),
+                 state=state)
     if json:
         from replay.jsonable import dumps
 
@@ -371,13 +374,14 @@ def bisect_config(
     good: str = typer.Option("", "--good", help="Knobs that replay within tolerance, K=V,... (default: as recorded)."),
     bad: str = typer.Option(..., "--bad", help="Knobs that diverge, K=V,..."),
     steps: Optional[str] = StepsOpt,
+    state: Optional[Path] = StateOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """The minimal set of knob changes (between --good and --bad) that makes the replay diverge (ddmin)."""
     from replay.bisect.config import bisect_config as run_it
 
-    res = run_it(capture, good, bad, steps=steps, log=_log(quiet))
+    res = run_it(capture, good, bad, steps=steps, log=_log(quiet), state=state)
     if json:
         from replay.jsonable import dumps
 

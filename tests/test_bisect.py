@@ -130,3 +130,31 @@ def test_bisect_cli(crowd):
     assert res.exit_code == 2 and "not scheduled" in res.stderr
     res = cli.invoke(app, ["bisect", "config", str(path), "--bad", "seed=3", "--steps", "0-3", "-q"])
     assert res.exit_code == 2 and "replays within tolerance" in res.stderr
+
+
+def test_an_interrupted_config_bisect_resumes_from_its_state(crowd, tmp_path):
+    path, _ = crowd
+    state = tmp_path / "state.json"
+    calls = []
+    import replay.bisect.config as config_mod
+
+    real = config_mod.replay_capture
+
+    def counting(*a, **k):
+        calls.append(1)
+        if len(calls) == 3 and not state.with_suffix(".done").exists():
+            raise KeyboardInterrupt  # the user hits ^C during the third replay
+        return real(*a, **k)
+
+    config_mod.replay_capture = counting
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bisect_config(path, "dtype=float32", "dtype=bfloat16,seed=5", steps="0-4", state=state)
+        assert state.exists()
+        state.with_suffix(".done").write_text("")
+        before = len(calls)
+        res = bisect_config(path, "dtype=float32", "dtype=bfloat16,seed=5", steps="0-4", state=state)
+    finally:
+        config_mod.replay_capture = real
+    assert res.minimal_change == {"dtype": "bfloat16"}
+    assert len(calls) - before == res.re_executions - 2  # the two results saved before the interrupt were reused

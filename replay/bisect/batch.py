@@ -50,7 +50,7 @@ def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
 
 
 def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Tolerance | None = None,
-                 overrides: dict[str, str] | None = None, hooks=None, log=None) -> BatchBisect:
+                 overrides: dict[str, str] | None = None, hooks=None, log=None, state=None) -> BatchBisect:
     """See the module docstring. `hooks` (callables returning hook handles) are installed for every run."""
     tol = tol or Tolerance()
     log = log or (lambda msg: None)
@@ -69,7 +69,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
     diff = float((alone.logits - full.logits).abs().max())
     log(f"request {request} alone vs in its batch of {len(others) + 1}: max |Δlogit| {diff:.3g}")
     minimal: list[str] = []
-    dd = Ddmin(lambda subset: differs(run({rid, *subset}).logits, alone.logits, tol), log)
+    dd = Ddmin(lambda subset: differs(run({rid, *subset}).logits, alone.logits, tol), log, state)
     if differs(full.logits, alone.logits, tol):
         dd._cache[frozenset(others)] = True
         log(f"ddmin over {len(others)} neighbours")

@@ -24,7 +24,8 @@ class ConfigBisect(msgspec.Struct):
     re_executions: int
 
 
-def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: str | None = None, log=None) -> ConfigBisect:
+def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: str | None = None, log=None,
+                  state=None) -> ConfigBisect:
     """`good` / `bad`: "K=V,K=V" knob settings (see `replay.runners.KNOBS`). The good one must replay within
     tolerance, the bad one must diverge."""
     log = log or (lambda msg: None)
@@ -39,7 +40,7 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: str | 
         rep = replay_capture(path, ReplayOptions(overrides=knobs, steps=steps, force=True))
         return rep.diverged
 
-    dd = Ddmin(diverges, log)
+    dd = Ddmin(diverges, log, state)
     log(f"checking the good configuration ({good or 'as recorded'})")
     if dd.fails(()):
         raise UsageError(f"the good configuration ({good or 'as recorded'}) already diverges: nothing to bisect")

@@ -3,18 +3,47 @@ tests for k relevant items instead of 2^n. Written once; `bisect batch` and `bis
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Callable, Hashable, Sequence, TypeVar
+
+from replay.errors import UsageError
 
 T = TypeVar("T", bound=Hashable)
 
 
 class Ddmin:
-    """Runs ddmin and counts the tests it needed (each distinct subset is tested once)."""
+    """Runs ddmin and counts the tests it needed (each distinct subset is tested once).
 
-    def __init__(self, test: Callable[[tuple], bool], log: Callable[[str], None] | None = None):
+    With `state`, every test result is also written to that JSON file as soon as it is known, and read back on
+    the next run: an interrupted bisect resumes where it stopped instead of re-executing everything."""
+
+    def __init__(self, test: Callable[[tuple], bool], log: Callable[[str], None] | None = None,
+                 state: str | os.PathLike | None = None):
         self._test = test
         self._cache: dict[frozenset, bool] = {}
         self.log = log or (lambda msg: None)
+        self._state = Path(state) if state else None
+        self.resumed = 0
+        if self._state is not None and self._state.exists():
+            try:
+                saved = json.loads(self._state.read_text())
+                for items, result in saved["tests"]:
+                    self._cache[frozenset(_hashable(x) for x in items)] = bool(result)
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{self._state}: not a bisect state file (delete it to start over)") from None
+            self.resumed = len(self._cache)
+            self.log(f"  resuming: {self.resumed} test result(s) read from {self._state}")
+
+    def _save(self) -> None:
+        if self._state is None:
+            return
+        data = {"tests": [[sorted(map(list, k) if k and isinstance(next(iter(k)), tuple) else k), v]
+                          for k, v in self._cache.items()]}
+        tmp = self._state.with_name(self._state.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self._state)  # atomic: a kill never leaves half a state file
 
     @property
     def tests(self) -> int:
@@ -26,6 +55,7 @@ class Ddmin:
         key = frozenset(subset)
         if key not in self._cache:
             self._cache[key] = bool(self._test(tuple(subset)))
+            self._save()
             self.log(f"  test {len(self._cache)}: {len(subset)} item(s) -> {'changes it' if self._cache[key] else 'no change'}")
         return self._cache[key]
 
@@ -51,3 +81,8 @@ class Ddmin:
                         break
                     n = min(len(items), 2 * n)
         return items
+
+
+def _hashable(x):
+    """JSON gives lists back where we stored tuples (knob changes): turn them into tuples again."""
+    return tuple(x) if isinstance(x, list) else x
