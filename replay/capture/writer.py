@@ -41,7 +41,23 @@ class _Chunk:
         self.born = time.monotonic()
 
 
-class CaptureWriter:
+class WriterContext:
+    """`with writer:` for both writers: close on success; on an engine error close with that error as the footer
+    status (every record written so far is complete); on a capture error stop without a footer."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif isinstance(exc, CaptureError):
+            self.abandon()
+        else:
+            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
+
+
+class CaptureWriter(WriterContext):
     """Writes a capture to `path` (as `path.partial` until `close`).
 
     Usage::
@@ -189,17 +205,6 @@ class CaptureWriter:
     def num_records(self) -> int:
         """Records written so far (id declarations and the footer included)."""
         return self._num_records
-
-    def __enter__(self) -> "CaptureWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        elif isinstance(exc, CaptureError):
-            self.abandon()
-        else:
-            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
 
     # -- internals ------------------------------------------------------------------------------------------------
 

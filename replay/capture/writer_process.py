@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from replay.capture import format as fmt
+from replay.capture.writer import WriterContext
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 
@@ -31,7 +32,7 @@ _FRAME = struct.Struct("<cI")
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-class ProcessCaptureWriter:
+class ProcessCaptureWriter(WriterContext):
     """Writes a capture through a child process; same methods as `CaptureWriter`."""
 
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
@@ -120,17 +121,6 @@ class ProcessCaptureWriter:
     def num_records(self) -> int:
         """Records in the closed capture (known after `close`)."""
         return getattr(self, "_num_records", 0)
-
-    def __enter__(self) -> "ProcessCaptureWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        elif isinstance(exc, CaptureError):
-            self.abandon()
-        else:
-            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
 
     # -- plumbing -------------------------------------------------------------------------------------------------
 
