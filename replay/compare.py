@@ -67,7 +67,6 @@ class CaptureDiff(msgspec.Struct):
 
 def _header_differences(a, b) -> list[str]:
     """Header fields (model, engine config, environment) whose values differ, as 'name: A vs B'."""
-    out = []
     pairs = [("engine", a.engine, b.engine), ("engine version", a.engine_version, b.engine_version)]
     if a.model is not None and b.model is not None:
         pairs += [("model", a.model.name, b.model.name), ("fingerprint", a.model.fingerprint[:12], b.model.fingerprint[:12]),

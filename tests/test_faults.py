@@ -17,7 +17,6 @@ from replay.capture import CaptureReader, Step
 from replay.capture.recover import recover
 from replay.errors import CaptureError
 from replay.replayer import replay_capture
-from replay.summary import capture_info
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLAY = [sys.executable, str(ROOT / "cli.py")]

@@ -1,0 +1,45 @@
+"""The `replay` command: parse, call one library function, render, map errors to exit codes (DESIGN §6).
+
+Results go to stdout, diagnostics to stderr. Every error is one line (`replay: <file>: <problem>`), never a
+traceback. Exit codes: 0 ok, 1 divergence / nothing recoverable, 2 usage or unreadable input, 3 completed on a
+damaged capture, 125 cannot test.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from typer.exceptions import Abort, Exit, TyperException
+
+from replay.cli import bisect_cmds, inspect_cmds, record_cmds, replay_cmds  # noqa: F401  (they register commands)
+from replay.cli.common import _err, app
+from replay.errors import EXIT_OK, EXIT_USAGE
+
+__all__ = ["app", "main", "run"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `replay` console script. Returns the exit code."""
+    try:
+        rc = app(args=argv, prog_name="replay", standalone_mode=False)
+    except Exit as e:
+        return e.exit_code
+    except Abort:
+        _err("aborted")
+        return 130
+    except TyperException as e:  # typer's (vendored click) usage errors: one line, exit 2
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `replay` or `replay CMD`: show the help
+            print(e.format_message(), file=sys.stderr)
+        else:
+            _err(e.format_message() if hasattr(e, "format_message") else str(e))
+        return getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE
+    return rc if isinstance(rc, int) else EXIT_OK
+
+
+def run() -> None:
+    """Console-script wrapper: exit with `main()`'s code."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

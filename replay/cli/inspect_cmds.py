@@ -1,0 +1,96 @@
+"""Commands that read captures: info, show, recover, export; and synth (synthetic captures)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from replay.cli.common import CaptureArg, JsonOpt, _damage_exit, _emit, _err, command
+from replay.errors import EXIT_DAMAGED
+
+
+@command
+def info(capture: Path = CaptureArg, json: bool = JsonOpt) -> None:
+    """Header summary, steps, requests, tokens, sizes and damage of a capture."""
+    from replay.summary import capture_info
+
+    res = capture_info(capture)
+    _emit(res, json, "render_info")
+    _damage_exit(res.damage)
+
+
+@command
+def show(
+    capture: Path = CaptureArg,
+    step: Optional[str] = typer.Option(None, "--step", "-s", help="Step N, range A-B, or A- (to the end)."),
+    request: Optional[str] = typer.Option(None, "--request", "-r", help="Only steps scheduling this request (internal or external id)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many steps."),
+    json: bool = JsonOpt,
+) -> None:
+    """One step (or a range, or one request's steps) as a human reads it."""
+    from replay.show import show_steps
+
+    res = show_steps(capture, step, request, limit)
+    _emit(res, json, "render_shown")
+    _damage_exit(res.damage)
+
+
+@command
+def recover(
+    capture: Path = CaptureArg,
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write (default: NAME without .partial, or NAME.recovered.capture)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
+    json: bool = JsonOpt,
+) -> None:
+    """Rewrite a damaged or unfinished capture with every readable record and a seek index.
+
+    Exit 0: nothing was lost; 3: written, but data was lost; 1: nothing recoverable."""
+    from replay.capture.recover import recover as do_recover
+
+    res = do_recover(capture, output, force=force)
+    _emit(res, json, "render_recover")
+    if res.lost_data:
+        raise typer.Exit(EXIT_DAMAGED)
+
+
+@command
+def export(
+    capture: Path = CaptureArg,
+    format: str = typer.Option("jsonl", "--format", "-f", help="Output format: jsonl (one JSON object per record)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write to a file instead of stdout."),
+) -> None:
+    """Every record of a capture, one JSON object per line, for other tools."""
+    from replay.export import export_records
+
+    if output is None:
+        n, damage = export_records(capture, sys.stdout, format)
+    else:
+        try:
+            with open(output, "w") as f:
+                n, damage = export_records(capture, f, format)
+        except OSError as e:
+            from replay.errors import UsageError
+
+            raise UsageError(f"{output}: cannot write: {e.strerror or e}") from None
+    _err(f"exported {n} records")
+    _damage_exit(damage, listed=False)
+
+
+@command
+def synth(
+    output: Path = typer.Argument(..., help="Capture file to write."),
+    steps: int = typer.Option(200, "--steps", min=1, help="Engine steps."),
+    running: int = typer.Option(64, "--running", min=1, help="Concurrently running requests."),
+    logprobs: int = typer.Option(5, "--logprobs", min=-1, help="Top-k logprobs per token; -1 for none."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic workload."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
+) -> None:
+    """Record a synthetic capture (realistic shapes, no model): for trying the tools and testing the format."""
+    from replay.synthetic import Workload, record_synthetic
+
+    path = record_synthetic(output, Workload(steps=steps, running=running, num_logprobs=None if logprobs < 0 else logprobs,
+                                             seed=seed), overwrite=force)
+    print(f"wrote {path}")

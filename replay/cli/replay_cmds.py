@@ -1,0 +1,87 @@
+"""Commands that replay and compare: run, check, diff."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from replay.cli.common import AtolOpt, CaptureArg, ForceOpt, JsonOpt, ModeOpt, PlantOpt, RtolOpt, SetOpt, StepsOpt, TieOpt, _emit, _err, _replay_options, command
+
+
+@command
+def run(
+    capture: Path = CaptureArg,
+    diff: bool = typer.Option(False, "--diff", help="Diff tokens and logprobs against the recording."),
+    mode: str = ModeOpt,
+    set_: Optional[list[str]] = SetOpt,
+    steps: Optional[str] = StepsOpt,
+    atol: float = AtolOpt,
+    rtol: float = RtolOpt,
+    tie_margin: float = TieOpt,
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Replay N times and report whether the runner is run-to-run deterministic."),
+    force: bool = ForceOpt,
+    plant: Optional[str] = PlantOpt,
+    json: bool = JsonOpt,
+) -> None:
+    """Re-execute the recorded steps on a fresh runner; with --diff, report where and how the outputs part.
+
+    Exit 0: matches within tolerance; 1: diverges; 2: bad input."""
+    from replay.replayer import replay_capture
+
+    rep = replay_capture(capture, _replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff))
+    if json:
+        from replay.jsonable import dumps
+
+        print(dumps(rep))
+    elif diff:
+        from replay.render import render_replay
+
+        print(render_replay(rep))
+    else:
+        print(f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
+              f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""))
+    if diff and rep.diverged:
+        raise typer.Exit(1)
+
+
+@command
+def check(
+    capture: Path = CaptureArg,
+    mode: str = ModeOpt,
+    set_: Optional[list[str]] = SetOpt,
+    atol: float = AtolOpt,
+    rtol: float = RtolOpt,
+    force: bool = ForceOpt,
+) -> None:
+    """Predicate for `git bisect run`: 0 replays within tolerance, 1 diverges, 125 cannot test."""
+    from replay.replayer import check_capture
+
+    try:
+        opts = _replay_options(mode, set_, None, atol, rtol, 0.05, 1, force, None)
+    except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
+        _err(str(e))
+        raise typer.Exit(125) from None
+    code = check_capture(capture, opts)
+    _err({0: "good: replays within tolerance", 1: "bad: diverges", 125: "cannot test"}[code])
+    raise typer.Exit(code)
+
+
+@command
+def diff(
+    a: Path = typer.Argument(..., help="First capture."),
+    b: Path = typer.Argument(..., help="Second capture of the same workload."),
+    atol: float = AtolOpt,
+    rtol: float = RtolOpt,
+    tie_margin: float = TieOpt,
+    json: bool = JsonOpt,
+) -> None:
+    """Compare two captures of the same workload request by request; exit 1 when they differ."""
+    from replay.compare import diff_captures
+    from replay.diff import Tolerance
+
+    res = diff_captures(a, b, Tolerance(atol, rtol, tie_margin))
+    _emit(res, json, "render_capture_diff")
+    if res.diverged:
+        raise typer.Exit(1)
