@@ -64,7 +64,9 @@ def _build_builtin(header: Header, overrides: dict[str, str], force: bool, extra
     model_ref = overrides.get("model") or m.path or m.name
     dtype = overrides.get("dtype", m.dtype or "float32")
     device = overrides.get("device", ec.extra.get("device", "cpu"))
-    attention = overrides.get("attention", ec.attention_impl or "sdpa")
+    # another engine's attention backend is not one of ours: cross-implementation replays use our default
+    own = ec.attention_impl if header.engine == "builtin" else ""
+    attention = overrides.get("attention", own or "sdpa")
     seed = int(overrides.get("seed", ec.seed or 0))
     invariant = str(overrides.get("batch_invariant", ec.batch_invariant)).lower() in ("1", "true", "yes", "on")
     if "threads" in overrides:

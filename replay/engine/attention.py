@@ -23,13 +23,29 @@ ATTENTION_IMPLS = ("sdpa", "reference")
 class KVCache:
     """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the model dtype."""
 
+    # Blocks are allocated as block ids appear, not all up front: a capture from an engine with a huge pool (vLLM on
+    # CPU reserves 8192 blocks of 128 tokens per GiB) replays in the memory its steps actually touch.
+    INITIAL_BLOCKS = 64
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (min(num_blocks, self.INITIAL_BLOCKS), block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the pool's size: block ids must stay below it
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def ensure(self, block_id: int) -> None:
+        """Grow the allocated blocks (doubling) so that `block_id` exists."""
+        have = self.k[0].shape[0]
+        if block_id < have:
+            return
+        if block_id >= self.num_blocks:
+            raise ValueError(f"block id {block_id} outside the pool of {self.num_blocks} blocks")
+        new = min(self.num_blocks, max(block_id + 1, 2 * have))
+        grow = lambda t: torch.cat([t, t.new_zeros((new - have, *t.shape[1:]))])  # noqa: E731
+        self.k = [grow(t) for t in self.k]
+        self.v = [grow(t) for t in self.v]
 
     def slots(self, block_ids: list[int] | torch.Tensor, start: int, end: int, device) -> torch.Tensor:
         """Flat slot indices of token positions [start, end) of a request with this block table."""

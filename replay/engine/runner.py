@@ -116,6 +116,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
                                                            list(new.block_ids[0]), new.num_computed_tokens,
                                                            stop_token_ids=stops)
+            self._ensure_blocks(new.block_ids[0])
             self.batch.append(new.req_id)
             in_batch.add(new.req_id)
         cr = so.scheduled_cached_reqs
@@ -132,9 +133,18 @@ class ModelRunner:
                 st.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 st.block_ids.extend(new_blocks[0])
+            if new_blocks:
+                self._ensure_blocks(new_blocks[0])
             if rid not in in_batch:
                 self.batch.append(rid)
                 in_batch.add(rid)
+
+    def _ensure_blocks(self, block_ids) -> None:
+        if block_ids:
+            try:
+                self.kv.ensure(max(block_ids))
+            except ValueError as e:
+                raise UsageError(f"step names KV {e}: replay with a larger pool") from None
 
     # -- the step --------------------------------------------------------------------------------------------------
 
@@ -226,8 +236,8 @@ class ModelRunner:
 
     def restore(self, snap: "RunnerSnapshot") -> None:
         """Go back to a `snapshot`: the runner behaves exactly as it did then."""
-        for dst, src in zip(self.kv.k + self.kv.v, snap.k + snap.v):
-            dst.copy_(src)
+        self.kv.k = [t.clone() for t in snap.k]  # (blocks allocated after the snapshot were never used before it)
+        self.kv.v = [t.clone() for t in snap.v]
         self.requests = {}
         for rid, (st, out, blocks, computed, gen, plp) in snap.requests.items():
             st.output_token_ids, st.block_ids, st.num_computed_tokens, st.prompt_logprobs = list(out), list(blocks), \

@@ -259,3 +259,16 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -
 def load_model_config_for(name_or_path: str) -> ModelConfig:
     """The ModelConfig of "tiny" or of a checkpoint directory, without loading any weights."""
     return TINY_CONFIG if name_or_path == "tiny" else load_model_config(name_or_path)
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """The weights fingerprint of a checkpoint directory without building the model (what other engines'
+    captures record, so that replay on the builtin runner can check it loads the same weights)."""
+    from safetensors import safe_open
+
+    fp = Fingerprint()
+    for f in _safetensors_files(Path(path)):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                fp.add(name, st.get_tensor(name))
+    return fp.hexdigest()

@@ -1,0 +1,1 @@
+"""vLLM integration: a `vllm.general_plugins` tap (`plugin`), vLLM objects <-> contracts (`convert`)."""
