@@ -23,15 +23,21 @@ from replay.summary import capture_info  # noqa: E402
 
 RUN = textwrap.dedent("""
     import os, sys
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if sys.argv[2] == "inprocess":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-              seed=0, max_num_seqs=16)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(8)]
-    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True),
-                       use_tqdm=False)
-    print([list(o.outputs[0].token_ids) for o in out])
+
+    def main():
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                  enforce_eager=True, seed=0, max_num_seqs=16)
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(8)]
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True),
+                           use_tqdm=False)
+        print([list(o.outputs[0].token_ids) for o in out])
+
+    if __name__ == "__main__":  # vLLM's multiprocess mode spawns processes that re-import this
+        main()
 """)
 
 
@@ -45,12 +51,19 @@ def vllm_capture(tmp_path_factory):
                                    intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
                                    eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(d / "tiny-llama")
-    capture = d / "v.capture"
+    return _record(d, "inprocess")
+
+
+def _record(d, mode):
+    capture = d / f"{mode}.capture"
+    script = d / "run_vllm.py"
+    script.write_text(RUN)
     env = dict(os.environ, REPLAY_CAPTURE=str(capture))
-    out = subprocess.run([sys.executable, "-c", RUN, str(d / "tiny-llama")], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama"), mode], capture_output=True, text=True,
+                         env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    outputs = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own subprocess printed a list of lists
+    line = next(x for x in out.stdout.splitlines() if x.startswith("[["))  # vLLM logs to stdout too
+    outputs = eval(line)  # noqa: S307 - our own subprocess printed a list of lists
     return capture, outputs
 
 
@@ -77,3 +90,11 @@ def test_vllm_capture_replays_on_the_builtin_runner(vllm_capture):
     capture, _ = vllm_capture
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     assert not rep.diverged, rep.first_divergence  # same tokens; logprobs within 1e-5 of vLLM's CPU kernels
+
+
+def test_multiprocess_mode_records_in_the_engine_core_process(vllm_capture):
+    capture, outputs = vllm_capture
+    mp_capture, mp_outputs = _record(capture.parent, "multiprocess")
+    assert mp_outputs == outputs
+    info = capture_info(mp_capture)
+    assert info.complete and not info.damage and info.num_generated_tokens == 8 * 16
