@@ -8,7 +8,7 @@ import msgspec
 from replay.capture import Header
 from replay.errors import UsageError
 
-KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant")
+KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant", "runner")
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, str]:
@@ -45,6 +45,14 @@ class BuiltRunner(msgspec.Struct):
 def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False, extra_blocks: int = 0) -> BuiltRunner:
     """A fresh runner for `header`'s engine. Raises UsageError (exit 2) for a capture no runner can replay and
     for a different model without `force`."""
+    runner = overrides.get("runner", "builtin")
+    if runner == "vllm":
+        from replay.integrations.vllm.runner import VllmRunner
+
+        diffs = [] if header.engine == "vllm" else [f"runner: recorded on {header.engine}, replay on vllm"]
+        return BuiltRunner(VllmRunner(header, overrides), ReplayEnvironment(diffs, None), "vllm")
+    if runner != "builtin":
+        raise UsageError(f"--set runner={runner!r}: expected builtin or vllm")
     if header.engine == "builtin" or (header.model is not None and header.engine not in ("synthetic",)):
         return _build_builtin(header, overrides, force, extra_blocks)
     raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "

