@@ -118,3 +118,48 @@ def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
     path = record(RecordOptions(cfg, synthetic(wl, 1024), tmp_path / "b.capture")).path
     rep = replay_capture(path, ReplayOptions(overrides={"runner": "vllm"}, tolerance=Tolerance(atol=1e-5)))
     assert not rep.diverged, rep.first_divergence  # vLLM's kernels agree with the builtin reference on this batch
+
+
+RICH = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    # a small pool (10 blocks of 32) forces preemption; the budget stays above every prompt because vllm-cpu 0.32
+    # crashes when a seeded request's prefill is chunked ("CPU Generator does not use offset")
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, max_num_seqs=4, max_num_batched_tokens=256, num_gpu_blocks_override=10, block_size=32)
+    shared = [(11 * j) % 1000 + 3 for j in range(40)]
+    prompts = [{"prompt_token_ids": shared + [(7 * i + 13 * j) % 1000 + 3 for j in range(3 + 2 * i)]} for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, seed=7, max_tokens=24, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3, max_tokens=24,
+                             ignore_eos=True, prompt_logprobs=2)] * 2
+    out = llm.generate(prompts, params, use_tqdm=False)
+    print("done")
+""")
+
+
+def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(vllm_capture):
+    d = vllm_capture[0].parent
+    script, capture = d / "rich.py", d / "rich.capture"
+    script.write_text(RICH)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
+                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = {"resumed": 0, "prefix_hits": 0, "prompt_logprobs": 0, "seeded": 0, "random": 0}
+    with CaptureReader(capture) as r:
+        for s in r.records():
+            if isinstance(s, Step):
+                so, mro = s.scheduler_output, s.model_runner_output
+                seen["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)
+                seen["prefix_hits"] += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
+                seen["prompt_logprobs"] += sum(v is not None for v in mro.prompt_logprobs_dict.values())
+                seen["seeded"] += sum(n.sampling_params.seed is not None for n in so.scheduled_new_reqs)
+                seen["random"] += sum(n.sampling_params.temperature > 0 and n.sampling_params.seed is None
+                                      for n in so.scheduled_new_reqs)
+    assert all(v > 0 for v in seen.values()), str(seen)
+    assert not replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"})).diverged
+    bf16 = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm", "dtype": "bfloat16"}))
+    assert bf16.diverged and bf16.first_divergence.step == 0
