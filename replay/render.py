@@ -186,6 +186,10 @@ def render_replay(rep) -> str:
         lines.append(f"planted: {p.size:g} added to {p.module} for request {p.request} at step {p.step}")
     if rep.run_to_run:
         lines.append(f"run to run: {rep.run_to_run}")
+    if rep.foreign_draws_differ:
+        lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
+                     "not compared: vLLM drew them with its own sampler kernels and random streams, which only "
+                     "vLLM's runner repeats (--set runner=vllm); their logprobs are compared")
     if not rep.diverged:
         lines.append("MATCH: every replayed step equals the recording")
         return "\n".join(lines)

