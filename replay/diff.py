@@ -82,6 +82,7 @@ class StepSummary(msgspec.Struct):
     max_abs_logprob_diff: float = 0.0
     topk_set_changes: int = 0
     rank_changes: int = 0
+    foreign_draws_differ: int = 0  # sampled tokens another implementation drew with its own RNG (not compared)
 
 
 def batch_composition(step: int, so: SchedulerOutput, ext: dict[str, str]) -> BatchComposition:
@@ -128,9 +129,11 @@ def _lp_diff(er, ar) -> tuple[float, bool]:
 
 def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRunnerOutput | None,
                  ext: dict[str, str], positions: dict[str, int], tol: Tolerance,
-                 actual_margins: dict[str, float] | None = None, num_tokens: int = 0
-                 ) -> tuple[StepSummary, list[Divergence]]:
-    """Diff one step's outputs. `positions[rid]` = output tokens the request had before this step."""
+                 actual_margins: dict[str, float] | None = None, num_tokens: int = 0,
+                 foreign_draws: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
+    """Diff one step's outputs. `positions[rid]` = output tokens the request had before this step. Requests in
+    `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token (and its
+    logprob column and rank) is counted when it differs, not compared; their top-k logprobs are."""
     exp_ids = expected.req_ids if expected is not None else []
     summary = StepSummary(step, len(exp_ids), num_tokens)
     divs: list[Divergence] = []
@@ -144,6 +147,12 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             continue
         et, at = expected.sampled_token_ids[i], actual.sampled_token_ids[j]
         er, ar = _row(expected.logprobs, i), _row(actual.logprobs, j)
+        if rid in foreign_draws:
+            if et != at:
+                summary.foreign_draws_differ += 1
+                at = et
+            if er is not None and ar is not None:  # column 0 is the draw's own logprob: take it as recorded
+                ar = (np.concatenate([er[0][:1], ar[0][1:]]), np.concatenate([er[1][:1], ar[1][1:]]), er[2])
         lp_diff, topk_changed, lp_equal = 0.0, False, True
         if er is not None and ar is not None:
             lp_diff, topk_changed = _lp_diff(er, ar)

@@ -113,6 +113,10 @@ def record(opts: RecordOptions) -> RecordResult:
     from replay.engine.engine import LLMEngine
     from replay.environment import current_environment, make_header
 
+    constrained = next((r for r in opts.requests if r.params.structured_outputs), None)
+    if constrained is not None:
+        raise UsageError(f"request {constrained.request_id or '?'}: structured_outputs needs a grammar backend, which "
+                         "the builtin engine does not have (record it with --engine vllm; replay works on both)")
     engine = LLMEngine(opts.engine, listeners=list(opts.listeners))
     writer = None
     if opts.tap:

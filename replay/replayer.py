@@ -153,12 +153,8 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
                 digests.append(_digest(actual))
             if opts.diff and (rng is None or rec.index >= rng.first):
                 summary, divs = compare_step(rec.index, expected, actual, ext, positions, opts.tolerance,
-                                             runner.last_margins, so.total_num_scheduled_tokens)
-                if foreign_random:
-                    kept = [d for d in divs if not (d.kind == "token" and d.internal_id in foreign_random)]
-                    foreign_flips += len(divs) - len(kept)
-                    summary.token_mismatches -= len(divs) - len(kept)
-                    divs = kept
+                                             runner.last_margins, so.total_num_scheduled_tokens, foreign_random)
+                foreign_flips += summary.foreign_draws_differ
                 summaries.append(summary)
                 if divs and first_batch is None:
                     first_batch = batch_composition(rec.index, so, ext)

@@ -2,7 +2,8 @@
 
 JSONL: one object per line with `prompt` (text) or `prompt_token_ids`, an optional `request_id`, an optional
 `arrival_step` (the engine step before which it arrives; default 0), and sampling fields under vLLM's
-`SamplingParams` names.
+`SamplingParams` names (`structured_outputs` as vLLM's StructuredOutputsParams fields, e.g. {"regex": "[0-9]+"};
+vLLM engine only).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from replay.errors import UsageError
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "prompt_logprobs",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens")
+                   "min_tokens", "structured_outputs")
 _KEYS = frozenset(SAMPLING_FIELDS) | {"prompt", "prompt_token_ids", "request_id", "arrival_step"}
 
 

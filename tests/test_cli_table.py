@@ -17,8 +17,10 @@ def paths(tmp_path, small_capture):
     os.symlink(loop_a, loop_b)
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"prompt": 5}\n')
+    grammar = tmp_path / "grammar.jsonl"
+    grammar.write_text('{"prompt_token_ids": [5, 6], "structured_outputs": {"regex": "[0-9]+"}}\n')
     return {"cap": str(small_capture), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
-            "jsonl": str(bad_jsonl), "out": str(tmp_path / "out.capture")}
+            "jsonl": str(bad_jsonl), "grammar": str(grammar), "out": str(tmp_path / "out.capture")}
 
 
 CASES = [
@@ -32,6 +34,9 @@ CASES = [
     ("record", "--attention", "magic", "--out", "{out}"), ("record", "--prompts", "{missing}", "--out", "{out}"),
     ("record", "--prompts", "{jsonl}", "--out", "{out}"), ("record", "--top-p", "2", "--out", "{out}"),
     ("record", "--model", "{missing}", "--out", "{out}"), ("record", "--model", "{dir}", "--out", "{out}"),
+    ("record", "--engine", "sglang", "--out", "{out}"), ("record", "--engine", "vllm", "--out", "{out}"),
+    ("record", "--engine", "vllm", "--attention", "sdpa", "--prompts", "{grammar}", "--model", "{dir}"),
+    ("record", "--prompts", "{grammar}", "--out", "{out}"),
     ("run", "{cap}", "--repeat", "0"), ("run", "{cap}", "--atol", "-1"), ("run", "{cap}", "--mode", "sideways"),
     ("run", "{cap}", "--set", "nonsense"), ("recover", "{cap}", "-o", "{cap}"),
     # unreadable inputs

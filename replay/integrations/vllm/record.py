@@ -47,6 +47,11 @@ def record_vllm(opts: VllmRecordOptions) -> RecordResult:
         raise UsageError(f"{out} exists (--force to overwrite)")
     if not os.path.isdir(opts.model):
         raise UsageError(f"{opts.model}: not a model directory (vLLM records from a local checkpoint)")
+    if not _has_tokenizer(opts.model):
+        text = next((r for r in opts.requests if r.prompt_token_ids is None), None)
+        if text is not None:
+            raise UsageError(f"request {text.request_id or '?'}: a text prompt, but {opts.model} has no tokenizer; "
+                             "give prompt_token_ids")
     out.parent.mkdir(parents=True, exist_ok=True)
     llm = _build(opts)
     core = llm.llm_engine.engine_core.engine_core
@@ -83,7 +88,7 @@ def _build(opts: VllmRecordOptions):
                   enable_prefix_caching=opts.enable_prefix_caching, max_num_seqs=opts.max_num_seqs,
                   max_num_batched_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
                   num_gpu_blocks_override=opts.num_gpu_blocks_override, max_model_len=opts.max_model_len,
-                  skip_tokenizer_init=all(r.prompt_token_ids is not None for r in opts.requests))
+                  skip_tokenizer_init=not _has_tokenizer(opts.model))
     kwargs = {k: v for k, v in kwargs.items() if v is not None} | opts.engine_kwargs
     try:
         return LLM(**kwargs)
@@ -97,11 +102,25 @@ def _build(opts: VllmRecordOptions):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
 
 
+def _has_tokenizer(model: str) -> bool:
+    """Whether the checkpoint carries a tokenizer (without one vLLM runs with skip_tokenizer_init: token ids only,
+    no EOS from the tokenizer, no structured output)."""
+    return any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                                 "tokenizer_config.json"))
+
+
 def _params(p):
     """Our SamplingParams (the workload's) as vLLM's: only the fields a workload sets."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    return SamplingParams(**{f: getattr(p, f) for f in SAMPLING_FIELDS if getattr(p, f) is not None})
+    fields = {f: getattr(p, f) for f in SAMPLING_FIELDS if getattr(p, f) is not None}
+    if "structured_outputs" in fields:  # {"regex": ...} / {"choice": [...]} / {"json": {...}}, vLLM's names
+        try:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"structured_outputs {fields['structured_outputs']!r}: {e}") from None
+    return SamplingParams(**fields)
 
 
 def _drive(engine, reqs: list[WorkloadRequest], progress: bool) -> tuple[int, int, int]:
@@ -118,7 +137,11 @@ def _drive(engine, reqs: list[WorkloadRequest], progress: bool) -> tuple[int, in
             while pending and pending[0].arrival_step <= due:
                 r = pending.pop(0)
                 prompt = {"prompt_token_ids": r.prompt_token_ids} if r.prompt_token_ids is not None else r.prompt
-                engine.add_request(r.request_id or str(len(reqs) - len(pending) - 1), prompt, _params(r.params))
+                rid = r.request_id or str(len(reqs) - len(pending) - 1)
+                try:
+                    engine.add_request(rid, prompt, _params(r.params))
+                except (ValueError, TypeError) as e:  # vLLM's validation of the request (VLLMValidationError)
+                    raise UsageError(f"request {rid}: vLLM refuses it: {' '.join(str(e).split())}"[:400]) from None
             for o in engine.step():
                 if o.finished:
                     n = sum(len(c.token_ids) for c in o.outputs)

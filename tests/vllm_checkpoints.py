@@ -1,0 +1,52 @@
+"""Tiny random-weight checkpoints for the real-vLLM tests, written with `transformers` (nothing is downloaded).
+
+vLLM's CPU attention needs head_dim >= 32; a small byte-level BPE tokenizer (trained here on a few sentences) is
+added where a test needs text or structured output (xgrammar builds its token table from it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def tiny_llama(path: Path) -> Path:
+    """A 2-layer Llama (GQA 4/2 heads, head_dim 32, vocab 1024)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def tiny_qwen3(path: Path) -> Path:
+    """A 2-layer Qwen3 (q/k norms, GQA 4/2 heads, head_dim 32, tied embeddings, vocab 1024)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, max_position_embeddings=512)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def add_tokenizer(path: Path) -> Path:
+    """A byte-level BPE tokenizer (about 300 tokens, ids below the model's vocab) saved next to the weights."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the answer is yes", "the answer is no", '{"name": "x", "age": 12}', "0123456789 true false null"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus * 50, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(path)
+    return path
