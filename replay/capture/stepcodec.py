@@ -202,9 +202,9 @@ def _pack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
     if pred is not None:
         ids = ids.copy()
         ids[:, 0] = (ids[:, 0].astype(np.int64) - pred).astype(ids.dtype)  # wraps like C ints: reversible
-        out_ids = _with(Array.from_numpy(ids, transpose=True), FILTER_COL0)
+        out_ids = _with(Array.from_numpy(ids, transpose=True, shuffle=True), FILTER_COL0)
     else:
-        out_ids = Array.from_numpy(ids, transpose=True)
+        out_ids = Array.from_numpy(ids, transpose=True, shuffle=True)
     return replace(lp, logprob_token_ids=out_ids, logprobs=out_vals,
                    sampled_token_ranks=Array.from_numpy(_plain(lp.sampled_token_ranks), shuffle=True))
 

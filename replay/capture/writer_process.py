@@ -8,7 +8,10 @@ of the pipe, seals every record it received into chunks and leaves a `.partial` 
 
 Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
 added, `X` request aborted, `S` step (payloads are msgpack records with string ids), `F` flush, `C` close (payload:
-the footer status), `Q` quit without a footer. The child answers on stdout with one JSON line: `{"ok": ...}` or
+the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts (its
+objects msgpack-encoded as they are, which is all the engine thread pays for): `V` a step image
+`[index, scheduler_output, model_runner_output, grammar_output]`, `R` an arrival image `[step, request]`; the child
+converts them into contracts field by field (`replay.contracts.tolerant`). The child answers on stdout with one JSON line: `{"ok": ...}` or
 `{"error": "..."}`.
 """
 
@@ -37,19 +40,20 @@ class ProcessCaptureWriter(WriterContext):
 
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
-                 level: int = fmt.DEFAULT_LEVEL):
+                 level: int = fmt.DEFAULT_LEVEL, nice: int = 0):
         self.path = Path(path)
         self.partial_path = self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
             raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
         options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
-                   "flush_interval": flush_interval, "level": level}
+                   "flush_interval": flush_interval, "level": level, "nice": nice}
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # the child must import this very package
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
         self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writer_process", json.dumps(options)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._fd = self._proc.stdin.fileno()
+        _grow_pipe(self._fd)
         self._num_steps = 0
         self._last_step = -1
         self._closed = False
@@ -81,6 +85,22 @@ class ProcessCaptureWriter(WriterContext):
             raise UsageError(f"cannot record a Step: {e}") from None
         self._send(b"S", data)
         self._last_step = step.index
+        self._num_steps += 1
+        return len(data)
+
+    def add_request_image(self, request_image: bytes, step: int) -> None:
+        """Record an arrival given as another engine's msgpack-encoded request (converted in the child)."""
+        self._send(b"R", _ENCODER.encode([step, msgspec.Raw(request_image)]))
+
+    def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | None,
+                         grammar_output: bytes | None = None) -> int:
+        """Record one step given as another engine's msgpack-encoded objects (converted in the child)."""
+        if index <= self._last_step:
+            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+        raw = [msgspec.Raw(b) if b is not None else None for b in (scheduler_output, model_runner_output, grammar_output)]
+        data = _ENCODER.encode([index, *raw])
+        self._send(b"V", data)
+        self._last_step = index
         self._num_steps += 1
         return len(data)
 
@@ -147,11 +167,49 @@ class ProcessCaptureWriter(WriterContext):
         return answer
 
 
+class _Images:
+    """The child's side of `V` / `R` frames: images -> contracts -> the writer."""
+
+    def __init__(self):
+        self.conv = None
+
+    def write(self, writer, kind: bytes, payload: bytes) -> None:
+        from replay.contracts import GrammarOutput
+        from replay.contracts.tolerant import TolerantConverter
+
+        if self.conv is None:
+            self.conv = TolerantConverter()
+        c = self.conv
+        if kind == b"R":
+            step, request = msgspec.msgpack.decode(payload)
+            writer.add_request(c.convert(request, EngineCoreRequest), step)
+            return
+        index, so, mro, go = msgspec.msgpack.decode(payload)
+        writer.write_step_record(fmt.Step(
+            index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
+            grammar_output=None if go is None else c.convert(go, GrammarOutput[str])))
+
+
+def _grow_pipe(fd: int) -> None:
+    """A deeper pipe (Linux: up to pipe-max-size, 1 MiB by default) so that a burst of steps never makes the engine
+    wait for the writer process; the writer only has to keep up on average."""
+    try:
+        import fcntl
+
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = min(int(f.read()), 1 << 20)
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (OSError, ValueError, ImportError):
+        pass  # another OS, or a lower limit: the default pipe works, it only waits sooner
+
+
 def _child(options: dict) -> int:
     """The writer process: read frames from stdin, write the capture with a CaptureWriter."""
     from replay.capture.writer import CaptureWriter
     from replay.errors import ReplayError
 
+    if options.get("nice"):
+        os.nice(options["nice"])  # the engine's threads come first; the deep pipe absorbs what waits
     out = sys.stdout
     stdin = sys.stdin.buffer
     decoders = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
@@ -169,6 +227,7 @@ def _child(options: dict) -> int:
         return kind, stdin.read(n)
 
     writer = None
+    images = _Images()
     try:
         kind, payload = read_frame()
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
@@ -187,6 +246,9 @@ def _child(options: dict) -> int:
                 return 0
             if kind == b"F":
                 writer.flush()
+                continue
+            if kind in (b"V", b"R"):
+                images.write(writer, kind, payload)
                 continue
             rec = decoders[kind].decode(payload)
             if kind == b"S":

