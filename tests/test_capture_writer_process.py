@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
 from replay.capture import CaptureReader, CaptureWriter, Step
@@ -83,3 +84,33 @@ def test_engine_crash_keeps_every_record_the_writer_received(tmp_path):
         if len(steps) == written:
             break
     assert steps == list(range(written)), (len(steps), written)
+
+
+def _as_map(x):
+    """A contract object as another engine's image would look: Structs as maps (Arrays stay as they encode)."""
+    from replay.contracts import Array, Opaque
+
+    if isinstance(x, (Array, Opaque)):
+        return x
+    if isinstance(x, msgspec.Struct):
+        return {f: _as_map(getattr(x, f)) for f in x.__struct_fields__}
+    if isinstance(x, (list, tuple, set)):
+        return [_as_map(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _as_map(v) for k, v in x.items()}
+    return x
+
+
+def test_images_of_foreign_objects_give_the_same_records(tmp_path):
+    """The vLLM tap's route: the engine thread sends msgpack images, the writer process converts them."""
+    _write(CaptureWriter, tmp_path / "contracts.capture")
+    enc = msgspec.msgpack.Encoder()
+    with ProcessCaptureWriter(tmp_path / "images.capture", make_header("test"), chunk_bytes=2000) as w:
+        for ev in generate(WL):
+            if ev.request is not None:
+                w.add_request_image(enc.encode(_as_map(ev.request)), ev.step)
+            else:
+                w.write_step_image(ev.step, enc.encode(_as_map(ev.scheduler_output)),
+                                   enc.encode(_as_map(ev.model_runner_output)))
+        w.abort_request("gone", 30)
+    assert _records(tmp_path / "contracts.capture") == _records(tmp_path / "images.capture")

