@@ -29,7 +29,13 @@ def run(script: str, *args: str) -> dict:
                          text=True, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"{script} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout)
+    try:
+        return json.loads(out.stdout)
+    except json.JSONDecodeError:  # vLLM logs to stdout too: its benchmark's JSON is the last line
+        line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
+        if line is None:
+            raise SystemExit(f"{script} printed no JSON:\n{out.stdout[-2000:]}") from None
+        return json.loads(line)
 
 
 def load_targets(res: dict) -> list[dict]:

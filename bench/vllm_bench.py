@@ -44,20 +44,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the three var
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.pop("REPLAY_CAPTURE", None)  # the tap is attached explicitly, per run
 
+from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+
 NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
-
-
-def make_model(path: Path) -> Path:
-    """The tiny Llama (random weights from a fixed seed)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 class NaiveTap:
@@ -141,7 +130,7 @@ def main() -> None:
     from replay.replayer import ReplayOptions, replay_capture
 
     tmp = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
-    model = make_model(tmp / "tiny-llama")
+    model = tiny_llama(tmp / "tiny-llama")  # the tests' checkpoint: one definition of the tiny model
     llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
               max_num_seqs=NUM_REQUESTS, max_model_len=256, block_size=32, enable_prefix_caching=False)
     install()

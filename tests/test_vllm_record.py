@@ -97,6 +97,7 @@ def test_record_engine_vllm_captures_every_feature_of_the_workload(rich_capture)
             seen["prefix_hits"] += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
             seen["prompt_logprobs"] += sum(v is not None for v in mro.prompt_logprobs_dict.values())
             seen["grammar"] += s.grammar_output is not None
+            assert s.timing is not None and s.timing.execute_ns > 0 and s.timing.schedule_ns > 0
     assert all(v > 0 for v in seen.values()), seen
 
 

@@ -10,9 +10,9 @@ Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) +
 added, `X` request aborted, `S` step (payloads are msgpack records with string ids), `F` flush, `C` close (payload:
 the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts (its
 objects msgpack-encoded as they are, which is all the engine thread pays for): `V` a step image
-`[index, scheduler_output, model_runner_output, grammar_output]`, `R` an arrival image `[step, request]`; the child
-converts them into contracts field by field (`replay.contracts.tolerant`). The child answers on stdout with one JSON line: `{"ok": ...}` or
-`{"error": "..."}`.
+`[index, scheduler_output, model_runner_output, grammar_output, timing]`, `R` an arrival image
+`[step, request]`; the child converts them into contracts field by field (`replay.contracts.tolerant`). The child
+answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}`.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ class ProcessCaptureWriter(WriterContext):
         self._send(b"R", _ENCODER.encode([step, msgspec.Raw(request_image)]))
 
     def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | None,
-                         grammar_output: bytes | None = None) -> int:
-        """Record one step given as another engine's msgpack-encoded objects (converted in the child)."""
+                         grammar_output: bytes | None = None, timing: list[int] | None = None) -> int:
+        """Record one step given as another engine's msgpack-encoded objects (converted in the child);
+        `timing`: [start, schedule, execute, update] ns as `StepTiming`."""
         if index <= self._last_step:
             raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
         raw = [msgspec.Raw(b) if b is not None else None for b in (scheduler_output, model_runner_output, grammar_output)]
-        data = _ENCODER.encode([index, *raw])
+        data = _ENCODER.encode([index, *raw, timing])
         self._send(b"V", data)
         self._last_step = index
         self._num_steps += 1
@@ -184,10 +185,11 @@ class _Images:
             step, request = msgspec.msgpack.decode(payload)
             writer.add_request(c.convert(request, EngineCoreRequest), step)
             return
-        index, so, mro, go = msgspec.msgpack.decode(payload)
+        index, so, mro, go, timing = msgspec.msgpack.decode(payload)
         writer.write_step_record(fmt.Step(
             index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
-            grammar_output=None if go is None else c.convert(go, GrammarOutput[str])))
+            grammar_output=None if go is None else c.convert(go, GrammarOutput[str]),
+            timing=None if timing is None else fmt.StepTiming(*timing)))
 
 
 def _grow_pipe(fd: int) -> None:

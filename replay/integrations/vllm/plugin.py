@@ -49,10 +49,12 @@ def install() -> None:
     orig_grammar, orig_shutdown = Scheduler.get_grammar_bitmask, Scheduler.shutdown
 
     def schedule(self, *args, **kwargs):
+        start, t0 = time.monotonic_ns(), time.perf_counter_ns()
         so = orig_schedule(self, *args, **kwargs)
+        t1 = time.perf_counter_ns()
         tap = _tap(self)
         if tap is not None:
-            tap.pending[id(so)] = tap.convert_so(so)
+            tap.pending[id(so)] = (tap.convert_so(so), start, t1 - t0, t1)
             tap.check_seeded_chunks(so)
         return so
 
@@ -65,11 +67,19 @@ def install() -> None:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         tap = _tap(self)
-        if tap is not None:
-            so = tap.pending.pop(id(scheduler_output), None)
-            if so is not None:
-                tap.write_step(so, model_runner_output, tap.grammar.pop(id(scheduler_output), None))
-        return orig_update(self, scheduler_output, model_runner_output)
+        entry = None if tap is None else tap.pending.pop(id(scheduler_output), None)
+        if entry is None:
+            return orig_update(self, scheduler_output, model_runner_output)
+        so, start, schedule_ns, scheduled_at = entry
+        mro = tap.encode(model_runner_output)  # before update_from_output, which may consume parts of it
+        t2 = time.perf_counter_ns()
+        try:
+            return orig_update(self, scheduler_output, model_runner_output)
+        finally:
+            # execute: from schedule()'s return to here (the grammar bitmask and the model; under async scheduling
+            # it overlaps the neighbouring steps)
+            timing = [start, schedule_ns, t2 - scheduled_at, time.perf_counter_ns() - t2]
+            tap.write_step(so, mro, tap.grammar.pop(id(scheduler_output), None), timing)
 
     def add_request(self, request, *args, **kwargs):
         tap = _tap(self)
@@ -158,9 +168,9 @@ class _Tap:
         """The GrammarOutput's image."""
         return self.encode(go)
 
-    def write_step(self, so: bytes, mro, grammar: bytes | None = None) -> None:
-        """One step: the SchedulerOutput's image taken at schedule(), the ModelRunnerOutput encoded now."""
-        self.writer.write_step_image(self.step, so, self.encode(mro), grammar)
+    def write_step(self, so: bytes, mro: bytes, grammar: bytes | None = None, timing: list[int] | None = None) -> None:
+        """One step from its images (SchedulerOutput taken at schedule(), ModelRunnerOutput before the update)."""
+        self.writer.write_step_image(self.step, so, mro, grammar, timing)
         self.step += 1
 
     def add_request(self, request) -> None:
