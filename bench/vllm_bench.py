@@ -44,7 +44,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the three var
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.pop("REPLAY_CAPTURE", None)  # the tap is attached explicitly, per run
 
+import msgspec  # noqa: E402
+
 from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+
+msgspec_encode = msgspec.msgpack.Encoder().encode
 
 NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
 
@@ -115,6 +119,49 @@ def sizes(ours: Path, ours17: Path, naive: Path, generated: int) -> dict:
             "naive_gzip6_b_per_tok": len(gzip.compress(raw, compresslevel=6)) / generated}
 
 
+def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 3) -> dict:
+    """CPU cost per step of each tap, measured on the very objects of a run (unpickled from the naive stream), so
+    engine noise does not enter: the engine thread's share (ours: two msgspec encodes and two pipe writes to a
+    live writer process; naive: one pickle.dump), and ours' background share (what the writer process does:
+    convert, intern, compress, write), timed in-process."""
+    from replay.capture.writer import CaptureWriter
+    from replay.capture.writer_process import ProcessCaptureWriter, _Images
+    from replay.environment import make_header
+    from replay.integrations.vllm.convert import ENCODER
+
+    steps = []
+    with open(naive_stream, "rb") as f:
+        while True:
+            try:
+                steps.append(pickle.load(f))
+            except EOFError:
+                break
+    ours, naive, background = [], [], []
+    for r in range(repeats):
+        images = []
+        with ProcessCaptureWriter(tmp / f"cost-{r}.capture", make_header("bench"), overwrite=True, nice=19) as w:
+            t = time.perf_counter_ns()
+            for i, (so, mro) in enumerate(steps):
+                a, b = ENCODER.encode(so), ENCODER.encode(mro)
+                w.write_step_image(i, a, b)
+                images.append(msgspec_encode([i, msgspec.Raw(a), msgspec.Raw(b), None, None]))
+            ours.append((time.perf_counter_ns() - t) / len(steps) / 1e3)
+        with open(tmp / f"cost-{r}.pkl", "wb") as f:
+            t = time.perf_counter_ns()
+            for pair in steps:
+                pickle.dump(pair, f, protocol=pickle.HIGHEST_PROTOCOL)
+            naive.append((time.perf_counter_ns() - t) / len(steps) / 1e3)
+        cw = CaptureWriter(tmp / f"cost-bg-{r}.capture", make_header("bench"), overwrite=True)
+        conv = _Images()
+        t = time.process_time_ns()
+        for payload in images:
+            conv.write(cw, b"V", payload)
+        cw.close()
+        background.append((time.process_time_ns() - t) / len(steps) / 1e3)
+    return {"ours_engine_us": statistics.median(ours), "naive_engine_us": statistics.median(naive),
+            "ours_background_us": statistics.median(background), "steps": len(steps)}
+
+
 def main() -> None:
     """Run the rounds, then the replay; print the comparison (or --json)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -148,6 +195,7 @@ def main() -> None:
     generated = results["ours"][-1]["generated"]
     size = sizes(Path(results["ours"][-1]["path"]), Path(results["ours-z17"][-1]["path"]),
                  Path(results["naive"][-1]["path"]), generated)
+    costs = tap_costs(Path(results["naive"][-1]["path"]), tmp)
     capture = results["ours"][-1]["path"]
     t = time.perf_counter()
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
@@ -162,6 +210,7 @@ def main() -> None:
         "open_close_s": {v: statistics.median(r["open_close_s"] for r in results[v]) for v in variants},
         "all_wall_s": {v: [round(r["wall_s"], 4) for r in results[v]] for v in variants},
         **size,
+        "tap_cost_per_step_us": costs,
         "replay": {"bitwise": not rep.diverged, "steps": rep.steps_replayed, "step_s": rep.replay_s,
                    "wall_s": replay_wall, "vs_record": rep.replay_s / med["ours"]},
         "targets": [
@@ -187,6 +236,10 @@ def main() -> None:
           f"| naive pickle raw "
           f"{size['naive_raw_b_per_tok']:.1f}, zstd-3 {size['naive_zstd3_b_per_tok']:.1f}, gzip-6 "
           f"{size['naive_gzip6_b_per_tok']:.1f}  (ours / naive zstd-3 = {size_ratio:.3f}, z17 {size_ratio17:.3f})")
+    c = costs
+    print(f"tap CPU per step ({c['steps']} steps of this run, medians of 3): engine thread: ours "
+          f"{c['ours_engine_us']:.0f} us, naive {c['naive_engine_us']:.0f} us; ours in the writer process "
+          f"{c['ours_background_us']:.0f} us (vLLM's own step: {med['none'] / c['steps'] * 1e6:.0f} us)")
     r = out["replay"]
     print(f"replay on vLLM's runner: {'bitwise' if r['bitwise'] else 'DIVERGED'}, {r['steps']} steps in "
           f"{r['step_s']:.3f} s ({r['vs_record']:.2f}x the recorded run's generate; {r['wall_s']:.1f} s with engine "

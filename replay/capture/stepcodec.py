@@ -183,6 +183,13 @@ def _xor_col0_inplace(values: np.ndarray, ids: np.ndarray) -> None:
     bits[rows, 0] ^= bits[rows, j[rows]]
 
 
+def _small_ids(ids: np.ndarray) -> bool:
+    """Byte-shuffle token ids only when they all fit in 16 bits: then the high byte planes are all zeros and
+    vanish (vocabularies up to 64k: -6 % on a 1k-vocab vLLM capture); with larger vocabularies the interleaved
+    layout compresses better (+4 % if shuffled, capture_bench's 128k vocabulary)."""
+    return ids.size > 0 and ids.dtype.itemsize > 2 and int(ids.min()) >= 0 and int(ids.max()) < 1 << 16
+
+
 def _with(a: Array, extra: str) -> Array:
     return replace(a, filters=a.filters + (extra,))
 
@@ -202,9 +209,9 @@ def _pack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
     if pred is not None:
         ids = ids.copy()
         ids[:, 0] = (ids[:, 0].astype(np.int64) - pred).astype(ids.dtype)  # wraps like C ints: reversible
-        out_ids = _with(Array.from_numpy(ids, transpose=True, shuffle=True), FILTER_COL0)
+        out_ids = _with(Array.from_numpy(ids, transpose=True, shuffle=_small_ids(ids)), FILTER_COL0)
     else:
-        out_ids = Array.from_numpy(ids, transpose=True, shuffle=True)
+        out_ids = Array.from_numpy(ids, transpose=True, shuffle=_small_ids(ids))
     return replace(lp, logprob_token_ids=out_ids, logprobs=out_vals,
                    sampled_token_ranks=Array.from_numpy(_plain(lp.sampled_token_ranks), shuffle=True))
 
