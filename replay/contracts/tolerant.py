@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 from msgspec import inspect as mi
@@ -25,101 +25,155 @@ _MISSING = object()
 
 
 class TolerantConverter:
-    """Converts objects, or their builtins image, into contract Structs; remembers fields it had no place for."""
+    """Converts objects, or their builtins image, into contract Structs; remembers fields it had no place for.
+
+    Each contract type is compiled once into a tree of small closures (one per field and container), so a call
+    does no type dispatch: the writer process converts every step of a vLLM capture with it."""
 
     def __init__(self):
         self.unknown_fields: dict[str, set[str]] = {}
-        self._infos: dict[Any, mi.Type] = {}
+        self._plans: dict[Any, Callable[[Any], Any]] = {}
 
     def convert(self, value: Any, contract: Any) -> Any:
         """`value` as an instance of `contract` (e.g. `SchedulerOutput[str]`)."""
-        info = self._infos.get(contract)
-        if info is None:
-            info = self._infos[contract] = mi.type_info(contract)
-        return self._conv(value, info)
+        fn = self._plans.get(contract)
+        if fn is None:
+            fn = self._plans[contract] = self._compile(mi.type_info(contract), {})
+        return fn(value)
 
-    def _conv(self, v: Any, t: mi.Type) -> Any:
+    def _compile(self, t: mi.Type, seen: dict[int, list]) -> Callable[[Any], Any]:
+        """The converter for type `t`; `seen` breaks cycles (a type that contains itself)."""
+        key = id(t)
+        if key in seen:  # recursive type: call through a cell filled when the outer compile finishes
+            cell = seen[key]
+            return lambda v: cell[0](v)
+        cell = seen[key] = [None]
+        fn = cell[0] = self._compile_new(t, seen)
+        return fn
+
+    def _compile_new(self, t: mi.Type, seen: dict[int, list]) -> Callable[[Any], Any]:
         if isinstance(t, mi.UnionType):
-            if v is None:
-                return None
-            options = [x for x in t.types if not isinstance(x, mi.NoneType)]
-            for x in options:  # the first option that accepts the value's kind
-                if _accepts(x, v):
-                    return self._conv(v, x)
-            return self._conv(v, options[0])
+            options = [(x, self._compile(x, seen)) for x in t.types if not isinstance(x, mi.NoneType)]
+            first = options[0][1]
+
+            def union(v):
+                if v is None:
+                    return None
+                for x, f in options:  # the first option that accepts the value's kind
+                    if _accepts(x, v):
+                        return f(v)
+                return first(v)
+            return union
         if isinstance(t, mi.StructType):
             if t.cls is Array:
-                return _array(v)
+                return _array
             if t.cls is Opaque:
-                return _opaque(v)
-            return self._struct(v, t)
+                return _opaque
+            return self._compile_struct(t, seen)
         if isinstance(t, (mi.ListType, mi.VarTupleType)):
-            if isinstance(v, str):  # vLLM's `stop: str | list[str]`
-                v = [v]
-            elif hasattr(v, "tolist"):  # an ndarray where we keep a list
-                v = v.tolist()
             it = t.item_type
             if isinstance(it, _PRIMITIVE):
-                items = list(v or ())  # the common case (token ids, request ids) without a call per element
+                items = _prim_items  # token ids, request ids: no call per element
             elif _prim_list(it):
-                items = [list(x) for x in (v or ())]  # sampled_token_ids, new_token_ids, block_ids
+                items = _prim_rows  # sampled_token_ids, new_token_ids, block_ids
             else:
-                items = [self._conv(x, it) for x in (v or [])]
-            return items if isinstance(t, mi.ListType) else tuple(items)
+                f = self._compile(it, seen)
+
+                def items(v):
+                    return [f(x) for x in v]
+            as_tuple = isinstance(t, mi.VarTupleType)
+
+            def sequence(v):
+                if isinstance(v, str):  # vLLM's `stop: str | list[str]`
+                    v = [v]
+                elif hasattr(v, "tolist"):  # an ndarray where we keep a list
+                    v = v.tolist()
+                out = items(v or ())
+                return tuple(out) if as_tuple else out
+            return sequence
         if isinstance(t, mi.TupleType):
-            return tuple(self._conv(x, it) for x, it in zip(v, t.item_types))
+            fs = [self._compile(x, seen) for x in t.item_types]
+            return lambda v: tuple(f(x) for x, f in zip(v, fs))
         if isinstance(t, (mi.SetType, mi.FrozenSetType)):
-            return {self._conv(x, t.item_type) for x in (v or ())}
+            f = self._compile(t.item_type, seen)
+            return lambda v: {f(x) for x in (v or ())}
         if isinstance(t, mi.DictType):
+            return self._compile_dict(t, seen)
+        if isinstance(t, mi.IntType):
+            return int
+        if isinstance(t, mi.FloatType):
+            return float
+        if isinstance(t, mi.BoolType):
+            return bool
+        if isinstance(t, mi.StrType):
+            return str
+        if isinstance(t, mi.EnumType):
+            cls = t.cls
+            return lambda v: cls(v.value if isinstance(v, enum.Enum) else v)
+        if isinstance(t, mi.AnyType):
+            return _plain
+        return lambda v: v
+
+    def _compile_dict(self, t: mi.DictType, seen: dict[int, list]) -> Callable[[Any], Any]:
+        if isinstance(t.key_type, _PRIMITIVE) and isinstance(t.value_type, _PRIMITIVE):
+            body = dict  # num_scheduled_tokens, req_id_to_index: decoded msgpack has the right kinds
+        elif isinstance(t.key_type, _PRIMITIVE) and _prim_list(t.value_type):
+            def body(v):
+                return {k: list(x) for k, x in v.items()}
+        else:
+            fk, fv = self._compile(t.key_type, seen), self._compile(t.value_type, seen)
+
+            def body(v):
+                return {fk(k): fv(x) for k, x in v.items()}
+
+        def mapping(v):
             if not isinstance(v, dict):  # an object we keep as its field dict (StructuredOutputsParams)
                 v = _plain(v)
                 if not isinstance(v, dict):
                     return {"repr": v}
-            if isinstance(t.key_type, _PRIMITIVE):
-                if isinstance(t.value_type, _PRIMITIVE):
-                    return dict(v)  # num_scheduled_tokens, req_id_to_index: decoded msgpack has the right kinds
-                if _prim_list(t.value_type):
-                    return {k: list(x) for k, x in v.items()}
-            return {self._conv(k, t.key_type): self._conv(x, t.value_type) for k, x in v.items()}
-        if isinstance(t, mi.IntType):
-            return int(v)
-        if isinstance(t, mi.FloatType):
-            return float(v)
-        if isinstance(t, mi.BoolType):
-            return bool(v)
-        if isinstance(t, mi.StrType):
-            return str(v)
-        if isinstance(t, mi.EnumType):
-            return t.cls(v.value if isinstance(v, enum.Enum) else v)
-        if isinstance(t, mi.AnyType):
-            return _plain(v)
-        return v
+            return body(v)
+        return mapping
 
-    def _struct(self, v: Any, t: mi.StructType) -> Any:
-        if isinstance(v, (list, tuple)):  # a NamedTuple's image: fields by position
-            v = dict(zip((f.name for f in t.fields), v))
-        get = v.get if isinstance(v, dict) else (lambda name, default: getattr(v, name, default))
-        kwargs = {}
-        names = set()
-        for f in t.fields:
-            # vLLM keeps some sampling fields private (`_eos_token_id`): look for both spellings
-            src = get(f.name, _MISSING)
-            if src is _MISSING:
-                src = get("_" + f.name, _MISSING)
-            names.add(f.name)
-            if src is _MISSING:
-                if f.required:  # a field the source does not have and we have no default for
-                    kwargs[f.name] = None
-                continue  # our default
-            if callable(src) and not hasattr(src, "__len__") and not isinstance(src, (int, float, str)):
-                continue  # a method of the same name (e.g. a property shadowing): keep our default
-            kwargs[f.name] = self._conv(src, f.type)
-        theirs = list(v) if isinstance(v, dict) else _field_names(v)
-        extra = {n.lstrip("_") for n in theirs} - names
-        if extra:
-            kind = t.cls.__name__ if isinstance(v, dict) else type(v).__name__
-            self.unknown_fields.setdefault(kind, set()).update(extra)
-        return t.cls(**kwargs)
+    def _compile_struct(self, t: mi.StructType, seen: dict[int, list]) -> Callable[[Any], Any]:
+        cls = t.cls
+        fields = [(f.name, "_" + f.name, self._compile(f.type, seen), f.required) for f in t.fields]
+        names = [f.name for f in t.fields]
+        known = frozenset(names)
+        unknown = self.unknown_fields
+
+        def struct(v):
+            if isinstance(v, (list, tuple)):  # a NamedTuple's image: fields by position
+                v = dict(zip(names, v))
+            get = v.get if isinstance(v, dict) else (lambda name, default: getattr(v, name, default))
+            kwargs = {}
+            for name, private, f, required in fields:
+                # vLLM keeps some sampling fields private (`_eos_token_id`): look for both spellings
+                src = get(name, _MISSING)
+                if src is _MISSING:
+                    src = get(private, _MISSING)
+                if src is _MISSING:
+                    if required:  # a field the source does not have and we have no default for
+                        kwargs[name] = None
+                    continue  # our default
+                if callable(src) and not hasattr(src, "__len__") and not isinstance(src, (int, float, str)):
+                    continue  # a method of the same name (e.g. a property shadowing): keep our default
+                kwargs[name] = f(src)
+            theirs = v if isinstance(v, dict) else _field_names(v)
+            if len(theirs) != len(known) or any(n.lstrip("_") not in known for n in theirs):
+                extra = {n.lstrip("_") for n in theirs} - known
+                if extra:
+                    kind = cls.__name__ if isinstance(v, dict) else type(v).__name__
+                    unknown.setdefault(kind, set()).update(extra)
+            return cls(**kwargs)
+        return struct
+
+
+def _prim_items(v: Any) -> list:
+    return list(v)
+
+
+def _prim_rows(v: Any) -> list:
+    return [list(x) for x in v]
 
 
 _PRIMITIVE = (mi.IntType, mi.StrType, mi.FloatType, mi.BoolType)

