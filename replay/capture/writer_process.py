@@ -40,13 +40,13 @@ class ProcessCaptureWriter(WriterContext):
 
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
-                 level: int = fmt.DEFAULT_LEVEL, nice: int = 0):
+                 level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False):
         self.path = Path(path)
         self.partial_path = self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
             raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
         options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
-                   "flush_interval": flush_interval, "level": level, "nice": nice}
+                   "flush_interval": flush_interval, "level": level, "nice": nice, "images": images}
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # the child must import this very package
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
@@ -174,12 +174,19 @@ class _Images:
     def __init__(self):
         self.conv = None
 
-    def write(self, writer, kind: bytes, payload: bytes) -> None:
+    def warm(self) -> None:
+        """Import and compile the converters now, before the engine's first step rather than during it."""
         from replay.contracts import GrammarOutput
         from replay.contracts.tolerant import TolerantConverter
 
         if self.conv is None:
             self.conv = TolerantConverter()
+            self.conv.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
+
+    def write(self, writer, kind: bytes, payload: bytes) -> None:
+        from replay.contracts import GrammarOutput
+
+        self.warm()
         c = self.conv
         if kind == b"R":
             step, request = msgspec.msgpack.decode(payload)
@@ -236,6 +243,8 @@ def _child(options: dict) -> int:
         writer = CaptureWriter(options["path"], header, overwrite=options["overwrite"],
                                chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
                                level=options["level"])
+        if options.get("images"):
+            images.warm()  # one-time work before "ready", not on the engine's first steps
         say({"ok": "ready"})
         while True:
             kind, payload = read_frame()

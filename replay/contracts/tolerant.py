@@ -38,8 +38,19 @@ class TolerantConverter:
         """`value` as an instance of `contract` (e.g. `SchedulerOutput[str]`)."""
         fn = self._plans.get(contract)
         if fn is None:
-            fn = self._plans[contract] = self._compile(mi.type_info(contract), {})
+            fn = self._plan(contract)
         return fn(value)
+
+    def prepare(self, *contracts: Any) -> None:
+        """Compile the converters for `contracts` now (the first `convert` would otherwise)."""
+        for contract in contracts:
+            self._plan(contract)
+
+    def _plan(self, contract: Any) -> Callable[[Any], Any]:
+        fn = self._plans.get(contract)
+        if fn is None:
+            fn = self._plans[contract] = self._compile(mi.type_info(contract), {})
+        return fn
 
     def _compile(self, t: mi.Type, seen: dict[int, list]) -> Callable[[Any], Any]:
         """The converter for type `t`; `seen` breaks cycles (a type that contains itself)."""

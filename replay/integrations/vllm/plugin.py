@@ -154,7 +154,8 @@ class _Tap:
         # waits. REPLAY_ZSTD_LEVEL=17 makes captures about 6 % smaller for about 0.3 ms more writer CPU per
         # 64-request step (bench/vllm_bench.py).
         level = level or _int_env(LEVEL_ENV, DEFAULT_LEVEL)
-        self.writer = ProcessCaptureWriter(path, _header(scheduler), overwrite=True, nice=19, level=level)
+        self.writer = ProcessCaptureWriter(path, _header(scheduler), overwrite=True, nice=19, level=level,
+                                           images=True)
         self._closed = False
         atexit.register(self.close)
 
