@@ -67,7 +67,7 @@ def run_engine(engine, reqs: list[WorkloadRequest], progress: bool = False) -> t
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_step, i))
     pending = [(reqs[i], prompts[i]) for i in order]
     total = sum(r.params.max_tokens or 16 for r in reqs)
-    bar = _progress(total) if progress else None
+    bar = ProgressBar(total) if progress else None
     generated = 0
     start = engine.step_index
     try:
@@ -90,7 +90,7 @@ def run_engine(engine, reqs: list[WorkloadRequest], progress: bool = False) -> t
     return engine.step_index - start, sum(map(len, prompts)), generated
 
 
-class _progress:
+class ProgressBar:
     """A stderr progress bar (rich) over generated tokens."""
 
     def __init__(self, total: int):

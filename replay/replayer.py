@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from replay.contracts import SAMPLING_EPS
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.capture import format as fmt
+from replay.contracts import SAMPLING_EPS
 from replay.diff import BatchComposition, Divergence, StepSummary, Tolerance, batch_composition, compare_step
 from replay.errors import EXIT_DIVERGED, ReplayError, UsageError
 from replay.plant import Plant, install
@@ -100,8 +100,7 @@ def _repro(path: str, step: int, opts: ReplayOptions) -> str:
 
 
 def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[bytes] | None):
-    """Replay once. Returns (summaries, divergences, count, first batch, env diffs, steps, seconds, record s,
-    uncomparable foreign draws)."""
+    """Replay once. Returns (summaries, divergences, count, first batch, env diffs, steps, seconds, record s)."""
     with CaptureReader(path) as r:
         built = build_runner(r.header, opts.overrides, force=opts.force)
         runner = built.runner
@@ -121,7 +120,6 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
         # elsewhere the tokens of random-sampling requests are not compared (their logprobs still are).
         foreign_draws = r.header.engine == "vllm" and not getattr(runner, "repeats_vllm_draws", False)
         foreign_random: set[str] = set()
-        foreign_flips = 0
         for rec in r.records():
             if isinstance(rec, RequestAdded):
                 rid = rec.request.request_id
@@ -154,7 +152,6 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
             if opts.diff and (rng is None or rec.index >= rng.first):
                 summary, divs = compare_step(rec.index, expected, actual, ext, positions, opts.tolerance,
                                              runner.last_margins, so.total_num_scheduled_tokens, foreign_random)
-                foreign_flips += summary.foreign_draws_differ
                 summaries.append(summary)
                 if divs and first_batch is None:
                     first_batch = batch_composition(rec.index, so, ext)
@@ -173,8 +170,7 @@ def _one_pass(path, opts: ReplayOptions, rng: StepRange | None, digests: list[by
 
             raise CaptureDamagedError(path, f"capture is damaged ({r.damage[0].describe()}); replay needs every step "
                                       "(try `replay recover` and replay a prefix with --steps)")
-        return (summaries, divergences, count, first_batch, built.environment.differences, steps, replay_s, record_s,
-                foreign_flips)
+        return summaries, divergences, count, first_batch, built.environment.differences, steps, replay_s, record_s
 
 
 def _run(runner, so, grammar, index: int, opts: ReplayOptions, internal_of: dict[str, str]):
@@ -213,7 +209,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     for i in range(opts.repeat):
         digests: list[bytes] = []
         runs.append((_one_pass(path, opts, rng, digests), digests))
-    (summaries, divs, count, batch, env, steps, replay_s, record_s, foreign_flips), first_digests = runs[0]
+    (summaries, divs, count, batch, env, steps, replay_s, record_s), first_digests = runs[0]
     run_to_run = None
     if opts.repeat > 1:
         run_to_run = f"deterministic: {opts.repeat} replays bitwise identical"
@@ -229,7 +225,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     return ReplayReport(str(path), opts.mode, bool(count), first, batch if first else None,
                         _repro(str(path), first.step, opts) if first else None, opts.tolerance, env, steps,
                         summaries, divs, count, run_to_run, round(replay_s, 4), round(record_s, 4), opts.plant,
-                        next((d for d in divs if d.kind == "token"), None), foreign_flips)
+                        next((d for d in divs if d.kind == "token"), None),
+                        sum(s.foreign_draws_differ for s in summaries))
 
 
 def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> int:

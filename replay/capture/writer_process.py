@@ -28,7 +28,7 @@ import msgspec
 
 from replay.capture import format as fmt
 from replay.capture.writer import WriterContext
-from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from replay.contracts import EngineCoreRequest, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 
 _FRAME = struct.Struct("<cI")
@@ -176,7 +176,6 @@ class _Images:
 
     def warm(self) -> None:
         """Import and compile the converters now, before the engine's first step rather than during it."""
-        from replay.contracts import GrammarOutput
         from replay.contracts.tolerant import TolerantConverter
 
         if self.conv is None:
@@ -184,8 +183,7 @@ class _Images:
             self.conv.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
 
     def write(self, writer, kind: bytes, payload: bytes) -> None:
-        from replay.contracts import GrammarOutput
-
+        """Convert one `V` or `R` frame and hand it to `writer`."""
         self.warm()
         c = self.conv
         if kind == b"R":

@@ -10,7 +10,6 @@ Nothing is pickled.
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import msgspec
@@ -30,8 +29,6 @@ def _enc_hook(x: Any) -> Any:
         return Array.from_any(x)
     if hasattr(x, "item") and hasattr(x, "dtype"):  # a numpy scalar
         return x.item()
-    if isinstance(x, enum.Enum):
-        return x.value
     return Opaque.of(x)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replay.errors import UsageError
-from replay.record import RecordResult, _progress
+from replay.record import ProgressBar, RecordResult
 from replay.workload import SAMPLING_FIELDS, WorkloadRequest
 
 
@@ -127,7 +127,7 @@ def _drive(engine, reqs: list[WorkloadRequest], progress: bool) -> tuple[int, in
     """Add requests at their arrival steps and step until all finish. Returns (steps, prompt, generated tokens)."""
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_step, i))
     pending = [reqs[i] for i in order]
-    bar = _progress(sum(r.params.max_tokens or 16 for r in reqs)) if progress else None
+    bar = ProgressBar(sum(r.params.max_tokens or 16 for r in reqs)) if progress else None
     steps = prompt_tokens = generated = 0
     try:
         while pending or engine.has_unfinished_requests():
