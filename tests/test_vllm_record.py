@@ -102,6 +102,9 @@ def test_record_engine_vllm_captures_every_feature_of_the_workload(rich_capture)
 
 
 def test_rich_vllm_recording_replays_bitwise_on_vllms_runner(rich_capture):
+    import torch
+
+    torch.set_num_threads(1)  # as a builtin replay earlier in this process leaves it: must not change vLLM's numerics
     rep = replay_capture(rich_capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
 

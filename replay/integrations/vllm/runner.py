@@ -22,6 +22,24 @@ def _vllm_kwargs(cls, values: dict) -> dict:
     return {k: v for k, v in values.items() if k in names}
 
 
+def fresh_process_threads(env: dict[str, str]) -> None:
+    """Give torch the intra-op thread count a fresh process has, before a vLLM engine is built in this one.
+
+    vLLM's start-up depends on it: with more than one thread it takes its "reduce torch threads for serving" path
+    before the CPU worker binds its OpenMP threads; with one already set (say, by a builtin replay earlier in this
+    process) it does not, and float32 logprobs then differ by an ulp. A fresh process starts with OMP_NUM_THREADS
+    when the user set it (`env`: for a replay, as the capture header recorded it; vLLM sets it too in its own
+    worker processes, and marks that), else with one thread per CPU it may use."""
+    import torch
+
+    omp_num_threads = env.get("OMP_NUM_THREADS") if env.get("VLLM_OMP_NUM_THREADS_SET_BY_VLLM") != "1" else None
+    try:
+        threads = int(omp_num_threads) if omp_num_threads else len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):
+        threads = os.cpu_count() or 1
+    torch.set_num_threads(max(threads, 1))
+
+
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
 
@@ -42,6 +60,7 @@ class VllmRunner:
         model = overrides.get("model") or m.path or m.name
         if not os.path.isdir(model):
             raise UsageError(f"{model}: not a model directory (vLLM needs a local checkpoint; --set model=PATH)")
+        fresh_process_threads(header.environment.env)
         try:
             self.llm = self._build(LLM, model, m, ec, overrides)
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
