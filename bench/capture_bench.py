@@ -1,11 +1,11 @@
 """Capture-format benchmark: `CaptureWriter`/`CaptureReader` against a naive pickle + gzip-6 baseline.
 
-What it measures, on synthetic but production-shaped frames from `replay.synthetic.generate` (every event is
+What it measures, on synthetic but production-shaped frames from `replay.record.synth.synth_events` (every event is
 generated before anything is timed; generation is never timed):
 
-  workloads   "decode+churn, top-5 logprobs"  Workload(steps=N, running=256, num_logprobs=5)
+  workloads   "decode+churn, top-5 logprobs"  SynthShape(steps=N, running=256, num_logprobs=5)
               "decode+churn, no logprobs"     the same with num_logprobs=None
-              "prefill-heavy"                 Workload(steps=N//4, running=32, prompt_len=(1024, 4096),
+              "prefill-heavy"                 SynthShape(steps=N//4, running=32, prompt_len=(1024, 4096),
                                               output_len=(16, 64), num_logprobs=5)
   formats     ours      CaptureWriter (msgspec encode + id interning on the caller, zstd-3 on a background thread)
               baseline  pickle protocol 5 of the same in-memory objects, each length-prefixed (u32) and written
@@ -33,7 +33,7 @@ collector's reach with gc.freeze() so that collections scanning them do not poll
 no torch.
 
 Usage (from the repository root):
-    .venv/bin/python bench/capture_bench.py [--quick] [--json] [--steps N] [--skip-random-access]
+    .venv/bin/python -m bench.capture_bench [--quick] [--json] [--steps N] [--skip-random-access]
 """
 
 from __future__ import annotations
@@ -57,11 +57,9 @@ import msgspec
 import numpy as np
 import zstandard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
-
-from replay.capture import CaptureReader, CaptureWriter, EngineConfig  # noqa: E402
-from replay.environment import make_header  # noqa: E402
-from replay.synthetic import Workload, generate, record_synthetic  # noqa: E402
+from replay.capture import CaptureReader, CaptureWriter, EngineConfig
+from replay.provenance import make_header
+from replay.record.synth import SynthShape, record_synth, synth_events
 
 REPEATS = 3
 LOOKUPS = 20
@@ -69,17 +67,17 @@ LEN = struct.Struct("<I")
 MB = 1e6
 
 
-def workloads(n: int) -> list[tuple[str, Workload]]:
+def workloads(n: int) -> list[tuple[str, SynthShape]]:
     """The three benchmarked workloads for a run of `n` decode steps."""
     return [
-        ("decode+churn, top-5 logprobs", Workload(steps=n, running=256, num_logprobs=5)),
-        ("decode+churn, no logprobs", Workload(steps=n, running=256, num_logprobs=None)),
-        ("prefill-heavy", Workload(steps=max(n // 4, 1), running=32, prompt_len=(1024, 4096), output_len=(16, 64),
+        ("decode+churn, top-5 logprobs", SynthShape(steps=n, running=256, num_logprobs=5)),
+        ("decode+churn, no logprobs", SynthShape(steps=n, running=256, num_logprobs=None)),
+        ("prefill-heavy", SynthShape(steps=max(n // 4, 1), running=32, prompt_len=(1024, 4096), output_len=(16, 64),
                                    num_logprobs=5)),
     ]
 
 
-def header_for(w: Workload):
+def header_for(w: SynthShape):
     """A capture Header for a synthetic workload (the baseline pickles the same object first)."""
     return make_header("synthetic", engine_config=EngineConfig(block_size=w.block_size, max_num_seqs=w.running,
                                                                max_num_batched_tokens=w.max_num_batched_tokens,
@@ -210,9 +208,9 @@ def summarize(writes: list[dict], reads: list[dict], gen_tokens: int, stages: li
     }
 
 
-def bench_workload(name: str, w: Workload, tmp: Path) -> dict:
+def bench_workload(name: str, w: SynthShape, tmp: Path) -> dict:
     """Pre-generate one workload, then write and read it REPEATS times in each format (interleaved)."""
-    events = list(generate(w))
+    events = list(synth_events(w))
     steps = [e for e in events if e.request is None]
     gen_tokens = sum(len(x) for e in steps for x in e.model_runner_output.sampled_token_ids)
     header = header_for(w)
@@ -241,9 +239,9 @@ def bench_workload(name: str, w: Workload, tmp: Path) -> dict:
 def bench_random_access(num_steps: int, tmp: Path) -> dict:
     """Build a small-workload capture of `num_steps` steps, then time reader.step(k) and count chunks per lookup."""
     path = tmp / "random_access.rcap"
-    w = Workload(steps=num_steps, running=4, num_logprobs=None, prompt_len=(8, 32), output_len=(8, 64))
+    w = SynthShape(steps=num_steps, running=4, num_logprobs=None, prompt_len=(8, 32), output_len=(8, 64))
     t = time.perf_counter()
-    record_synthetic(path, w, overwrite=True)
+    record_synth(path, w, overwrite=True)
     build_s = time.perf_counter() - t
     t = time.perf_counter()
     r = CaptureReader(path)

@@ -43,7 +43,7 @@ Timings are medians (min alongside) because the reference machine is a noisy, sh
 runs sometimes stall for seconds; sizes and logit differences do not depend on load.
 
 Usage (from the repository root):
-    .venv/bin/python bench/engine_bench.py [--quick] [--json]
+    .venv/bin/python -m bench.engine_bench [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -62,17 +62,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
-
-import replay.record as record_mod  # noqa: E402
-from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput  # noqa: E402
-from replay.engine.config import EngineConfig, RunnerConfig  # noqa: E402
-from replay.engine.runner import ModelRunner  # noqa: E402
-from replay.engine.weights import load_checkpoint  # noqa: E402
-from replay.tap import CaptureTap  # noqa: E402
-from replay.workload import SyntheticWorkload, synthetic  # noqa: E402
+import replay.record.builtin as record_mod
+from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from replay.engine.config import EngineConfig, RunnerConfig
+from replay.engine.runner import ModelRunner
+from replay.engine.weights import load_checkpoint
+from replay.provenance import set_torch_threads
+from replay.record import CaptureTap, SyntheticWorkload, synthetic
 
 BLOCK = 16
 PREFILL_LEN = 512
@@ -288,7 +286,7 @@ def med_min(xs: list[float]) -> dict:
 def bench_threads(threads: int, ours, hf, prompt: torch.Tensor, dec: OurDecode, hdec: HFDecode, repeats: int,
                   steps: int) -> dict:
     """Prefill and decode timings of both sides at `threads` torch threads, sides alternating within each repeat."""
-    torch.set_num_threads(threads)
+    set_torch_threads(threads)
     plist = prompt.tolist()
     ids = prompt[None]
     prefill = {
@@ -318,7 +316,7 @@ def bench_threads(threads: int, ours, hf, prompt: torch.Tensor, dec: OurDecode, 
 def bench_models(tmp: Path, repeats: int, steps: int) -> dict:
     """Part 1: build the checkpoint, load it both ways, check logits, time at 1 and 2 threads."""
     ckpt = tmp / "llama-tiny-32k"
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     t = time.perf_counter()
     make_checkpoint(ckpt)
     ours, hf = load_both(ckpt)
@@ -356,7 +354,7 @@ def record_once(workload: SyntheticWorkload, out: Path, tap: bool) -> dict:
                                     requests=synthetic(workload, vocab_size=512), out=out, overwrite=True, tap=tap)
     _SeenTap.instances.clear()
     t = time.perf_counter()
-    r = record_mod.record(opts)
+    r = record_mod.record_builtin(opts)
     total = time.perf_counter() - t
     enc = _SeenTap.instances[-1].encode_ns / 1e9 if tap and _SeenTap.instances else None
     return {"wall_s": r.wall_s, "total_s": total, "encode_s": enc, "capture_bytes": r.capture_bytes,

@@ -1,7 +1,7 @@
 """Load: a long synthetic capture (default 100,000 steps, 256 concurrent requests) recorded and read back, with
 memory sampled while recording and while scanning, and one random step looked up through the index.
 
-    .venv/bin/python bench/load.py [--steps N] [--running N] [--json]
+    .venv/bin/python -m bench.load [--steps N] [--running N] [--json]
 
 Prints RSS (MB) at each tenth of the recording and of the scan, the file size, and how many chunks a
 `show --step` lookup decompressed. Used by tests/test_load.py (which asserts flat memory) and quoted in the README.
@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from replay.capture import CaptureReader, CaptureWriter, Step  # noqa: E402
-from replay.environment import make_header  # noqa: E402
-from replay.synthetic import Workload, generate  # noqa: E402
+from replay.capture import CaptureReader, CaptureWriter, Step
+from replay.provenance import make_header
+from replay.record.synth import SynthShape, synth_events
 
 
 def rss_mb() -> float:
@@ -32,11 +29,11 @@ def rss_mb() -> float:
 
 def run(steps: int, running: int, out: Path) -> dict:
     """Record, scan, look up; return the measurements."""
-    w = Workload(steps=steps, running=running, num_logprobs=None, prompt_len=(16, 128), output_len=(64, 512), seed=1)
+    w = SynthShape(steps=steps, running=running, num_logprobs=None, prompt_len=(16, 128), output_len=(64, 512), seed=1)
     marks = {max(steps * k // 10 - 1, 0) for k in range(1, 11)}
     rec_rss, t = [], time.perf_counter()
     with CaptureWriter(out, make_header("synthetic"), overwrite=True) as writer:
-        for ev in generate(w):
+        for ev in synth_events(w):
             if ev.request is not None:
                 writer.add_request(ev.request, ev.step)
             else:

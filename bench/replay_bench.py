@@ -13,7 +13,7 @@ side by side, medians over the repeats (the development machine is a shared, noi
 
 Goal: replay <= 1.1x the record run's engine time.
 
-    .venv/bin/python bench/replay_bench.py [--repeats N] [--json]
+    .venv/bin/python -m bench.replay_bench [--repeats N] [--json]
 """
 
 from __future__ import annotations
@@ -22,20 +22,17 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from replay.capture import CaptureReader, Step  # noqa: E402
-from replay.engine.config import EngineConfig, RunnerConfig  # noqa: E402
-from replay.record import RecordOptions, record  # noqa: E402
-from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from replay.workload import SyntheticWorkload, synthetic  # noqa: E402
+from replay.capture import CaptureReader, Step
+from replay.engine.config import EngineConfig, RunnerConfig
+from replay.provenance import set_torch_threads
+from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+from replay.replayer import ReplayOptions, replay_capture
 
 
 def engine_seconds(path: Path) -> tuple[float, int]:
@@ -54,7 +51,7 @@ def one_round(tmp: Path, i: int, workload: SyntheticWorkload) -> dict:
     """Record once, replay without and with diff."""
     path = tmp / f"r{i}.capture"
     t = time.perf_counter()
-    record(RecordOptions(EngineConfig(runner=RunnerConfig(num_threads=1)), synthetic(workload, 512), path,
+    record_builtin(RecordOptions(EngineConfig(runner=RunnerConfig(num_threads=1)), synthetic(workload, 512), path,
                          overwrite=True))
     record_wall = time.perf_counter() - t
     engine_s, steps = engine_seconds(path)
@@ -76,7 +73,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     rows = {}
     for name, wl in [("default workload (16 requests)", SyntheticWorkload()),
                      ("64 requests, 32-64 output tokens", SyntheticWorkload(num_requests=64, output_len=(32, 64)))]:

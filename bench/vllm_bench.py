@@ -22,7 +22,7 @@ on): its step time against the recorded run's generate wall time, and whether it
 
 Goals: ours <= 1.02x none (wall); our capture <= 0.8x the naive stream compressed with zstd-3.
 
-    .venv/bin/python bench/vllm_bench.py [--rounds N] [--json]
+    .venv/bin/python -m bench.vllm_bench [--rounds N] [--json]
 """
 
 from __future__ import annotations
@@ -34,20 +34,17 @@ import os
 import pickle
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the three variants share one engine
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.pop("REPLAY_CAPTURE", None)  # the tap is attached explicitly, per run
 
-import msgspec  # noqa: E402
+import msgspec
 
-from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+from tests.vllm_checkpoints import tiny_llama
 
 msgspec_encode = msgspec.msgpack.Encoder().encode
 
@@ -132,8 +129,8 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 3) -> dict:
     convert, intern, compress, write), timed in-process."""
     from replay.capture.writer import CaptureWriter
     from replay.capture.writer_process import ProcessCaptureWriter, _Images
-    from replay.environment import make_header
     from replay.integrations.vllm.convert import ENCODER
+    from replay.provenance import make_header
 
     steps = []
     with open(naive_stream, "rb") as f:

@@ -1,4 +1,4 @@
-"""Regenerate the golden captures and their expected outputs: `python captures/regenerate.py`.
+"""Regenerate the golden captures and their expected outputs: `.venv/bin/python -m captures.regenerate`.
 
 Each golden capture is recorded by the builtin engine on `tiny` (float32, one thread, sdpa attention) with a small
 KV pool and token budget, so that one short run exercises chunked prefill, prefix caching, preemption and resume,
@@ -10,16 +10,13 @@ the same workload again and check that the engine still produces exactly these t
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from replay.capture import CaptureReader, RequestAdded, Step
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 
-from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
-from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from replay.record import RecordOptions, record  # noqa: E402
-from replay.workload import SyntheticWorkload, synthetic  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 GOLDEN = {
     # name: (engine config, workload)
@@ -46,7 +43,7 @@ def record_golden(name: str, out_dir: Path) -> Path:
     """Record golden capture `name` into `out_dir`; returns its path."""
     cfg, wl = GOLDEN[name]
     path = out_dir / f"{name}.capture"
-    record(RecordOptions(cfg, synthetic(wl, vocab_size=512), path, overwrite=True))
+    record_builtin(RecordOptions(cfg, synthetic(wl, vocab_size=512), path, overwrite=True))
     return path
 
 

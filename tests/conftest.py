@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from replay.synthetic import Workload, record_synthetic
+from replay.record.synth import SynthShape, record_synth
 
-SMALL = Workload(steps=40, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000,
+SMALL = SynthShape(steps=40, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000,
                  block_size=4, max_num_batched_tokens=64, seed=7)
 
 
 @pytest.fixture
 def small_capture(tmp_path):
     """A closed capture of 40 synthetic steps spread over many small chunks."""
-    return record_synthetic(tmp_path / "small.capture", SMALL, chunk_bytes=1500)
+    return record_synth(tmp_path / "small.capture", SMALL, chunk_bytes=1500)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ that changes R's logits, or the verdict that R is batch-invariant at S.
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -50,7 +51,8 @@ def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
 
 
 def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Tolerance | None = None,
-                 overrides: dict[str, str] | None = None, hooks=None, log=None, state=None) -> BatchBisect:
+                 overrides: dict[str, str] | None = None, hooks: list[Callable[[], Any]] | None = None,
+                 log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None) -> BatchBisect:
     """See the module docstring. `hooks` (callables returning hook handles) are installed for every run."""
     tol = tol or Tolerance()
     log = log or (lambda msg: None)

@@ -4,13 +4,14 @@ minimal change that makes the replay diverge."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import msgspec
 
 from replay.bisect.ddmin import Ddmin
+from replay.capture import StepRange
 from replay.errors import UsageError
-from replay.replayer import ReplayOptions, replay_capture
-from replay.runners import parse_overrides
+from replay.replayer import ReplayOptions, parse_overrides, replay_capture
 
 
 class ConfigBisect(msgspec.Struct):
@@ -24,9 +25,10 @@ class ConfigBisect(msgspec.Struct):
     re_executions: int
 
 
-def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: str | None = None, log=None,
-                  state=None) -> ConfigBisect:
-    """`good` / `bad`: "K=V,K=V" knob settings (see `replay.runners.KNOBS`). The good one must replay within
+def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRange | None = None,
+                  log: Callable[[str], None] | None = None,
+                  state: str | os.PathLike | None = None) -> ConfigBisect:
+    """`good` / `bad`: "K=V,K=V" knob settings (see `replay.replayer.KNOBS`). The good one must replay within
     tolerance, the bad one must diverge."""
     log = log or (lambda msg: None)
     g = parse_overrides([x for x in good.split(",") if x])

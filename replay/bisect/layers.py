@@ -4,14 +4,15 @@ output for request R differs (bitwise, max-abs, ULPs), and how the difference gr
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import msgspec
 import numpy as np
 import torch
 
 from replay.bisect.session import StepSession
-from replay.plant import Plant, install
-from replay.runners import parse_overrides
+from replay.replayer import Plant, parse_overrides
+from replay.replayer.plant import install
 
 
 class ModuleDiff(msgspec.Struct):
@@ -61,7 +62,7 @@ def compare_modules(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.
 
 
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
-                  plant: Plant | None = None, log=None) -> LayersBisect:
+                  plant: Plant | None = None, log: Callable[[str], None] | None = None) -> LayersBisect:
     """Side A: step `step` as recorded. Side B: R alone (`against="solo"`), the same step under other knobs
     (`"dtype=bfloat16,attention=reference"`), and/or with a planted fault (`plant`)."""
     log = log or (lambda msg: None)

@@ -4,16 +4,16 @@ many ways (another batch, hooks on every module, a planted fault) without replay
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 from msgspec.structs import replace
 
-from replay.capture import CaptureReader, RequestAdded, Step
+from replay.capture import CaptureReader
 from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from replay.errors import UsageError
-from replay.runners import build_runner
+from replay.replayer import StepLoop, build_runner
 
 PAD_BLOCKS = 64  # spare KV blocks for padding requests (batch-size experiments)
 
@@ -31,39 +31,23 @@ class StepSession:
     """Replays a capture (forced mode) up to step `step`, then re-executes that step on demand."""
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
-                 force: bool = False, log=None):
+                 force: bool = False, log: Callable[[str], None] | None = None) -> None:
         self.path = str(path)
         self.log = log or (lambda msg: None)
-        self.ext: dict[str, str] = {}
-        self.internal: dict[str, str] = {}
         with CaptureReader(path) as r:
             self.header = r.header
             built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
-            self.runner = built.runner
-            self.environment = built.environment
-            prev: dict[str, list[int]] = {}
-            target = None
-            for rec in r.records():
-                if isinstance(rec, RequestAdded):
-                    rid = rec.request.request_id
-                    self.ext[rid] = rec.request.external_req_id or rid
-                    self.internal[self.ext[rid]] = rid
-                    continue
-                if not isinstance(rec, Step):
-                    continue
-                if rec.index == step:
-                    target = rec
-                    break
-                self.runner.update_states(rec.scheduler_output, rec.drawn_seeds, prev)
-                self.runner.run_step(rec.scheduler_output, rec.grammar_output)
-                mro = rec.model_runner_output
-                prev = {rid: t for rid, t in zip(mro.req_ids, mro.sampled_token_ids) if t} if mro else {}
+            self.runner = built.builtin("bisecting a step")
+            self.notes = built.notes
+            loop = StepLoop(path, self.runner)
+            for rec, _ in loop.replay(r.records(), until=step):
                 if rec.index % 50 == 0:
                     self.log(f"  replaying to step {step}: at {rec.index}")
-        if target is None:
+        if loop.next_step is None:
             raise UsageError(f"{path}: no step {step} in this capture")
-        self.step = target
-        self.prev = prev
+        self.step = loop.next_step
+        self.ext, self.internal = loop.external, loop.internal
+        self.prev = loop.sampled
         self.snap = self.runner.snapshot()
         self.num_blocks = self.runner.kv.num_blocks
 
@@ -75,7 +59,7 @@ class StepSession:
                              f"(scheduled: {', '.join(self.names(self.step.scheduler_output.num_scheduled_tokens))})")
         return rid
 
-    def names(self, ids) -> list[str]:
+    def names(self, ids: Iterable[str]) -> list[str]:
         """External ids of internal ids."""
         return [self.ext.get(r, r) for r in ids]
 
@@ -83,7 +67,8 @@ class StepSession:
         """The requests co-scheduled with `rid` at the step."""
         return [r for r in self.step.scheduler_output.num_scheduled_tokens if r != rid]
 
-    def run(self, watch: str, keep: set[str] | None = None, pad: int = 0, hooks=None, modules: bool = False) -> Run:
+    def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
+            hooks: list[Callable[[], Any]] | None = None, modules: bool = False) -> Run:
         """Re-execute the step from the snapshot with only `keep` (None: everyone) plus `pad` one-token padding
         requests; return `watch`'s logits (and every module's output rows for it, with `modules`)."""
         self.runner.restore(self.snap)
@@ -146,8 +131,3 @@ def padded(so: SchedulerOutput, k: int, first_block: int, block_size: int) -> Sc
     sched.update({p.req_id: 1 for p in pads})
     return replace(so, scheduled_new_reqs=list(so.scheduled_new_reqs) + pads, num_scheduled_tokens=sched,
                    total_num_scheduled_tokens=sum(sched.values()))
-
-
-def stderr_log(msg: str) -> None:
-    """Progress lines for humans, on stderr."""
-    print(msg, file=sys.stderr, flush=True)

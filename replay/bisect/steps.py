@@ -6,8 +6,7 @@ import os
 
 import msgspec
 
-from replay.compare import CaptureDiff, diff_captures
-from replay.diff import Tolerance
+from replay.diff import CaptureDiff, Tolerance, diff_captures
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
 
 

@@ -1,5 +1,6 @@
-"""The capture file: format (records, limits, version), writer, reader (+ damage), recovery."""
+"""The capture file: format (records, limits, version), writer, reader, damage, recovery, step ranges."""
 
+from replay.capture.damage import Damage
 from replay.capture.format import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -16,11 +17,12 @@ from replay.capture.format import (
     Step,
     StepTiming,
 )
-from replay.capture.reader import CaptureReader, ChunkRef, Damage
+from replay.capture.reader import CaptureReader, ChunkRef
+from replay.capture.step_range import StepRange
 from replay.capture.writer import CaptureWriter
 
 __all__ = [
     "FORMAT_MAJOR", "FORMAT_MINOR", "ChunkInfo", "EngineConfig", "Environment", "Footer", "Header", "Index",
     "ModelIdentity", "Record", "RequestAborted", "RequestAdded", "Step", "StepTiming",
-    "CaptureReader", "ChunkRef", "Damage", "CaptureWriter",
+    "CaptureReader", "ChunkRef", "Damage", "CaptureWriter", "StepRange",
 ]

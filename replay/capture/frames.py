@@ -7,8 +7,11 @@ Format reference: RFC 8878 §3.1.
 
 from __future__ import annotations
 
+import mmap
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, Union
+
+Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]  # what frames are parsed from
 
 ZSTD_MAGIC = 0xFD2FB528
 ZSTD_MAGIC_BYTES = struct.pack("<I", ZSTD_MAGIC)
@@ -39,7 +42,7 @@ class Frame(NamedTuple):
     payload_start: int  # skippable frames: where the user data starts
 
 
-def parse_frame(buf, pos: int) -> Frame:
+def parse_frame(buf: Buffer, pos: int) -> Frame:
     """Delimit the frame starting at `pos` in `buf` (bytes, memoryview or mmap). Raises FrameError."""
     n = len(buf)
     if pos + 4 > n:
@@ -96,7 +99,7 @@ def skippable_frame(magic: int, payload: bytes) -> bytes:
     return struct.pack("<II", magic, len(payload)) + payload
 
 
-def find_next_frame(buf, start: int) -> int | None:
+def find_next_frame(buf: Buffer, start: int) -> int | None:
     """Offset of the next zstd data-frame magic at or after `start` (resynchronisation after damage)."""
     i = buf.find(ZSTD_MAGIC_BYTES, start)
     return None if i < 0 else i

@@ -14,12 +14,13 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import msgspec
 import zstandard
 
 from replay.capture import format as fmt
+from replay.capture.damage import Damage
 from replay.capture.frames import SKIPPABLE_BASE, SKIPPABLE_MASK, ZSTD_MAGIC, FrameError, find_next_frame, parse_frame
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
 from replay.errors import (
@@ -30,29 +31,6 @@ from replay.errors import (
     NotACaptureError,
     UnsupportedVersionError,
 )
-
-
-class Damage(msgspec.Struct, omit_defaults=True):
-    """One place where data could not be read. `kind`: chunk | truncated | garbage | record | unfinished | index."""
-
-    kind: str
-    reason: str
-    chunk: int | None = None  # chunk number (0 = the header chunk)
-    offset: int | None = None  # byte offset in the file
-    first_step: int | None = None  # steps known (from the index) to be lost with it
-    last_step: int | None = None
-
-    def describe(self) -> str:
-        """One line for humans."""
-        where = []
-        if self.chunk is not None:
-            where.append(f"chunk {self.chunk}")
-        if self.offset is not None:
-            where.append(f"byte {self.offset}")
-        lost = ""
-        if self.first_step is not None:
-            lost = f"; steps {self.first_step}-{self.last_step} lost" if self.last_step != self.first_step else f"; step {self.first_step} lost"
-        return f"{' '.join(where) + ': ' if where else ''}{self.reason}{lost}"
 
 
 class ChunkRef(NamedTuple):
@@ -302,7 +280,8 @@ class CaptureReader:
 
     # -- records --------------------------------------------------------------------------------------------------
 
-    def records(self, *, chunks: Iterator[ChunkRef] | None = None, keep_step=None) -> Iterator[fmt.Record]:
+    def records(self, *, chunks: Iterator[ChunkRef] | None = None,
+                keep_step: Callable[[int], bool] | None = None) -> Iterator[fmt.Record]:
         """Every readable record in order, request ids resolved; damage is recorded in `self.damage`.
 
         `chunks` restricts reading to some chunks, `keep_step(index)` to some steps (both need the index)."""
@@ -314,10 +293,7 @@ class CaptureReader:
             try:
                 recs = self._decode_chunk(ref, keep_step)
             except (_ChunkUnreadable, LimitExceededError) as e:
-                info = ref.info
-                self._add_damage(Damage("chunk", getattr(e, "reason", str(e)), chunk=ref.number, offset=ref.offset,
-                                        first_step=info.first_step if info and info.num_steps else None,
-                                        last_step=info.last_step if info and info.num_steps else None))
+                self._add_damage(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(e, "reason", str(e))))
                 continue
             for rec in recs:
                 if isinstance(rec, fmt.Ids):

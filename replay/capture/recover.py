@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 
 from replay.capture import format as fmt
-from replay.capture.reader import CaptureReader, Damage
+from replay.capture.damage import Damage
+from replay.capture.reader import CaptureReader
 from replay.capture.writer import CaptureWriter
 from replay.errors import HeaderLostError, NothingRecoverableError, UsageError
 

@@ -15,8 +15,8 @@ from typing import Callable, TypeVar
 import numpy as np
 from msgspec.structs import replace
 
-from replay.contracts import Array, LogprobsLists, LogprobsTensors, ModelRunnerOutput, SchedulerOutput
 from replay.capture.format import Ids, Step
+from replay.contracts import Array, LogprobsLists, LogprobsTensors, ModelRunnerOutput, SchedulerOutput
 
 A = TypeVar("A")
 B = TypeVar("B")

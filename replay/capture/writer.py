@@ -16,6 +16,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zstandard
@@ -127,7 +128,7 @@ class CaptureWriter(WriterContext):
         index: int,
         scheduler_output: SchedulerOutput,
         model_runner_output: ModelRunnerOutput | None,
-        **extra,
+        **extra: Any,
     ) -> int:
         """Record one engine step (extra: `drawn_seeds`, `rng_state`, `timing`, `grammar_output` of `Step`).
 

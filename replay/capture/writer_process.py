@@ -23,6 +23,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -71,7 +72,7 @@ class ProcessCaptureWriter(WriterContext):
         self._send(b"X", _ENCODER.encode(fmt.RequestAborted(step, request_id)))
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput,
-                   model_runner_output: ModelRunnerOutput | None, **extra) -> int:
+                   model_runner_output: ModelRunnerOutput | None, **extra: Any) -> int:
         """Record one step (see `CaptureWriter.write_step`); returns the bytes handed to the writer process."""
         return self.write_step_record(fmt.Step(index, scheduler_output, model_runner_output, **extra))
 

@@ -12,7 +12,7 @@ import sys
 from typer.exceptions import Abort, Exit, TyperException
 
 from replay.cli import bisect_cmds, inspect_cmds, record_cmds, replay_cmds  # noqa: F401  (they register commands)
-from replay.cli.common import _err, app
+from replay.cli.common import app, err
 from replay.errors import EXIT_OK, EXIT_USAGE
 
 __all__ = ["app", "main", "run"]
@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exit as e:
         return e.exit_code
     except Abort:
-        _err("aborted")
+        err("aborted")
         return 130
     except TyperException as e:  # typer's (vendored click) usage errors: one line, exit 2
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `replay` or `replay CMD`: show the help
             print(e.format_message(), file=sys.stderr)
         else:
-            _err(e.format_message() if hasattr(e, "format_message") else str(e))
+            err(e.format_message() if hasattr(e, "format_message") else str(e))
         return getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE
     return rc if isinstance(rc, int) else EXIT_OK
 

@@ -7,7 +7,23 @@ from typing import Optional
 
 import typer
 
-from replay.cli.common import AtolOpt, CaptureArg, JsonOpt, ModeOpt, PlantOpt, QuietOpt, RtolOpt, SetOpt, StateOpt, StepsOpt, _log, _replay_options, bisect_command
+from replay.cli.common import (
+    AtolOpt,
+    CaptureArg,
+    JsonOpt,
+    ModeOpt,
+    PlantOpt,
+    QuietOpt,
+    RtolOpt,
+    SetOpt,
+    StateOpt,
+    StepsOpt,
+    bisect_command,
+    emit,
+    progress_log,
+    replay_options,
+    step_range,
+)
 
 
 @bisect_command
@@ -22,18 +38,11 @@ def bisect_steps(
 ) -> None:
     """The first step where recorded and replayed (or A and B) part. Exit 1 when they do."""
     from replay.bisect.steps import bisect_steps as run_it
-    from replay.diff import Tolerance
+    from replay.cli.render_replay import render_bisect_steps
 
-    res = run_it(a, b, opts=_replay_options(mode, set_, None, atol, rtol, 0.05, 1, False, None), tol=Tolerance(atol, rtol))
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-    else:
-        from replay.render import render_capture_diff, render_replay
-
-        print(res.verdict)
-        print(render_replay(res.replay) if res.replay is not None else render_capture_diff(res.capture_diff))
+    opts = replay_options(mode, set_, None, atol, rtol, 0.05, 1, False, None)
+    res = run_it(a, b, opts=opts, tol=opts.tolerance)
+    emit(res, render_bisect_steps, json=json)
     if res.step is not None:
         raise typer.Exit(1)
 
@@ -52,22 +61,13 @@ def bisect_batch(
 ) -> None:
     """Which co-batched requests change REQUEST's numerics at STEP (ddmin), and does batch size alone?"""
     from replay.bisect.batch import bisect_batch as run_it
+    from replay.cli.render_replay import render_bisect_batch
     from replay.diff import Tolerance
-    from replay.runners import parse_overrides
+    from replay.replayer import parse_overrides
 
-    res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(set_), log=_log(quiet),
-                 state=state)
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-        return
-    print(res.verdict)
-    print(f"  alone vs in its recorded batch ({len(res.neighbours)} neighbours): max |Δlogit| {res.max_abs_logit_diff:.3g}, "
-          f"token {res.token_alone} alone, {res.token_in_batch} in the batch")
-    print("  padding: " + ", ".join(f"+{p.padding} {'same' if p.same_as_alone else f'Δ{p.max_abs_logit_diff:.2g}'}"
-                                    for p in res.padding))
-    print(f"  {res.re_executions} re-executions of step {res.step}")
+    res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(set_),
+                 log=progress_log(quiet), state=state)
+    emit(res, render_bisect_batch, json=json)
 
 
 @bisect_command
@@ -82,18 +82,11 @@ def bisect_layers(
 ) -> None:
     """The first module whose output for REQUEST differs between two executions of STEP, and how it grows."""
     from replay.bisect.layers import bisect_layers as run_it
-    from replay.plant import Plant
+    from replay.cli.render_replay import render_bisect_layers
+    from replay.replayer import Plant
 
-    res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None, log=_log(quiet))
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-        return
-    print(res.verdict)
-    print(f"  {'module':<40} {'equal':>6} {'max |Δ|':>11} {'ULPs':>10}")
-    for m in res.modules:
-        print(f"  {m.module:<40} {'yes' if m.equal else 'NO':>6} {m.max_abs:>11.3g} {m.max_ulps:>10.3g}")
+    res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None, log=progress_log(quiet))
+    emit(res, render_bisect_layers, json=json)
 
 
 @bisect_command
@@ -108,12 +101,7 @@ def bisect_config(
 ) -> None:
     """The minimal set of knob changes (between --good and --bad) that makes the replay diverge (ddmin)."""
     from replay.bisect.config import bisect_config as run_it
+    from replay.cli.render_replay import render_bisect_config
 
-    res = run_it(capture, good, bad, steps=steps, log=_log(quiet), state=state)
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(res))
-        return
-    print(res.verdict)
-    print(f"  {res.re_executions} replays")
+    res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state)
+    emit(res, render_bisect_config, json=json)

@@ -8,18 +8,19 @@ from typing import Optional
 
 import typer
 
-from replay.cli.common import CaptureArg, JsonOpt, _damage_exit, _emit, _err, command
+from replay.cli.common import CaptureArg, JsonOpt, command, damage_exit, emit, step_range
 from replay.errors import EXIT_DAMAGED
 
 
 @command
 def info(capture: Path = CaptureArg, json: bool = JsonOpt) -> None:
     """Header summary, steps, requests, tokens, sizes and damage of a capture."""
-    from replay.summary import capture_info
+    from replay.cli.render_capture import render_info
+    from replay.inspect import capture_info
 
     res = capture_info(capture)
-    _emit(res, json, "render_info")
-    _damage_exit(res.damage)
+    emit(res, render_info, json=json)
+    damage_exit(res.damage)
 
 
 @command
@@ -31,11 +32,12 @@ def show(
     json: bool = JsonOpt,
 ) -> None:
     """One step (or a range, or one request's steps) as a human reads it."""
-    from replay.show import show_steps
+    from replay.cli.render_capture import render_shown
+    from replay.inspect import show_steps
 
-    res = show_steps(capture, step, request, limit)
-    _emit(res, json, "render_shown")
-    _damage_exit(res.damage)
+    res = show_steps(capture, step_range(step, "--step"), request, limit)
+    emit(res, render_shown, json=json)
+    damage_exit(res.damage)
 
 
 @command
@@ -49,9 +51,10 @@ def recover(
 
     Exit 0: nothing was lost; 3: written, but data was lost; 1: nothing recoverable."""
     from replay.capture.recover import recover as do_recover
+    from replay.cli.render_capture import render_recover
 
     res = do_recover(capture, output, force=force)
-    _emit(res, json, "render_recover")
+    emit(res, render_recover, json=json)
     if res.lost_data:
         raise typer.Exit(EXIT_DAMAGED)
 
@@ -63,7 +66,8 @@ def export(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write to a file instead of stdout."),
 ) -> None:
     """Every record of a capture, one JSON object per line, for other tools."""
-    from replay.export import export_records
+    from replay.cli.render_capture import render_exported
+    from replay.inspect import export_records
 
     if output is None:
         n, damage = export_records(capture, sys.stdout, format)
@@ -75,8 +79,8 @@ def export(
             from replay.errors import UsageError
 
             raise UsageError(f"{output}: cannot write: {e.strerror or e}") from None
-    _err(f"exported {n} records")
-    _damage_exit(damage, listed=False)
+    emit(n, render_exported, stderr=True)
+    damage_exit(damage, listed=False)
 
 
 @command
@@ -85,12 +89,12 @@ def synth(
     steps: int = typer.Option(200, "--steps", min=1, help="Engine steps."),
     running: int = typer.Option(64, "--running", min=1, help="Concurrently running requests."),
     logprobs: int = typer.Option(5, "--logprobs", min=-1, help="Top-k logprobs per token; -1 for none."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic workload."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic stream."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
 ) -> None:
     """Record a synthetic capture (realistic shapes, no model): for trying the tools and testing the format."""
-    from replay.synthetic import Workload, record_synthetic
+    from replay.cli.render_capture import render_written
+    from replay.record.synth import SynthShape, record_synth
 
-    path = record_synthetic(output, Workload(steps=steps, running=running, num_logprobs=None if logprobs < 0 else logprobs,
-                                             seed=seed), overwrite=force)
-    print(f"wrote {path}")
+    shape = SynthShape(steps=steps, running=running, num_logprobs=None if logprobs < 0 else logprobs, seed=seed)
+    emit(record_synth(output, shape, overwrite=force), render_written)

@@ -8,8 +8,21 @@ from typing import Optional
 import typer
 
 from replay.cli.common import (
-    AtolOpt, CaptureArg, ForceOpt, JsonOpt, ModeOpt, PlantOpt, RtolOpt, RunnerOpt, SetOpt, StepsOpt, TieOpt, _emit, _err,
-    _replay_options, _with_runner, command,
+    AtolOpt,
+    CaptureArg,
+    ForceOpt,
+    JsonOpt,
+    ModeOpt,
+    PlantOpt,
+    RtolOpt,
+    RunnerOpt,
+    SetOpt,
+    StepsOpt,
+    TieOpt,
+    command,
+    emit,
+    err,
+    replay_options,
 )
 
 
@@ -32,21 +45,12 @@ def run(
     """Re-execute the recorded steps on a fresh runner; with --diff, report where and how the outputs part.
 
     Exit 0: matches within tolerance; 1: diverges; 2: bad input."""
+    from replay.cli.render_replay import render_replay, render_run
     from replay.replayer import replay_capture
 
-    set_ = _with_runner(set_, runner)
-    rep = replay_capture(capture, _replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff))
-    if json:
-        from replay.jsonable import dumps
-
-        print(dumps(rep))
-    elif diff:
-        from replay.render import render_replay
-
-        print(render_replay(rep))
-    else:
-        print(f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
-              f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""))
+    rep = replay_capture(capture, replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant,
+                                                 diff, runner))
+    emit(rep, render_replay if diff else render_run, json=json)
     if diff and rep.diverged:
         raise typer.Exit(1)
 
@@ -62,15 +66,16 @@ def check(
     force: bool = ForceOpt,
 ) -> None:
     """Predicate for `git bisect run`: 0 replays within tolerance, 1 diverges, 125 cannot test."""
+    from replay.cli.render_replay import render_check
     from replay.replayer import check_capture
 
     try:
-        opts = _replay_options(mode, _with_runner(set_, runner), None, atol, rtol, 0.05, 1, force, None)
+        opts = replay_options(mode, set_, None, atol, rtol, 0.05, 1, force, None, runner=runner)
     except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
-        _err(str(e))
+        err(str(e))
         raise typer.Exit(125) from None
     code = check_capture(capture, opts)
-    _err({0: "good: replays within tolerance", 1: "bad: diverges", 125: "cannot test"}[code])
+    emit(code, render_check, stderr=True)
     raise typer.Exit(code)
 
 
@@ -84,10 +89,10 @@ def diff(
     json: bool = JsonOpt,
 ) -> None:
     """Compare two captures of the same workload request by request; exit 1 when they differ."""
-    from replay.compare import diff_captures
-    from replay.diff import Tolerance
+    from replay.cli.render_replay import render_capture_diff
+    from replay.diff import Tolerance, diff_captures
 
     res = diff_captures(a, b, Tolerance(atol, rtol, tie_margin))
-    _emit(res, json, "render_capture_diff")
+    emit(res, render_capture_diff, json=json)
     if res.diverged:
         raise typer.Exit(1)

@@ -47,7 +47,8 @@ class KVCache:
         self.k = [grow(t) for t in self.k]
         self.v = [grow(t) for t in self.v]
 
-    def slots(self, block_ids: list[int] | torch.Tensor, start: int, end: int, device) -> torch.Tensor:
+    def slots(self, block_ids: list[int] | torch.Tensor, start: int, end: int,
+              device: torch.device | str) -> torch.Tensor:
         """Flat slot indices of token positions [start, end) of a request with this block table."""
         pos = torch.arange(start, end, device=device)
         table = block_ids if isinstance(block_ids, torch.Tensor) else torch.tensor(block_ids, dtype=torch.long,

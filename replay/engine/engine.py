@@ -9,26 +9,15 @@ from __future__ import annotations
 import itertools
 import time
 
-import torch
-
 from replay.capture import EngineConfig as CaptureEngineConfig
-from replay.capture import ModelIdentity, StepTiming
+from replay.capture import Header, ModelIdentity, StepTiming
 from replay.contracts import EngineCoreOutputs, EngineCoreRequest, SamplingParams
-from replay.engine.config import EngineConfig
+from replay.engine.config import EngineConfig, ModelConfig
 from replay.engine.runner import ModelRunner
 from replay.engine.scheduler import Scheduler
-from replay.engine.weights import load_model
+from replay.engine.weights import load_model, torch_dtype
 from replay.errors import UsageError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype of a dtype name (float32 | bfloat16 | float16)."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise UsageError(f"dtype {name!r}: expected one of {', '.join(_DTYPES)}") from None
+from replay.provenance import current_environment, make_header, set_torch_threads
 
 
 class LLMEngine:
@@ -37,7 +26,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, listeners: list | None = None):
         rc = config.runner
         if rc.num_threads:
-            torch.set_num_threads(rc.num_threads)
+            set_torch_threads(rc.num_threads)
         torch_dtype(rc.dtype)
         self.config = config
         self.model, self.model_config, self.fingerprint = load_model(config.model, rc.dtype, rc.device)
@@ -110,23 +99,29 @@ class LLMEngine:
 
     # -- provenance ------------------------------------------------------------------------------------------------------
 
-    def model_identity(self) -> ModelIdentity:
-        """What the capture header says about the model."""
-        import dataclasses
+    def header(self) -> Header:
+        """The capture header of a recording of this engine."""
+        return builtin_header(self.config, self.model_config, self.fingerprint)
 
-        mc = self.model_config
-        return ModelIdentity(name=self.config.model, architecture=mc.architecture, fingerprint=self.fingerprint,
-                             dtype=self.config.runner.dtype,
-                             path="" if self.config.model == "tiny" else str(self.config.model),
-                             config=dataclasses.asdict(mc))
 
-    def capture_engine_config(self) -> CaptureEngineConfig:
-        """What the capture header says about the engine configuration."""
-        sc, rc = self.config.scheduler, self.config.runner
-        return CaptureEngineConfig(
-            block_size=sc.block_size, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
-            enable_prefix_caching=sc.enable_prefix_caching, enable_chunked_prefill=sc.enable_chunked_prefill,
-            attention_impl=rc.attention_impl, seed=rc.seed, logprobs_mode=rc.logprobs_mode,
-            runner_class="replay.engine.runner.ModelRunner", batch_invariant=rc.batch_invariant,
-            extra={"device": rc.device, "dtype": rc.dtype})
+def builtin_header(config: EngineConfig, model_config: ModelConfig, fingerprint: str) -> Header:
+    """What a capture header says about a builtin engine (or runner) built from `config`: the model, the engine
+    configuration and this process's environment. Recording and replay describe themselves with it, so that
+    `replay.provenance.header_differences` compares like with like."""
+    import dataclasses
+
+    from replay import __version__
+
+    sc, rc = config.scheduler, config.runner
+    model = ModelIdentity(name=config.model, architecture=model_config.architecture, fingerprint=fingerprint,
+                          dtype=rc.dtype, path="" if config.model == "tiny" else str(config.model),
+                          config=dataclasses.asdict(model_config))
+    engine_config = CaptureEngineConfig(
+        block_size=sc.block_size, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
+        enable_prefix_caching=sc.enable_prefix_caching, enable_chunked_prefill=sc.enable_chunked_prefill,
+        attention_impl=rc.attention_impl, seed=rc.seed, logprobs_mode=rc.logprobs_mode,
+        runner_class="replay.engine.runner.ModelRunner", batch_invariant=rc.batch_invariant,
+        extra={"device": rc.device, "dtype": rc.dtype})
+    return make_header("builtin", engine_version=__version__, model=model, engine_config=engine_config,
+                       environment=current_environment(device=rc.device))

@@ -18,9 +18,9 @@ import torch
 
 from replay.contracts import (
     EMPTY_MODEL_RUNNER_OUTPUT,
-    GrammarOutput,
     SAMPLING_EPS,
     Array,
+    GrammarOutput,
     LogprobsLists,
     LogprobsTensors,
     ModelRunnerOutput,
@@ -60,6 +60,8 @@ class CachedRequestState:
 
 class ModelRunner:
     """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
+
+    random_draws = "builtin"  # whose random streams it samples with: per-request torch generators (and drawn seeds)
 
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
                  eos_token_id: int | None = None, batch_invariant: bool = False):
@@ -192,7 +194,7 @@ class ModelRunner:
             start += n
             last.append(start - 1)
         self.current_rows = rows  # logits row i belongs to rows[i] (hooks on lm_head need this)
-        ctx = PagedAttention(self.kv, spans, self.attention_impl, getattr(self.model.cfg, "sliding_window", None),
+        ctx = PagedAttention(self.kv, spans, self.attention_impl, self.model.cfg.sliding_window,
                              per_token=self.batch_invariant)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).cpu()
@@ -226,6 +228,10 @@ class ModelRunner:
         for rid in rows:  # num_computed_tokens is the scheduler's to advance; keep ours in step for the next diff
             self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
         return ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, sampled, lp, plp)
+
+    def margins(self) -> dict[str, float]:
+        """top1 - top2 raw logprob of each request sampled in the last step (the diff classifies flips with it)."""
+        return self.last_margins
 
     # -- snapshots (re-executing a step several ways without replaying the steps before it) -----------------------
 

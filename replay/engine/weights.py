@@ -1,15 +1,12 @@
 """Weights for the builtin engine: Hugging Face checkpoint directories (config.json + safetensors) and `tiny`.
 
-Every model comes with a *weights fingerprint* that goes into the capture header, so replay can tell "same
-weights" from "same name". It is computed from the tensors as stored (name, dtype, shape, raw bytes), before any
-dtype conversion, so a checkpoint loaded in float32 and in bfloat16 has one fingerprint; the requested dtype is
-recorded separately.
+Every model comes with a *weights fingerprint* (`replay.provenance.weights`) that goes into the capture header, so
+replay can tell "same weights" from "same name". This module also owns the dtype names the builtin engine
+accepts, for recording and for replay alike.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +15,18 @@ import torch
 from replay.engine.config import ModelConfig
 from replay.engine.model import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, CausalLM
 from replay.errors import UsageError
+from replay.provenance.weights import Fingerprint, read_json, safetensors_files
 
+# The dtypes the builtin engine runs in (float64: the "which side is closer to the truth" re-execution).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name; any other name is a UsageError listing the supported ones."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UsageError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
 
 # The builtin model. Its tokenizer is `ByteTokenizer` (ids 0-2 specials, 3-258 bytes; the rest of the vocab is
 # never produced by encode, which keeps room for specials later without changing the weights).
@@ -39,39 +46,9 @@ TINY_EMBED_STD = 1.0
 TINY_LM_HEAD_STD = 0.25
 
 
-class Fingerprint:
-    """sha256 over the sorted (name, dtype, shape, sha256(raw bytes)) of named tensors, added in any order."""
-
-    def __init__(self):
-        self._entries: dict[str, str] = {}
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        """Record one tensor as stored (its own dtype and bytes; little-endian on every platform torch supports)."""
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        dtype = str(t.dtype).removeprefix("torch.")
-        self._entries[name] = f"{dtype}\0{list(t.shape)}\0{hashlib.sha256(raw).hexdigest()}"
-
-    def hexdigest(self) -> str:
-        """The fingerprint: independent of the order tensors were added and of how they were sharded."""
-        h = hashlib.sha256()
-        for name in sorted(self._entries):
-            h.update(f"{name}\0{self._entries[name]}\n".encode())
-        return h.hexdigest()
-
-
 def _hf_name(ours: str) -> str:
     """Our parameter name -> the checkpoint's (`layers.0.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight`)."""
     return ours if ours.startswith("lm_head.") else f"model.{ours}"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path}: cannot read as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: expected a JSON object")
-    return data
 
 
 def _checkpoint_dir(path: str | Path) -> Path:
@@ -104,7 +81,7 @@ def _rope(cfg: dict[str, Any], where: Path) -> tuple[float, dict[str, Any] | Non
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a checkpoint directory's config.json into a `ModelConfig`; unsupported models raise `UsageError`."""
     where = _checkpoint_dir(path) / "config.json"
-    cfg = _read_json(where)
+    cfg = read_json(where)
     archs = cfg.get("architectures") or [None]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -146,21 +123,6 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise UsageError(f"{where}: bad value ({e})") from None
 
 
-def _safetensors_files(d: Path) -> list[Path]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise UsageError(f"{index}: no weight_map")
-        files = [d / f for f in sorted(set(weight_map.values()))]
-        if lost := [f.name for f in files if not f.is_file()]:
-            raise UsageError(f"{index}: shard(s) missing: {', '.join(lost)}")
-        return files
-    if (d / "model.safetensors").is_file():
-        return [d / "model.safetensors"]
-    raise UsageError(f"{d}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints load)")
-
-
 def _names(names: list[str], limit: int = 5) -> str:
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
@@ -177,7 +139,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype,
 
     d = Path(path)
     cfg = load_model_config(d)
-    files = _safetensors_files(d)
+    files = safetensors_files(d)
     model = CausalLM(cfg, dtype, device)
     params = {_hf_name(n): p for n, p in model.named_parameters()}  # tied lm_head is a duplicate: not listed
     loaded: set[str] = set()
@@ -245,30 +207,17 @@ def tiny_model(dtype: torch.dtype = torch.float32,
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> tuple[CausalLM, ModelConfig, str]:
     """`tiny` (the builtin model; write `./tiny` for a directory of that name) or a checkpoint directory ->
     (model, config, weights fingerprint). `dtype` is one of float32 | bfloat16 | float16 | float64."""
-    if dtype not in DTYPES:
-        raise UsageError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    dt = torch_dtype(dtype)
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise UsageError(f"unknown device {device!r}") from None
     if name_or_path == "tiny":
-        return tiny_model(DTYPES[dtype], dev)
-    return load_checkpoint(_checkpoint_dir(name_or_path), DTYPES[dtype], dev)
+        return tiny_model(dt, dev)
+    return load_checkpoint(_checkpoint_dir(name_or_path), dt, dev)
 
 
 def load_model_config_for(name_or_path: str) -> ModelConfig:
     """The ModelConfig of "tiny" or of a checkpoint directory, without loading any weights."""
     return TINY_CONFIG if name_or_path == "tiny" else load_model_config(name_or_path)
 
-
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """The weights fingerprint of a checkpoint directory without building the model (what other engines'
-    captures record, so that replay on the builtin runner can check it loads the same weights)."""
-    from safetensors import safe_open
-
-    fp = Fingerprint()
-    for f in _safetensors_files(Path(path)):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                fp.add(name, st.get_tensor(name))
-    return fp.hexdigest()

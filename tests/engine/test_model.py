@@ -17,6 +17,7 @@ from replay.engine.model import CausalLM, ContiguousAttention
 from replay.engine.tokenizer import ByteTokenizer, load_tokenizer
 from replay.engine.weights import TINY_CONFIG, load_checkpoint, load_model, load_model_config, tiny_model
 from replay.errors import UsageError
+from replay.provenance import set_torch_threads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,9 +31,9 @@ SEQS = [[5, 17, 200, 3, 99], [1, 250, 42, 42, 7, 128, 64, 0, 11, 33, 90]]  # two
 def one_thread():
     """One intra-op thread: timings and bits do not depend on a busy neighbour core."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     yield
-    torch.set_num_threads(before)
+    set_torch_threads(before)
 
 
 @pytest.fixture

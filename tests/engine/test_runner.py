@@ -10,13 +10,14 @@ from replay.engine.model import ContiguousAttention
 from replay.engine.runner import ModelRunner
 from replay.engine.weights import tiny_model
 from replay.errors import UsageError
+from replay.provenance import set_torch_threads
 
 BS = 4  # block size: small, so requests span several blocks
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     m, _, _ = tiny_model()
     return m
 

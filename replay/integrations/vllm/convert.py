@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from replay.contracts import Array, EngineCoreRequest, Opaque
+from replay.contracts import Array, EngineCoreRequest, Opaque, SamplingParams
 from replay.contracts.tolerant import TolerantConverter
 
 
@@ -50,7 +50,7 @@ def request_image(request: Any, external_req_id: str | None = None) -> dict:
     return out
 
 
-def to_vllm_sampling_params(ours):
+def to_vllm_sampling_params(ours: SamplingParams) -> Any:
     """Our SamplingParams as vLLM's, private fields (`_eos_token_id`, ...) included, so sampling is the same."""
     from vllm import SamplingParams as VSP
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
 from replay.integrations.vllm.convert import to_vllm_sampling_params
+from replay.integrations.vllm.header import vllm_header
+from replay.provenance import set_torch_threads
 
 
 def _vllm_kwargs(cls, values: dict) -> dict:
@@ -30,22 +33,20 @@ def fresh_process_threads(env: dict[str, str]) -> None:
     process) it does not, and float32 logprobs then differ by an ulp. A fresh process starts with OMP_NUM_THREADS
     when the user set it (`env`: for a replay, as the capture header recorded it; vLLM sets it too in its own
     worker processes, and marks that), else with one thread per CPU it may use."""
-    import torch
-
     omp_num_threads = env.get("OMP_NUM_THREADS") if env.get("VLLM_OMP_NUM_THREADS_SET_BY_VLLM") != "1" else None
     try:
         threads = int(omp_num_threads) if omp_num_threads else len(os.sched_getaffinity(0))
     except (ValueError, AttributeError):
         threads = os.cpu_count() or 1
-    torch.set_num_threads(max(threads, 1))
+    set_torch_threads(max(threads, 1))
 
 
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
 
-    repeats_vllm_draws = True  # same kernels, seed and draw order: random sampling replays bitwise too
+    random_draws = "vllm"  # same kernels, seed and draw order: random sampling replays bitwise too
 
-    def __init__(self, header, overrides: dict[str, str]):
+    def __init__(self, header: Header, overrides: dict[str, str]) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         try:
@@ -67,10 +68,17 @@ class VllmRunner:
             raise UsageError(f"vLLM cannot build an engine for this capture: {type(e).__name__}: {e}"[:400]) from None
         core = self.llm.llm_engine.engine_core.engine_core
         self.runner = core.model_executor.driver_worker.worker.model_runner
+        self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
-        self.last_margins: dict[str, float] = {}
-        self.requests = {}  # the planting / bisect hooks are builtin-only
         self._so = None
+
+    def describe(self) -> Header:
+        """What this replay runs with, as the tap describes a recording (compared with it field for field)."""
+        return vllm_header(self._scheduler)
+
+    def margins(self) -> dict[str, float]:
+        """vLLM's runner keeps no logits after sampling: margins are known only from recorded top-k logprobs."""
+        return {}
 
     @staticmethod
     def _build(LLM, model, m, ec, overrides):
@@ -82,7 +90,8 @@ class VllmRunner:
                    enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
                    num_gpu_blocks_override=ec.num_gpu_blocks or None)
 
-    def update_states(self, so: SchedulerOutput, drawn_seeds=None, sampled_override=None) -> None:
+    def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
+                      sampled_override: dict[str, list[int]] | None = None) -> None:
         """Remember the step; forced mode writes the recorded tokens into vLLM's cached state."""
         if drawn_seeds:
             raise UsageError("this capture has engine-drawn seeds (builtin engine): replay it on the builtin runner")

@@ -1,0 +1,138 @@
+"""`stress`: the Thinking Machines experiment as one command. The same prompt(s), greedy, N times under varied
+co-batching (random neighbour requests, sizes and arrival times); count the unique completions and the unique
+logprob sequences, and show where they first fork and what the batches looked like there."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+import numpy as np
+
+from replay.contracts import SamplingParams
+from replay.engine.config import EngineConfig
+from replay.errors import UsageError
+
+
+class Fork(msgspec.Struct):
+    """Where two groups of trials first part, and the batch sizes the target ran in at that position."""
+
+    position: int  # output position of the first difference (tokens or logprobs)
+    kind: str  # "token" | "logprob"
+    trials: list[int]  # one trial of each side
+    batch_sizes: list[int]  # requests in the step that produced that position, per trial
+    batch_tokens: list[int]  # tokens in that step, per trial
+
+
+class StressReport(msgspec.Struct):
+    """The answer of `replay stress`."""
+
+    trials: int
+    unique_completions: int
+    unique_logprob_sequences: int
+    first_fork: Fork | None
+    batch_invariant: bool
+    verdict: str
+
+
+@dataclass(slots=True)
+class _Watch:
+    """A StepListener that keeps the target request's tokens, logprobs and batch shape per output position."""
+
+    target: str
+    tokens: list
+    logprobs: list
+    batch: list
+
+    def on_request_added(self, request, step):
+        pass
+
+    def on_request_aborted(self, request_id, step):
+        pass
+
+    def on_step(self, index, so, mro, **kw):
+        if mro is None or self.target not in mro.req_id_to_index:
+            return
+        i = mro.req_id_to_index[self.target]
+        for t in mro.sampled_token_ids[i]:
+            self.tokens.append(t)
+            self.logprobs.append(np.float32(mro.logprobs.logprobs.to_numpy()[i, 0]).tobytes())
+            self.batch.append((len(so.num_scheduled_tokens), so.total_num_scheduled_tokens))
+
+
+def prompt_ids(model: str, prompt: str | None = None, prompt_token_ids: str | None = None) -> list[int]:
+    """The target prompt's token ids: `prompt` through the model's tokenizer, or comma-separated ids."""
+    if (prompt is None) == (prompt_token_ids is None):
+        raise UsageError("give exactly one of --prompt and --prompt-token-ids")
+    if prompt is not None:
+        from replay.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model)
+        if tok is None:
+            raise UsageError(f"{model}: no tokenizer.json; use --prompt-token-ids")
+        return tok.encode(prompt)
+    try:
+        return [int(x) for x in prompt_token_ids.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-token-ids {prompt_token_ids!r}: expected comma-separated integers") from None
+
+
+def stress(prompt: list[int], config: EngineConfig, *, trials: int = 20, max_tokens: int = 24,
+           neighbours: tuple[int, int] = (0, 12), seed: int = 0,
+           log: Callable[[str], None] | None = None) -> StressReport:
+    """Run the experiment; neighbours are random prompts (length 4-64, 4-32 output tokens) arriving at random steps."""
+    from replay.engine.engine import LLMEngine
+
+    if trials < 2:
+        raise UsageError("--trials must be at least 2")
+    log = log or (lambda msg: None)
+    rng = random.Random(seed)
+    engine = LLMEngine(config)
+    vocab = engine.model_config.vocab_size
+    runs = []
+    for trial in range(trials):
+        engine = LLMEngine(config) if trial else engine
+        watch = _Watch("", [], [], [])
+        engine.listeners.append(watch)
+        k = rng.randint(*neighbours)
+        arrivals = sorted((rng.randint(0, 6), [rng.randrange(3, vocab) for _ in range(rng.randint(4, 64))],
+                           rng.randint(4, 32)) for _ in range(k))
+        target_at = rng.randint(0, 4)
+        pending = arrivals + [(target_at, None, max_tokens)]
+        pending.sort(key=lambda a: a[0])
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][0] <= engine.step_index:
+                _, p, n = pending.pop(0)
+                if p is None:
+                    watch.target = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1,
+                                                                             ignore_eos=True), "target")
+                else:
+                    engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            engine.step()
+        runs.append(watch)
+        log(f"  trial {trial + 1}/{trials}: {k} neighbours, {len(set(b for b, _ in watch.batch))} batch sizes")
+    completions = {tuple(r.tokens) for r in runs}
+    sequences = {tuple(r.logprobs) for r in runs}
+    fork = _first_fork(runs)
+    invariant = config.runner.batch_invariant
+    mode = "batch-invariant mode" if invariant else "default mode"
+    verdict = (f"{trials} trials in {mode}: {len(completions)} unique completion(s), {len(sequences)} unique logprob "
+               f"sequence(s)")
+    if fork is not None:
+        verdict += f"; they first fork at output position {fork.position} ({fork.kind}s differ)"
+    return StressReport(trials, len(completions), len(sequences), fork, invariant, verdict)
+
+
+def _first_fork(runs: list[_Watch]) -> Fork | None:
+    best = None
+    for i, a in enumerate(runs[1:], 1):
+        b = runs[0]
+        for pos in range(min(len(a.tokens), len(b.tokens))):
+            kind = "token" if a.tokens[pos] != b.tokens[pos] else "logprob" if a.logprobs[pos] != b.logprobs[pos] else None
+            if kind:
+                if best is None or pos < best.position:
+                    best = Fork(pos, kind, [0, i], [b.batch[pos][0], a.batch[pos][0]], [b.batch[pos][1], a.batch[pos][1]])
+                break
+    return best

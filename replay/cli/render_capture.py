@@ -1,0 +1,164 @@
+"""Terminal text for what is in a capture (info, show), and for what recorded or repaired one (record, synth,
+recover, export). Plain text (no colour codes) so output pipes and diffs cleanly."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replay.capture import Damage, Step
+    from replay.capture.recover import RecoverResult
+    from replay.inspect import CaptureInfo, ShownSteps
+    from replay.record import RecordResult
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.2f} MB" if n >= 100_000 else f"{n:,} B"
+
+
+def render_damage(damage: list[Damage]) -> list[str]:
+    """One line per damage entry."""
+    return [f"  - {d.kind}: {d.describe()}" for d in damage]
+
+
+def render_info(info: CaptureInfo) -> str:
+    """`replay info` as aligned label/value lines."""
+    h = info.header
+    created = dt.datetime.fromtimestamp(h.created, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    lines = [
+        f"capture   {info.path}",
+        f"format    {info.format_version} ({'complete' if info.complete else 'UNFINISHED: no seek index'}), "
+        f"written by replay {h.tool_version} on {created}",
+        f"status    {info.status}",
+        f"engine    {h.engine}{' ' + h.engine_version if h.engine_version else ''}",
+    ]
+    if h.model is not None:
+        m = h.model
+        fp = f" fingerprint {m.fingerprint[:16]}" if m.fingerprint else ""
+        lines.append(f"model     {m.name} {m.architecture} {m.dtype}{fp}".rstrip())
+    c = h.engine_config
+    cfg = [f"block size {c.block_size}"]
+    if c.num_gpu_blocks:
+        cfg.append(f"{c.num_gpu_blocks} KV blocks")
+    if c.max_num_seqs:
+        cfg.append(f"max seqs {c.max_num_seqs}")
+    if c.max_num_batched_tokens:
+        cfg.append(f"max batched tokens {c.max_num_batched_tokens}")
+    cfg.append(f"prefix caching {'on' if c.enable_prefix_caching else 'off'}")
+    cfg.append(f"chunked prefill {'on' if c.enable_chunked_prefill else 'off'}")
+    if c.attention_impl:
+        cfg.append(f"attention {c.attention_impl}")
+    if c.seed is not None:
+        cfg.append(f"seed {c.seed}")
+    lines.append("config    " + ", ".join(cfg))
+    e = h.environment
+    env = [e.device or "?"]
+    if e.torch_version:
+        env.append(f"torch {e.torch_version}")
+    if e.num_threads:
+        env.append(f"{e.num_threads} threads")
+    env.append(f"python {e.python_version}" if e.python_version else "")
+    lines.append("env       " + ", ".join(x for x in env if x))
+    span = f" ({info.first_step}-{info.last_step})" if info.first_step is not None else ""
+    lines += [
+        f"steps     {info.num_steps:,}{span} in {info.num_chunks} chunks",
+        f"requests  {info.num_requests:,} scheduled, {info.num_requests_added:,} arrivals recorded",
+        f"tokens    {info.num_scheduled_tokens:,} scheduled, {info.num_generated_tokens:,} generated",
+    ]
+    bpt = f", {info.bytes_per_generated_token} B per generated token" if info.bytes_per_generated_token else ""
+    lines.append(f"size      {_mb(info.file_bytes)} on disk, {_mb(info.raw_bytes)} raw, ratio {info.compression_ratio:.2f}x{bpt}")
+    if info.unknown_records:
+        lines.append(f"skipped   {info.unknown_records} records of a newer format version")
+    if info.damage:
+        lines.append(f"damage    {len(info.damage)} problem(s); data was lost:")
+        lines += render_damage(info.damage)
+    else:
+        lines.append("damage    none")
+    return "\n".join(lines)
+
+
+def _lp_cells(step: Step, row: int) -> tuple[str, str, str]:
+    lp = step.model_runner_output.logprobs if step.model_runner_output is not None else None
+    if lp is None or row >= lp.num_rows:
+        return "", "", ""
+    ids = lp.logprob_token_ids.to_numpy()[row]
+    vals = lp.logprobs.to_numpy()[row]
+    rank = int(lp.sampled_token_ranks.to_numpy()[row])
+    topk = " ".join(f"{int(t)}:{float(v):.4g}" for t, v in zip(ids[1:], vals[1:]))
+    return f"{float(vals[0]):.6g}", str(rank), topk
+
+
+def render_step(step: Step, external_ids: dict[str, str], only: str | None = None) -> str:
+    """One step: batch composition, then a row per scheduled request."""
+    so, mro = step.scheduler_output, step.model_runner_output
+    new_ids = {r.req_id: r for r in so.scheduled_new_reqs}
+    cr = so.scheduled_cached_reqs
+    cached = {rid: i for i, rid in enumerate(cr.req_ids)}
+    prefill = sum(1 for rid, n in so.num_scheduled_tokens.items() if rid in new_ids or n > 1)
+    decode = len(so.num_scheduled_tokens) - prefill
+    head = (f"step {step.index}: {len(so.num_scheduled_tokens)} requests, {so.total_num_scheduled_tokens} tokens "
+            f"({prefill} prefill, {decode} decode); {len(new_ids)} new, {len(cr.resumed_req_ids)} resumed, "
+            f"{len(so.finished_req_ids)} finished before it")
+    if step.timing is not None and step.timing.execute_ns:
+        head += f"; execute {step.timing.execute_ns / 1e6:.2f} ms"
+    rows = [head, f"  {'request':<44} {'kind':<8} {'computed':>8} {'sched':>6}  {'sampled':<12} {'logprob':>10} {'rank':>5}  top-k"]
+    index = mro.req_id_to_index if mro is not None else {}
+    for rid, n in so.num_scheduled_tokens.items():
+        if only is not None and rid != only:
+            continue
+        if rid in new_ids:
+            kind, computed = "new", new_ids[rid].num_computed_tokens
+        else:
+            i = cached.get(rid)
+            kind = "resumed" if rid in cr.resumed_req_ids else "cached"
+            computed = cr.num_computed_tokens[i] if i is not None else -1
+        label = rid + (f" ({external_ids[rid]})" if rid in external_ids else "")
+        row = index.get(rid)
+        sampled = str(mro.sampled_token_ids[row]) if mro is not None and row is not None and row < len(mro.sampled_token_ids) else "-"
+        lpv, rank, topk = _lp_cells(step, row) if row is not None else ("", "", "")
+        rows.append(f"  {label:<44} {kind:<8} {computed:>8} {n:>6}  {sampled:<12} {lpv:>10} {rank:>5}  {topk}")
+    if so.finished_req_ids and only is None:
+        rows.append("  finished: " + ", ".join(sorted(so.finished_req_ids)))
+    return "\n".join(rows)
+
+
+def render_shown(shown: ShownSteps) -> str:
+    """`replay show`."""
+    parts = [render_step(s, shown.external_ids, shown.request) for s in shown.steps]
+    if shown.damage:
+        parts.append("damage (data was lost):\n" + "\n".join(render_damage(shown.damage)))
+    return "\n\n".join(parts)
+
+
+def render_recover(res: RecoverResult) -> str:
+    """`replay recover`."""
+    lines = [f"recovered {res.num_steps:,} steps ({res.num_records:,} records) from {res.source} into {res.output}"]
+    if res.damage:
+        lines.append("lost:")
+        lines += render_damage(res.damage)
+    if res.unknown_records_dropped:
+        lines.append(f"dropped {res.unknown_records_dropped} records of a newer format version (this replay cannot re-encode them)")
+    if not res.lost_data:
+        lines.append("nothing was lost")
+    return "\n".join(lines)
+
+
+
+
+
+def render_record(res: RecordResult) -> str:
+    """`replay record`'s summary."""
+    return (f"recorded {res.steps} steps, {res.requests} requests, {res.prompt_tokens} prompt + "
+            f"{res.generated_tokens} generated tokens in {res.wall_s:.2f} s ({res.tokens_per_s:,.0f} tokens/s)\n"
+            f"capture {res.path} ({res.capture_bytes:,} bytes)")
+
+
+def render_written(path: object) -> str:
+    """`replay synth`: where the capture went."""
+    return f"wrote {path}"
+
+
+def render_exported(n: int) -> str:
+    """`replay export`'s count (on stderr: stdout carries the records)."""
+    return f"exported {n} records"

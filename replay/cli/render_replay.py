@@ -1,0 +1,182 @@
+"""Terminal text for what replays, diffs and bisects found. Plain text (no colour codes) so output pipes and
+diffs cleanly."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replay.bisect.batch import BatchBisect
+    from replay.bisect.config import ConfigBisect
+    from replay.bisect.layers import LayersBisect
+    from replay.bisect.steps import StepsBisect
+    from replay.bisect.stress import StressReport
+    from replay.demo import DemoResult
+    from replay.diff import BatchComposition, CaptureDiff, Divergence
+    from replay.replayer import ReplayReport
+
+
+def _batch_line(b: BatchComposition) -> str:
+    ids = ", ".join(b.request_ids[:12]) + (f", ... ({len(b.request_ids)} in all)" if len(b.request_ids) > 12 else "")
+    return (f"step {b.step}: {b.num_requests} requests, {b.num_tokens} tokens ({b.num_prefill} prefill, "
+            f"{b.num_decode} decode): {ids}")
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_divergence(d: Divergence) -> list[str]:
+    """The lines that describe one divergence."""
+    if d.kind == "token":
+        margin = f"top1-top2 margin {_fmt(d.margin, '.4g')}" if d.margin is not None else "margin unknown (no top-2 logprobs)"
+        return [f"  step {d.step}, request {d.request_id}, output position {d.position}: token {d.expected_token} "
+                f"expected, {d.actual_token} replayed ({(d.flip or '').upper()} FLIP)",
+                f"  rank {d.expected_rank} -> {d.actual_rank}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}, {margin}"]
+    if d.kind == "missing":
+        return [f"  step {d.step}, request {d.request_id}: the replay did not run this request"]
+    what = "prompt logprobs" if d.kind == "prompt_logprobs" else "logprobs"
+    extra = f", sampled-token Δ {_fmt(d.sampled_logprob_diff)}" if d.sampled_logprob_diff is not None else ""
+    topk = ", top-k set changed" if d.topk_changed else ""
+    return [f"  step {d.step}, request {d.request_id}, output position {d.position}: same token {d.expected_token}, "
+            f"{what} differ: max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}{extra}{topk}"]
+
+
+def render_run(rep: ReplayReport) -> str:
+    """`replay run` without --diff: how long the replay took."""
+    return (f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
+            f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""))
+
+
+def render_check(code: int) -> str:
+    """`replay check`'s verdict (for people; git bisect reads the exit code)."""
+    return {0: "good: replays within tolerance", 1: "bad: diverges", 125: "cannot test"}[code]
+
+
+def render_replay(rep: ReplayReport) -> str:
+    """`replay run --diff`: verdict, first divergence with its batch, the repro command, then a per-step table."""
+    tol = rep.tolerance
+    tol_text = "bitwise" if tol.bitwise else f"atol {tol.atol:g}, rtol {tol.rtol:g}"
+    lines = []
+    for d in rep.environment_differences:
+        lines.append(f"note: {d}")
+    head = (f"replayed {rep.steps_replayed} steps of {rep.capture} ({rep.mode} mode, {tol_text}; a tie flip is a "
+            f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)")
+    lines.append(head)
+    if rep.plant is not None:
+        p = rep.plant
+        lines.append(f"planted: {p.size:g} added to {p.module} for request {p.request} at step {p.step}")
+    if rep.run_to_run:
+        lines.append(f"run to run: {rep.run_to_run}")
+    if rep.foreign_draws_differ:
+        lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
+                     "not compared: vLLM drew them with its own sampler kernels and random streams, which only "
+                     "vLLM's runner repeats (--set runner=vllm); their logprobs are compared")
+    if not rep.diverged:
+        lines.append("MATCH: every replayed step equals the recording")
+        return "\n".join(lines)
+    tokens = sum(s.token_mismatches for s in rep.steps)
+    lines.append(f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "
+                 f"{rep.first_divergence.step}")
+    lines += render_divergence(rep.first_divergence)
+    if rep.batch is not None:
+        lines.append("  batch: " + _batch_line(rep.batch))
+    lines.append(f"  re-run: {rep.repro}")
+    flip = rep.first_token_flip
+    if flip is not None and flip is not rep.first_divergence:
+        lines.append("first token flip:")
+        lines += render_divergence(flip)
+    bad = [s for s in rep.steps if s.token_mismatches or s.logprob_mismatches]
+    lines.append("")
+    lines.append(f"{'step':>6} {'reqs':>5} {'tokens':>7} {'token flips':>12} {'logprob diffs':>14} {'max |Δlogprob|':>15} "
+                 f"{'top-k changes':>14} {'rank changes':>13}")
+    for s in bad[:40]:
+        lines.append(f"{s.step:>6} {s.num_requests:>5} {s.num_tokens:>7} {s.token_mismatches:>12} {s.logprob_mismatches:>14} "
+                     f"{s.max_abs_logprob_diff:>15.3g} {s.topk_set_changes:>14} {s.rank_changes:>13}")
+    if len(bad) > 40:
+        lines.append(f"... {len(bad) - 40} more steps differ (--json has every number)")
+    lines.append(f"{len(bad)} of {len(rep.steps)} steps differ")
+    return "\n".join(lines)
+
+
+def render_capture_diff(res: CaptureDiff) -> str:
+    """`replay diff A B`."""
+    lines = [f"compared {res.requests_compared} requests of {res.a} (A) and {res.b} (B)"]
+    for c in res.config_differences:
+        lines.append(f"note: {c}")
+    if res.only_in_a or res.only_in_b:
+        lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
+    d = res.first_divergence
+    if d is None:
+        lines.append("MATCH: every common request produced the same tokens and logprobs")
+        return "\n".join(lines)
+    lines.append(f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, output position "
+                 f"{d.position}")
+    if d.kind == "token":
+        lines.append(f"  token {d.a_token} in A, {d.b_token} in B ({(d.flip or '').upper()} FLIP, top1-top2 margin "
+                     f"{_fmt(d.margin, '.4g')}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)})")
+    elif d.kind == "logprobs":
+        lines.append(f"  same token {d.a_token}; logprobs differ by up to {_fmt(d.max_abs_logprob_diff)}")
+    else:
+        lines.append("  one side generated more tokens than the other")
+    if d.a_batch is not None:
+        lines.append("  A " + _batch_line(d.a_batch))
+    if d.b_batch is not None:
+        lines.append("  B " + _batch_line(d.b_batch))
+    lines.append(f"  batches {'DIFFER' if d.batches_differ else 'are the same'}: suspect {d.suspect}")
+    return "\n".join(lines)
+
+
+def render_bisect_steps(res: StepsBisect) -> str:
+    """`bisect steps`: the verdict, then the report it rests on."""
+    body = render_replay(res.replay) if res.replay is not None else render_capture_diff(res.capture_diff)
+    return f"{res.verdict}\n{body}"
+
+
+def render_bisect_batch(res: BatchBisect) -> str:
+    """`bisect batch`: the verdict, alone vs batched, padding, and the cost."""
+    pads = ", ".join(f"+{p.padding} {'same' if p.same_as_alone else f'Δ{p.max_abs_logit_diff:.2g}'}" for p in res.padding)
+    return "\n".join([
+        res.verdict,
+        f"  alone vs in its recorded batch ({len(res.neighbours)} neighbours): max |Δlogit| "
+        f"{res.max_abs_logit_diff:.3g}, token {res.token_alone} alone, {res.token_in_batch} in the batch",
+        f"  padding: {pads}",
+        f"  {res.re_executions} re-executions of step {res.step}"])
+
+
+def render_bisect_layers(res: LayersBisect) -> str:
+    """`bisect layers`: the verdict and every module's difference, in execution order."""
+    lines = [res.verdict, f"  {'module':<40} {'equal':>6} {'max |Δ|':>11} {'ULPs':>10}"]
+    lines += [f"  {m.module:<40} {'yes' if m.equal else 'NO':>6} {m.max_abs:>11.3g} {m.max_ulps:>10.3g}"
+              for m in res.modules]
+    return "\n".join(lines)
+
+
+def render_bisect_config(res: ConfigBisect) -> str:
+    """`bisect config`: the verdict and how many replays it took."""
+    return f"{res.verdict}\n  {res.re_executions} replays"
+
+
+def render_stress(res: StressReport) -> str:
+    """`replay stress`: the verdict and where the trials first fork."""
+    lines = [res.verdict]
+    f = res.first_fork
+    if f is not None:
+        lines.append(f"  trials {f.trials[0]} and {f.trials[1]} part at output position {f.position}: the target ran "
+                     f"in batches of {f.batch_sizes[0]} and {f.batch_sizes[1]} requests ({f.batch_tokens[0]} and "
+                     f"{f.batch_tokens[1]} tokens)")
+    return "\n".join(lines)
+
+
+def render_demo(res: DemoResult) -> str:
+    """`replay demo`: each step as the command a user would type, then its output."""
+    from replay.cli.render_capture import render_info
+
+    r, path = res.record, res.record.path
+    return "\n".join([
+        f"$ replay record --out {path}",
+        f"recorded {r.steps} steps, {r.requests} requests, {r.generated_tokens} generated tokens on tiny in "
+        f"{r.wall_s:.2f} s\n",
+        f"$ replay info {path}\n{render_info(res.info)}\n",
+        f"$ replay run {path} --diff\n{render_replay(res.replay)}\n",
+        f"$ replay run {path} --diff --set dtype=bfloat16\n{render_replay(res.bfloat16)}"])

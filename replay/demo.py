@@ -1,0 +1,32 @@
+"""`run_demo`: the main job on the embedded default, end to end (`replay demo`): record the default workload on
+`tiny`, summarise the capture, replay it bit for bit, then replay it in bfloat16 to show a divergence report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from replay.inspect import CaptureInfo, capture_info
+from replay.record import EngineOptions, RecordResult, SyntheticWorkload, record, workload_requests
+from replay.replayer import ReplayOptions, ReplayReport, replay_capture
+
+DEMO_CAPTURE = Path("captures/demo.capture")
+
+
+class DemoResult(msgspec.Struct):
+    """The four results the demo shows, in order."""
+
+    record: RecordResult
+    info: CaptureInfo
+    replay: ReplayReport  # as recorded: a bitwise match
+    bfloat16: ReplayReport  # --set dtype=bfloat16: a divergence
+
+
+def run_demo(output: str | Path = DEMO_CAPTURE, *, progress: bool = False) -> DemoResult:
+    """Record on `tiny` (one thread, the engine's defaults otherwise) into `output`, then inspect and replay it."""
+    engine = EngineOptions(threads=1)
+    rec = record(engine, workload_requests(engine.model, None, SyntheticWorkload()), output, overwrite=True,
+                 progress=progress)
+    return DemoResult(rec, capture_info(rec.path), replay_capture(rec.path),
+                      replay_capture(rec.path, ReplayOptions(overrides={"dtype": "bfloat16"})))

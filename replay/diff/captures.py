@@ -1,0 +1,153 @@
+"""`diff_captures`: two captures of the same workload, recorded separately, compared request by request.
+
+Steps do not line up between runs (another batch size, another engine, another machine), so requests are aligned
+by external id (else by prompt and arrival order) and compared output position by output position. At the first
+divergence both sides' batches are shown: if they differ, batch variance is the suspect; if they are the same,
+run-to-run nondeterminism is (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgspec
+
+from replay.capture import CaptureReader, Header, RequestAdded, Step
+from replay.diff.rules import Row, Tolerance, classify, logprob_diff, margin, row, rows_equal
+from replay.diff.step import BatchComposition, batch_composition
+from replay.provenance import header_differences, is_suspect
+
+
+@dataclass(slots=True)
+class _Side:
+    """What one capture says about each request."""
+
+    prompts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # key -> prompt
+    order: list[str] = field(default_factory=list)  # keys in arrival order
+    # key -> (step, token, logprobs row) per output position
+    outputs: dict[str, list[tuple[int, int, Row | None]]] = field(default_factory=lambda: defaultdict(list))
+    batches: dict[int, BatchComposition] = field(default_factory=dict)
+    key_of: dict[str, str] = field(default_factory=dict)  # internal id -> key
+    header: Header | None = None
+
+
+class TokenMismatch(msgspec.Struct, omit_defaults=True):
+    """The first position where A and B part, with each side's step and batch."""
+
+    request_id: str
+    position: int
+    kind: str  # "token" | "logprobs" | "length"
+    a_step: int | None
+    b_step: int | None
+    a_token: int | None = None
+    b_token: int | None = None
+    max_abs_logprob_diff: float = 0.0
+    margin: float | None = None
+    flip: str | None = None
+    a_batch: BatchComposition | None = None
+    b_batch: BatchComposition | None = None
+    batches_differ: bool = False
+    suspect: str = ""  # "batch variance" | "run-to-run nondeterminism"
+
+
+class CaptureDiff(msgspec.Struct):
+    """The answer of `replay diff A B`. JSON carries `diverged` and `first_divergence`."""
+
+    a: str
+    b: str
+    diverged: bool
+    first_divergence: TokenMismatch | None
+    requests_compared: int
+    requests_diverged: int
+    only_in_a: list[str]
+    only_in_b: list[str]
+    tolerance: Tolerance
+    config_differences: list[str] = []  # header fields that differ between A and B (replay.provenance), "k: A vs B"
+
+
+def _read(path) -> _Side:
+    side = _Side()
+    seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
+    with CaptureReader(path) as r:
+        side.header = r.header
+        for rec in r.records():
+            if isinstance(rec, RequestAdded):
+                req = rec.request
+                prompt = tuple(req.prompt_token_ids or ())
+                if req.external_req_id is not None:
+                    key = f"id:{req.external_req_id}"
+                else:  # no user id: the n-th request with this prompt
+                    key = f"prompt:{hash(prompt)}:{seen_prompts[prompt]}"
+                    seen_prompts[prompt] += 1
+                side.key_of[req.request_id] = key
+                side.prompts[key] = prompt
+                side.order.append(key)
+            elif isinstance(rec, Step):
+                mro = rec.model_runner_output
+                if mro is None:
+                    continue
+                names = {rid: side.key_of.get(rid, f"id:{rid}") for rid in mro.req_ids}
+                side.batches[rec.index] = batch_composition(rec.index, rec.scheduler_output,
+                                                            {k: v.partition(':')[2] for k, v in names.items()})
+                for i, rid in enumerate(mro.req_ids):
+                    for t in mro.sampled_token_ids[i]:
+                        side.outputs[names[rid]].append((rec.index, t, row(mro.logprobs, i)))
+    return side
+
+
+def _same_batch(a: BatchComposition | None, b: BatchComposition | None) -> bool:
+    return a is not None and b is not None and a.num_scheduled_tokens == b.num_scheduled_tokens
+
+
+def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tolerance | None = None) -> CaptureDiff:
+    """Compare two captures request by request (see the module docstring)."""
+    tol = tol or Tolerance()
+    a, b = _read(a_path), _read(b_path)
+    differences = header_differences(a.header, b.header)
+    common = [k for k in a.order if k in b.prompts]
+    first: TokenMismatch | None = None
+    diverged_reqs = 0
+    for key in common:
+        oa, ob = a.outputs.get(key, []), b.outputs.get(key, [])
+        mismatch = None
+        for pos in range(max(len(oa), len(ob))):
+            if pos >= len(oa) or pos >= len(ob):
+                sa, sb = (oa[pos][0] if pos < len(oa) else None), (ob[pos][0] if pos < len(ob) else None)
+                mismatch = TokenMismatch(key.partition(":")[2], pos, "length", sa, sb)
+                break
+            (sa, ta, ra), (sb, tb, rb) = oa[pos], ob[pos]
+            lp_diff, lp_equal = 0.0, (ra is None) == (rb is None)
+            if ra is not None and rb is not None:
+                lp_diff = logprob_diff(ra, rb)[0]
+                lp_equal = rows_equal(ra, rb, tol)
+            m = margin(ra)
+            if ta != tb:
+                mismatch = TokenMismatch(key.partition(":")[2], pos, "token", sa, sb, ta, tb, lp_diff, m,
+                                         classify(m, tol, lp_diff))
+                break
+            if not lp_equal:
+                mismatch = TokenMismatch(key.partition(":")[2], pos, "logprobs", sa, sb, ta, tb, lp_diff, m)
+                break
+        if mismatch is None:
+            continue
+        diverged_reqs += 1
+        order_key = (mismatch.a_step if mismatch.a_step is not None else 1 << 62, mismatch.position)
+        if first is None or order_key < (first.a_step if first.a_step is not None else 1 << 62, first.position):
+            first = mismatch
+    if first is not None:
+        first.a_batch = a.batches.get(first.a_step) if first.a_step is not None else None
+        first.b_batch = b.batches.get(first.b_step) if first.b_step is not None else None
+        first.batches_differ = not _same_batch(first.a_batch, first.b_batch)
+        knobs = [d.as_pair() for d in differences if is_suspect(d)]
+        if first.batches_differ:
+            first.suspect = "batch variance"
+        elif knobs:
+            first.suspect = "configuration (" + "; ".join(knobs[:3]) + ")"
+        else:
+            first.suspect = "run-to-run nondeterminism"
+    strip = lambda keys: [k.partition(":")[2] for k in keys]  # noqa: E731
+    return CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
+                       strip(k for k in a.order if k not in b.prompts), strip(k for k in b.order if k not in a.prompts),
+                       tol, [d.as_pair() for d in differences])

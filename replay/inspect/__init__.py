@@ -1,0 +1,8 @@
+"""Inspecting a capture: `info` (what it holds, how big, what is damaged), `show` (steps as a human reads them),
+`export` (every record as JSON lines). `replay recover` lives with the file format, in `replay.capture.recover`."""
+
+from replay.inspect.export import export_records
+from replay.inspect.info import CaptureInfo, capture_info
+from replay.inspect.show import ShownSteps, show_steps
+
+__all__ = ["export_records", "CaptureInfo", "capture_info", "ShownSteps", "show_steps"]

@@ -1,0 +1,114 @@
+"""`capture_info`: what a capture holds, how big it is, and whether any of it is damaged (`replay info`)."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from replay.capture import CaptureReader, Damage, Header, RequestAdded, Step
+from replay.capture.format import Footer
+from replay.errors import CaptureDamagedError, LimitExceededError
+
+
+class CaptureInfo(msgspec.Struct):
+    """The answer of `replay info`."""
+
+    path: str
+    format_version: str
+    complete: bool  # closed cleanly: footer and seek index present
+    status: str  # the footer's status, or "unfinished"
+    header: Header
+    num_steps: int
+    first_step: int | None
+    last_step: int | None
+    num_requests: int  # distinct request ids scheduled in steps
+    num_requests_added: int  # RequestAdded records (arrivals the tap saw)
+    num_scheduled_tokens: int
+    num_generated_tokens: int
+    num_chunks: int
+    file_bytes: int
+    raw_bytes: int  # uncompressed record bytes
+    compression_ratio: float
+    bytes_per_generated_token: float | None
+    unknown_records: int
+    damage: list[Damage]
+
+    @property
+    def damaged(self) -> bool:
+        """True when any data was lost (exit code 3)."""
+        return bool(self.damage)
+
+
+def capture_info(path: str | os.PathLike) -> CaptureInfo:
+    """Summarise a capture. With a seek index the numbers come from it and every chunk's checksum is verified
+    (decompressed, not decoded); without one (a crash) every record is decoded by a linear scan."""
+    with CaptureReader(path) as r:
+        if r.index is not None:
+            chunks = r.index.chunks
+            raw = 0
+            for ref in r.iter_chunks():
+                try:
+                    raw += len(r.read_chunk_bytes(ref))
+                except (CaptureDamagedError, LimitExceededError) as e:
+                    r.damage.append(Damage.chunk_lost(ref.number, ref.offset, ref.info, e.reason))
+            good = [c for i, c in enumerate(chunks) if not any(d.chunk == i for d in r.damage)]
+            steps = [c for c in good if c.num_steps]
+            num_steps = sum(c.num_steps for c in good)
+            first = steps[0].first_step if steps else None
+            last = steps[-1].last_step if steps else None
+            sched = sum(c.num_scheduled_tokens for c in good)
+            gen = sum(c.num_generated_tokens for c in good)
+            added = sum(c.num_requests_added for c in good)
+            num_requests = len(r.index.ids)
+            status = r.index.status
+            num_chunks = len(chunks)
+        else:
+            num_steps = sched = gen = added = raw = 0
+            first = last = None
+            ids: set[str] = set()
+            status = "unfinished"
+            for rec in r.records():
+                if isinstance(rec, Step):
+                    num_steps += 1
+                    first = rec.index if first is None else first
+                    last = rec.index
+                    sched += rec.scheduler_output.total_num_scheduled_tokens
+                    mro = rec.model_runner_output
+                    if mro is not None:
+                        gen += sum(len(t) for t in mro.sampled_token_ids)
+                    ids.update(rec.scheduler_output.num_scheduled_tokens)
+                elif isinstance(rec, RequestAdded):
+                    added += 1
+                elif isinstance(rec, Footer):
+                    status = rec.status
+            num_requests = len(ids)
+            chunk_refs = list(r.iter_chunks())
+            num_chunks = len(chunk_refs)
+            for ref in chunk_refs:
+                try:
+                    raw += len(r.read_chunk_bytes(ref))
+                except (CaptureDamagedError, LimitExceededError):  # already recorded as damage by records()
+                    pass
+        size = r.file_size
+        return CaptureInfo(
+            path=str(path),
+            format_version=f"{r.format_version[0]}.{r.format_version[1]}",
+            complete=r.complete,
+            status=status,
+            header=r.header,
+            num_steps=num_steps,
+            first_step=first,
+            last_step=last,
+            num_requests=num_requests,
+            num_requests_added=added,
+            num_scheduled_tokens=sched,
+            num_generated_tokens=gen,
+            num_chunks=num_chunks,
+            file_bytes=size,
+            raw_bytes=raw,
+            compression_ratio=round(raw / size, 3) if size else 0.0,
+            bytes_per_generated_token=round(size / gen, 2) if gen else None,
+            unknown_records=r.unknown_records,
+            damage=list(r.damage),
+        )

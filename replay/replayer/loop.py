@@ -1,0 +1,101 @@
+"""`StepLoop`: the one replay loop. It walks a capture's steps in order on a runner, applying each recorded
+`SchedulerOutput` (a diff against the runner's state, so replay starts from an empty runner at step 0 and
+skips nothing) and running the step.
+
+Modes, named as vLLM names them:
+- `forced` (default; vLLM's "trace replay"): before each step the runner's cached sampled tokens are overwritten
+  with the recorded ones, so every step runs on the recorded trajectory and each step's diff is local;
+- `free`: the runner keeps its own samples, which shows how far a divergence propagates.
+
+`replay_capture` diffs every step it yields; `StepSession` (bisect) replays up to a step and stops before it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable, Iterator
+
+from replay.capture import Record, RequestAdded, Step
+from replay.contracts import ModelRunnerOutput
+from replay.errors import UsageError
+from replay.replayer.runner import Runner
+
+MODES = ("forced", "free")
+
+
+def check_mode(mode: str) -> None:
+    """Refuse a mode that is neither forced nor free."""
+    if mode not in MODES:
+        raise UsageError(f"--mode {mode!r}: expected forced or free")
+
+
+class StepLoop:
+    """Replays steps on `runner` and keeps what every consumer of a replay needs to know along the way."""
+
+    def __init__(self, path: str | os.PathLike, runner: Runner, mode: str = "forced") -> None:
+        check_mode(mode)
+        self.path = str(path)
+        self.runner = runner
+        self.forced = mode == "forced"
+        self.external: dict[str, str] = {}  # internal request id -> the user's id (or the internal one)
+        self.internal: dict[str, str] = {}  # the user's id -> internal id
+        self.positions: dict[str, int] = {}  # output tokens each request had before the step being run
+        self.sampled: dict[str, list[int]] = {}  # the recorded tokens of the last step run (forced mode feeds them)
+        self.steps_run = 0
+        self.execute_s = 0.0  # wall time spent in the runner
+        self.next_step: Step | None = None  # with `until`: the step the loop stopped before
+
+    def steps(self, records: Iterable[Record]) -> Iterator[Step]:
+        """The steps among `records`, checked to start at step 0 and to follow each other with none missing;
+        request arrivals are noted on the way."""
+        expected = None
+        for rec in records:
+            if isinstance(rec, RequestAdded):
+                rid = rec.request.request_id
+                self.external[rid] = rec.request.external_req_id or rid
+                self.internal[self.external[rid]] = rid
+                continue
+            if not isinstance(rec, Step):
+                continue
+            if expected is None and rec.index != 0:
+                raise UsageError(f"{self.path}: capture starts at step {rec.index}, not at a clean boundary (step 0): "
+                                 "a SchedulerOutput is a diff against state the runner never saw")
+            if expected is not None and rec.index != expected:
+                raise UsageError(f"{self.path}: steps {expected}-{rec.index - 1} are missing (damaged capture?): "
+                                 "replay cannot skip steps")
+            expected = rec.index + 1
+            yield rec
+
+    def execute(self, step: Step, run: Callable[[Step], ModelRunnerOutput] | None = None) -> ModelRunnerOutput:
+        """Apply the step's diff (in forced mode with the last step's recorded tokens) and run it: with
+        `runner.run_step`, or with `run` (the replayer's planted re-execution)."""
+        t = time.perf_counter()
+        self.runner.update_states(step.scheduler_output, step.drawn_seeds, self.sampled if self.forced else None)
+        actual = run(step) if run is not None else self.runner.run_step(step.scheduler_output, step.grammar_output)
+        self.execute_s += time.perf_counter() - t
+        self.steps_run += 1
+        return actual
+
+    def advance(self, step: Step) -> None:
+        """Move past `step`: its recorded tokens become the cached ones and count towards output positions."""
+        out = step.model_runner_output
+        if out is None:
+            return
+        self.sampled = {rid: toks for rid, toks in zip(out.req_ids, out.sampled_token_ids) if toks}
+        for rid, toks in self.sampled.items():
+            self.positions[rid] = self.positions.get(rid, 0) + len(toks)
+
+    def replay(self, records: Iterable[Record], *, last: int | None = None, until: int | None = None,
+               run: Callable[[Step], ModelRunnerOutput] | None = None) -> Iterator[tuple[Step, ModelRunnerOutput]]:
+        """Run every step up to `last` (inclusive) or up to `until` (exclusive: that step is kept in `next_step`),
+        yielding each with the runner's output before moving past it."""
+        for step in self.steps(records):
+            if last is not None and step.index > last:
+                return
+            if until is not None and step.index == until:
+                self.next_step = step
+                return
+            actual = self.execute(step, run)
+            yield step, actual
+            self.advance(step)

@@ -1,0 +1,188 @@
+"""`replay_capture`: re-execute a capture's steps on a fresh runner (`StepLoop`) and diff each against the
+recording (`replay run --diff`); `--repeat` replays it again and compares the replays with each other."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from replay.capture import CaptureReader, Step, StepRange
+from replay.capture import format as fmt
+from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
+from replay.diff import BatchComposition, Divergence, StepSummary, Tolerance, batch_composition, compare_step
+from replay.errors import CaptureDamagedError, UsageError
+from replay.replayer.loop import StepLoop, check_mode
+from replay.replayer.plant import Plant, install
+from replay.replayer.runner import BuiltRunner, build_runner
+
+
+@dataclass(slots=True)
+class ReplayOptions:
+    """How to replay."""
+
+    mode: str = "forced"
+    overrides: dict[str, str] = field(default_factory=dict)  # --set KNOB=VALUE
+    steps: StepRange | None = None  # diff only these steps (steps before them run, steps after them do not)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    repeat: int = 1
+    force: bool = False  # replay on a different model
+    plant: Plant | None = None
+    diff: bool = True
+    progress: Callable[[int | None], None] | None = None  # each replayed step's index, then None at the end
+    max_divergences: int = 1000  # kept in the report (all are counted)
+
+
+class ReplayReport(msgspec.Struct):
+    """What a replay found. JSON always has `diverged` and `first_divergence`."""
+
+    capture: str
+    mode: str
+    diverged: bool
+    first_divergence: Divergence | None
+    batch: BatchComposition | None  # the batch of the first divergence's step
+    repro: str | None  # the command that re-runs up to that step
+    tolerance: Tolerance
+    environment_differences: list[str]
+    steps_replayed: int
+    steps: list[StepSummary]
+    divergences: list[Divergence]
+    num_divergences: int
+    run_to_run: str | None  # with --repeat: "deterministic" or where the repeats parted
+    replay_s: float
+    record_execute_s: float  # the recording's own runner time for the same steps (from its timings)
+    plant: Plant | None = None
+    first_token_flip: Divergence | None = None  # the first divergence that changed a token, if any
+    # sampled tokens of random-sampling requests that differ but cannot be compared: vLLM drew them with its own
+    # sampler kernels and random streams, which only vLLM's runner repeats (not counted in num_divergences)
+    foreign_draws_differ: int = 0
+
+
+def _random(sp: SamplingParams | None) -> bool:
+    """A random-sampling (temperature > 0) request."""
+    return sp is not None and sp.temperature >= SAMPLING_EPS
+
+
+def _digest(mro: ModelRunnerOutput | None) -> bytes:
+    return hashlib.sha256(fmt.WIRE_ENCODER.encode(mro)).digest() if mro is not None else b""
+
+
+def _repro(path: str, step: int, opts: ReplayOptions) -> str:
+    args = ["replay", "run", path, "--diff", "--steps", f"{step}-{step}", "--mode", opts.mode]
+    for k, v in opts.overrides.items():
+        args += ["--set", f"{k}={v}"]
+    if opts.plant is not None:
+        p = opts.plant
+        args += ["--plant", f"{p.step}:{p.request}:{p.module}:{p.size}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """What one replay of the capture found."""
+
+    summaries: list[StepSummary] = field(default_factory=list)
+    divergences: list[Divergence] = field(default_factory=list)  # the first opts.max_divergences
+    count: int = 0  # every divergence
+    first_batch: BatchComposition | None = None
+    notes: list[str] = field(default_factory=list)
+    steps: int = 0
+    replay_s: float = 0.0
+    record_s: float = 0.0
+    digests: list[bytes] = field(default_factory=list)  # of every replayed output, for --repeat
+
+
+def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
+    """Replay the capture once, diffing the steps `opts.steps` selects."""
+    rng = opts.steps
+    out = _Pass()
+    with CaptureReader(path) as r:
+        built = build_runner(r.header, opts.overrides, force=opts.force)
+        out.notes = built.notes
+        loop = StepLoop(path, built.runner, opts.mode)
+        # vLLM draws random samples with its own kernels and streams (unseeded requests: the global generator;
+        # on CPU even seeded ones: a fused SplitMix64 Gumbel kernel). Only vLLM's own runner repeats those draws;
+        # elsewhere the tokens of random-sampling requests are not compared (their logprobs still are).
+        foreign_draws = r.header.engine == "vllm" and built.runner.random_draws != "vllm"
+        foreign_random: set[str] = set()
+        run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
+        for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
+            so, expected = rec.scheduler_output, rec.model_runner_output
+            if foreign_draws:
+                foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params))
+            if rec.timing is not None:
+                out.record_s += rec.timing.execute_ns / 1e9
+            out.digests.append(_digest(actual))
+            if opts.diff and (rng is None or rec.index >= rng.first):
+                summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
+                                             opts.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
+                                             foreign_random)
+                out.summaries.append(summary)
+                if divs and out.first_batch is None:
+                    out.first_batch = batch_composition(rec.index, so, loop.external)
+                out.count += len(divs)
+                out.divergences.extend(divs[: max(0, opts.max_divergences - len(out.divergences))])
+            if opts.progress is not None:
+                opts.progress(rec.index)
+        if opts.progress is not None:
+            opts.progress(None)
+        out.steps, out.replay_s = loop.steps_run, loop.execute_s
+        if r.damage:
+            raise CaptureDamagedError(path, f"capture is damaged ({r.damage[0].describe()}); replay needs every step "
+                                      "(try `replay recover` and replay a prefix with --steps)")
+    return out
+
+
+def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:
+    """Run one step (with its recorded grammar bitmask), with the planted perturbation when this is its step."""
+    p = opts.plant
+    so, grammar = step.scheduler_output, step.grammar_output
+    runner = built.builtin("--plant")
+    if p.step != step.index:
+        return runner.run_step(so, grammar)
+    rid = loop.internal.get(p.request, p.request)
+    if rid not in so.num_scheduled_tokens:
+        raise UsageError(f"--plant: request {p.request!r} is not scheduled in step {step.index}")
+    snap = runner.snapshot_step(so)
+    handle = install(p, runner, rid)
+    try:
+        planted = runner.run_step(so, grammar)
+    finally:
+        handle.remove()
+    runner.restore_step(snap)
+    runner.run_step(so, grammar)  # the clean run leaves the state (KV, generators) as if nothing was planted
+    if not loop.forced:  # ...but in free mode the planted tokens go on, as a real fault's would
+        for rid_, toks in zip(planted.req_ids, planted.sampled_token_ids):
+            st = runner.requests.get(rid_)
+            if toks and st is not None:
+                st.output_token_ids[-len(toks):] = toks
+    return planted
+
+
+def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> ReplayReport:
+    """Replay `path` (`opts.repeat` times) and diff it against the recording."""
+    opts = opts or ReplayOptions()
+    check_mode(opts.mode)
+    if opts.repeat < 1:
+        raise UsageError("--repeat must be at least 1")
+    passes = [_one_pass(path, opts) for _ in range(opts.repeat)]
+    p = passes[0]
+    run_to_run = None
+    if opts.repeat > 1:
+        run_to_run = f"deterministic: {opts.repeat} replays bitwise identical"
+        for k, other in enumerate(passes[1:], 2):
+            s = next((s for s, (a, b) in enumerate(zip(p.digests, other.digests)) if a != b), None)
+            if s is not None:
+                run_to_run = f"NOT deterministic: replay {k} differs from replay 1 at step {s}"
+                break
+    divs = sorted(p.divergences, key=lambda d: (d.step, d.kind != "token"))
+    first = divs[0] if divs else None
+    return ReplayReport(str(path), opts.mode, bool(p.count), first, p.first_batch if first else None,
+                        _repro(str(path), first.step, opts) if first else None, opts.tolerance, p.notes, p.steps,
+                        p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
+                        next((d for d in divs if d.kind == "token"), None),
+                        sum(s.foreign_draws_differ for s in p.summaries))

@@ -1,0 +1,147 @@
+"""The runner a capture is replayed on: the `Runner` protocol both runners implement, and `build_runner`, which
+builds one from the capture's header plus `--set KNOB=VALUE` overrides and names every difference between the
+recording and the replay (`replay.provenance.header_differences`, DESIGN §2.5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from replay.capture import Header
+from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from replay.errors import UsageError
+from replay.provenance import HeaderDifference, header_differences, set_torch_threads
+
+if TYPE_CHECKING:
+    from replay.engine.runner import ModelRunner
+
+KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant", "runner")
+RUNNERS = ("builtin", "vllm")
+
+
+class Runner(Protocol):
+    """What a replay drives, in vLLM's two phases: the step's diff against the cached state, then the step."""
+
+    random_draws: str  # whose random streams it samples with: "builtin" | "vllm"
+
+    def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
+                      sampled_override: dict[str, list[int]] | None = None) -> None:
+        """Apply the step's diff; `sampled_override` replaces the tokens cached from the last step (forced mode)."""
+
+    def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
+        """Forward and sample the scheduled tokens (with the recorded structured-output bitmask)."""
+
+    def margins(self) -> dict[str, float]:
+        """top1 - top2 raw logprob per request sampled in the last step, where the runner knows it."""
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, str]:
+    """`["dtype=bfloat16", ...]` -> {"dtype": "bfloat16"}; unknown knobs are a usage error."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key == "attention_impl":
+            key = "attention"
+        if not sep or not value:
+            raise UsageError(f"--set {item!r}: expected KNOB=VALUE")
+        if key not in KNOBS:
+            raise UsageError(f"--set {item!r}: unknown knob {key!r}; knobs are {', '.join(KNOBS)}")
+        out[key] = value.strip()
+    return out
+
+
+@dataclass(slots=True)
+class BuiltRunner:
+    """A runner ready for step 0, what it replays with, and how that differs from the recording."""
+
+    runner: Runner
+    kind: str  # "builtin" | "vllm"
+    header: Header  # the replay described as a capture header would describe it
+    differences: list[HeaderDifference]  # recorded vs replay, every field that differs (numerics first)
+    model_mismatch: str | None = None  # set when the weights differ (refused without --force)
+
+    @property
+    def notes(self) -> list[str]:
+        """One line per difference that can change numerics: 'dtype: recorded float32, replay bfloat16'."""
+        return [self.model_mismatch] * bool(self.model_mismatch) + [
+            d.as_note() for d in self.differences if d.affects != "scheduling" and d.label != "fingerprint"]
+
+    def builtin(self, what: str) -> "ModelRunner":
+        """The builtin runner, for what needs its internals (snapshots, module hooks); UsageError otherwise."""
+        if self.kind != "builtin":
+            raise UsageError(f"{what} needs the builtin runner (it re-executes steps with hooks and snapshots); "
+                             f"this replay runs on {self.kind}")
+        return self.runner  # type: ignore[return-value]
+
+
+def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False, extra_blocks: int = 0) -> BuiltRunner:
+    """A fresh runner for `header`'s capture. Raises UsageError (exit 2) for a capture no runner can replay and for
+    different weights without `force`."""
+    kind = overrides.get("runner", "builtin")
+    if kind not in RUNNERS:
+        raise UsageError(f"--set runner={kind!r}: expected builtin or vllm")
+    if header.model is None or header.engine == "synthetic":
+        raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
+                         "(record one with `replay record`)")
+    if kind == "vllm":
+        from replay.integrations.vllm.runner import VllmRunner
+
+        runner = VllmRunner(header, overrides)
+        replay_header = runner.describe()
+    else:
+        runner, replay_header = _build_builtin(header, overrides, extra_blocks)
+    differences = header_differences(header, replay_header)
+    mismatch = None
+    if any(d.label == "fingerprint" for d in differences):
+        model_ref = replay_header.model.path or replay_header.model.name
+        mismatch = (f"model weights differ from the recording's (fingerprint {header.model.fingerprint[:12]} "
+                    f"recorded, {replay_header.model.fingerprint[:12]} loaded from {model_ref})")
+        if not force:
+            raise UsageError(f"{mismatch}; pass --force to replay on this model anyway")
+    return BuiltRunner(runner, kind, replay_header, differences, mismatch)
+
+
+def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int) -> tuple["ModelRunner", Header]:
+    """The builtin runner configured as the recording was (unless overridden), and its header."""
+    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+    from replay.engine.engine import builtin_header
+    from replay.engine.runner import ModelRunner
+    from replay.engine.weights import load_model
+
+    m, ec, env = header.model, header.engine_config, header.environment
+    model_ref = overrides.get("model") or m.path or m.name
+    # another engine's attention backend is not one of ours: cross-implementation replays use our default
+    own = ec.attention_impl if header.engine == "builtin" else ""
+    try:
+        seed = int(overrides.get("seed", ec.seed or 0))
+    except ValueError:
+        raise UsageError(f"--set seed={overrides['seed']!r}: expected an integer") from None
+    threads = env.num_threads or None  # the recorded thread count, unless told otherwise
+    if "threads" in overrides:
+        try:
+            threads = int(overrides["threads"])
+        except ValueError:
+            raise UsageError(f"--set threads={overrides['threads']!r}: expected an integer") from None
+    cfg = EngineConfig(
+        model=model_ref,
+        scheduler=SchedulerConfig(block_size=ec.block_size, num_gpu_blocks=max(ec.num_gpu_blocks, 1) + extra_blocks,
+                                  max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+                                  max_model_len=ec.max_model_len, enable_prefix_caching=ec.enable_prefix_caching,
+                                  enable_chunked_prefill=ec.enable_chunked_prefill),
+        runner=RunnerConfig(dtype=overrides.get("dtype", m.dtype or "float32"),
+                            device=overrides.get("device", ec.extra.get("device", "cpu")),
+                            attention_impl=overrides.get("attention", own or "sdpa"), num_threads=threads,
+                            batch_invariant=str(overrides.get("batch_invariant", ec.batch_invariant)).lower()
+                            in ("1", "true", "yes", "on"), seed=seed))
+    if threads:
+        set_torch_threads(threads)
+    model, model_cfg, fingerprint = load_model(cfg.model, cfg.runner.dtype, cfg.runner.device)
+    eos = model_cfg.eos_token_id
+    eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
+    rc = cfg.runner
+    runner = ModelRunner(model, cfg.scheduler.num_gpu_blocks, ec.block_size, attention_impl=rc.attention_impl,
+                         seed=rc.seed, eos_token_id=eos, batch_invariant=rc.batch_invariant)
+    replay_header = builtin_header(cfg, model_cfg, fingerprint)
+    replay_header.engine_config.num_gpu_blocks -= extra_blocks  # spare blocks for bisecting are not a difference
+    return runner, replay_header

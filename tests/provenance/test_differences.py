@@ -1,0 +1,71 @@
+"""header_differences: one list of what differs between two headers, in one order, with one label per field;
+`replay run` and `replay diff` both read it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from replay.capture import CaptureReader
+from replay.capture.format import EngineConfig, Environment, ModelIdentity
+from replay.provenance import header_differences, make_header, set_torch_threads
+from replay.replayer import build_runner
+
+GOLDEN = Path(__file__).resolve().parents[2] / "captures" / "tiny-mixed.capture"
+
+
+def _header(**changes):
+    h = make_header("builtin", engine_version="1", model=ModelIdentity("tiny", "LlamaForCausalLM", "ab" * 32, "float32"),
+                    engine_config=EngineConfig(block_size=16, attention_impl="sdpa"),
+                    environment=Environment(device="cpu", torch_version="2.13.0", num_threads=2, platform="Linux-x"))
+    for path, value in changes.items():
+        section, _, name = path.rpartition(".")
+        target = getattr(h, section) if section else h
+        setattr(target, name, value)
+    return h
+
+
+def test_identical_headers_have_no_differences():
+    assert header_differences(_header(), _header()) == []
+
+
+def test_differences_come_in_one_order_with_labels_and_what_they_affect():
+    a = _header()
+    b = _header(**{"engine_config.block_size": 32, "environment.num_threads": 1, "model.dtype": "bfloat16",
+                   "environment.platform": "Linux-y"})
+    diffs = header_differences(a, b)
+    assert [(d.label, d.a, d.b, d.affects) for d in diffs] == [
+        ("dtype", "float32", "bfloat16", "numerics"), ("threads", "2", "1", "numerics"),
+        ("platform", "Linux-x", "Linux-y", "host"), ("block size", "16", "32", "scheduling")]
+    assert diffs[0].as_note() == "dtype: recorded float32, replay bfloat16"
+    assert diffs[0].as_pair() == "dtype: float32 vs bfloat16"
+
+
+def test_an_unknown_fingerprint_or_a_missing_model_is_not_a_difference():
+    assert header_differences(_header(), _header(**{"model.fingerprint": ""})) == []
+    no_model = _header()
+    no_model.model = None
+    assert header_differences(_header(), no_model) == []
+    changed = header_differences(_header(), _header(**{"model.fingerprint": "cd" * 32}))
+    assert [(d.label, d.a, d.b) for d in changed] == [("fingerprint", "ab" * 6, "cd" * 6)]
+
+
+def test_a_builtin_replay_describes_itself_as_its_recording_did():
+    """The recorder and the replay build their headers with the same function: nothing differs as recorded."""
+    with CaptureReader(GOLDEN) as r:
+        header = r.header
+    built = build_runner(header, {})
+    numerics = [d for d in built.differences if d.affects in ("numerics", "model")]
+    # the golden capture may come from another processor or torch build; what the replay itself chose must match
+    assert [d.label for d in numerics if d.label not in ("torch", "cuda")] == []
+    assert msgspec.structs.asdict(built.header.engine_config) == msgspec.structs.asdict(header.engine_config)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        overridden = build_runner(header, {"dtype": "bfloat16", "threads": "2"})
+    finally:
+        set_torch_threads(threads)
+    assert [d.as_note() for d in overridden.differences if d.label in ("dtype", "threads")] == [
+        "dtype: recorded float32, replay bfloat16", "threads: recorded 1, replay 2"]

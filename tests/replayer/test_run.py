@@ -1,0 +1,170 @@
+"""Replay: self-replay is bitwise; other numerics diverge and are classified; planted faults are found exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from replay.capture import StepRange
+from replay.cli import app
+from replay.contracts import SamplingParams
+from replay.diff import Tolerance
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.record import RecordOptions, WorkloadRequest, record_builtin
+from replay.replayer import Plant, ReplayOptions, check_capture, replay_capture
+
+cli = CliRunner()
+
+
+def _req(i: int, prompt: list[int], **sp) -> WorkloadRequest:
+    return WorkloadRequest(SamplingParams(**{"max_tokens": 10, "logprobs": 3, **sp}), None, prompt, f"r{i}", i // 3)
+
+
+@pytest.fixture(scope="module")
+def rich_capture(tmp_path_factory):
+    """A capture with every feature replay must reproduce: greedy, seeded and unseeded sampling, top-k / top-p /
+    min-p, penalties, stop tokens, chunked prefill, prefix-cache hits, preemption + resume, prompt logprobs."""
+    shared = list(range(20, 44))
+    reqs = [
+        _req(0, shared + [5, 6, 7], temperature=0.0),
+        _req(1, shared + [8, 9], temperature=0.9, seed=42, top_k=30),
+        _req(2, list(range(100, 130)), temperature=0.8, top_p=0.9),  # unseeded: the engine draws its seed
+        _req(3, shared + [60, 61, 62, 63], temperature=0.7, min_p=0.05, seed=3),
+        _req(4, list(range(200, 220)), temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+             presence_penalty=0.2),
+        _req(5, list(range(300, 340)), temperature=0.0, prompt_logprobs=2),
+        _req(6, shared, temperature=1.0, stop_token_ids=[7, 8, 9, 10, 11, 12, 13, 14, 15], max_tokens=30),
+        _req(7, list(range(400, 436)), temperature=0.6, seed=11, min_tokens=4),
+    ]
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=30, max_num_seqs=6,
+                                                 max_num_batched_tokens=20),
+                       runner=RunnerConfig(num_threads=1, seed=5))
+    path = tmp_path_factory.mktemp("rich") / "rich.capture"
+    record_builtin(RecordOptions(cfg, reqs, path))
+    return path
+
+
+def test_the_rich_capture_really_has_every_feature(rich_capture):
+    from replay.capture import CaptureReader, Step
+
+    preempted = hits = partial = drawn = plp = 0
+    with CaptureReader(rich_capture) as r:
+        for s in r.records():
+            if isinstance(s, Step):
+                so, m = s.scheduler_output, s.model_runner_output
+                preempted += len(so.scheduled_cached_reqs.resumed_req_ids)
+                hits += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
+                partial += sum(t == [] for t in m.sampled_token_ids)
+                drawn += len(s.drawn_seeds)
+                plp += sum(v is not None for v in m.prompt_logprobs_dict.values())
+    assert preempted and hits and partial and drawn and plp
+
+
+@pytest.mark.parametrize("mode", ["forced", "free"])
+def test_self_replay_is_bitwise(rich_capture, mode):
+    rep = replay_capture(rich_capture, ReplayOptions(mode=mode))
+    assert not rep.diverged, rep.first_divergence
+    assert rep.steps_replayed == len(rep.steps) > 20 and rep.environment_differences == []
+
+
+def test_another_dtype_diverges_and_flips_are_classified(rich_capture):
+    rep = replay_capture(rich_capture, ReplayOptions(overrides={"dtype": "bfloat16"}))
+    assert rep.diverged and rep.environment_differences == ["dtype: recorded float32, replay bfloat16"]
+    first = rep.first_divergence
+    assert first.step == 0 and first.max_abs_logprob_diff > 0
+    assert rep.batch is not None and first.request_id in rep.batch.request_ids
+    assert "--set dtype=bfloat16" in rep.repro
+    for d in rep.divergences:
+        if d.kind == "token":
+            assert d.flip in ("tie", "confident") and d.margin is not None
+            assert (d.flip == "tie") == (d.margin < 0.05 or d.margin <= 2 * d.max_abs_logprob_diff)
+
+
+def test_tolerance_absorbs_small_differences(rich_capture):
+    loose = replay_capture(rich_capture, ReplayOptions(overrides={"attention": "reference"},
+                                                       tolerance=Tolerance(atol=1e-4, rtol=0)))
+    assert not loose.diverged
+
+
+def test_planted_divergences_are_found_exactly_where_planted(rich_capture):
+    from replay.capture import CaptureReader, RequestAdded, Step
+
+    ext, steps = {}, []
+    with CaptureReader(rich_capture) as r:
+        for rec in r.records():
+            if isinstance(rec, RequestAdded):
+                ext[rec.request.request_id] = rec.request.external_req_id
+            elif isinstance(rec, Step) and rec.scheduler_output.total_num_scheduled_tokens:
+                steps.append((rec.index, [ext[x] for x in rec.scheduler_output.num_scheduled_tokens]))
+    modules = ["embed_tokens", "layers.0.self_attn.q_proj", "layers.1.self_attn.attn", "layers.2.mlp.down_proj",
+               "layers.3.input_layernorm", "layers.1.post_attention_layernorm", "norm", "lm_head"]
+    rnd = random.Random(2024)
+    print("plant seed 2024")
+    for _ in range(20):
+        step, reqs = rnd.choice(steps[:-1])
+        plant = Plant(step, rnd.choice(reqs), rnd.choice(modules), rnd.choice([1e-3, 1e-2, 0.1, 1.0]))
+        rep = replay_capture(rich_capture, ReplayOptions(plant=plant, steps=StepRange(0, step + 3)))
+        assert rep.diverged, plant
+        places = {(d.step, d.request_id) for d in rep.divergences}
+        assert places == {(plant.step, plant.request)}, (plant, places)
+
+
+def test_repeat_reports_run_to_run_determinism(rich_capture):
+    rep = replay_capture(rich_capture, ReplayOptions(repeat=2, steps=StepRange(0, 8)))
+    assert rep.run_to_run.startswith("deterministic")
+
+
+def test_check_exit_codes(rich_capture, tmp_path, small_capture):
+    assert check_capture(rich_capture) == 0
+    assert check_capture(rich_capture, ReplayOptions(overrides={"dtype": "bfloat16"})) == 1
+    assert check_capture(small_capture) == 125  # a synthetic capture has no model to replay on
+    assert check_capture(tmp_path / "missing.capture") == 125
+    assert check_capture(rich_capture, ReplayOptions(overrides={"model": str(tmp_path)})) == 125  # model missing
+
+
+def test_cli_run_and_check(rich_capture, tmp_path):
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff"])
+    assert res.exit_code == 0 and "MATCH" in res.stdout
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", "dtype=bfloat16"])
+    assert res.exit_code == 1 and "DIVERGED" in res.stdout and "re-run: replay run" in res.stdout
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", "dtype=bfloat16", "--json"])
+    import json
+
+    data = json.loads(res.stdout)
+    assert data["diverged"] is True
+    assert set(data["first_divergence"]) >= {"step", "request_id", "position", "expected_token", "actual_token",
+                                             "max_abs_logprob_diff", "margin", "flip"}
+    assert cli.invoke(app, ["check", str(rich_capture)]).exit_code == 0
+    assert cli.invoke(app, ["check", str(tmp_path / "nope.capture")]).exit_code == 125
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "colour=blue"], "unknown knob"),
+    (["--set", "dtype"], "expected KNOB=VALUE"),
+    (["--set", "dtype=float8"], "dtype"),
+    (["--mode", "sideways"], "forced or free"),
+    (["--plant", "3:r1"], "STEP:REQUEST:MODULE:SIZE"),
+    (["--plant", "3:r1:no.such.module:1"], "no module"),
+    (["--steps", "9-2"], "ends before it starts"),
+])
+def test_cli_bad_replay_arguments(rich_capture, args, message):
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", *args])
+    assert res.exit_code == 2 and message in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_different_model_is_refused_unless_forced(rich_capture, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, vocab_size=512)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "other")
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", f"model={tmp_path / 'other'}", "--steps", "0-2"])
+    assert res.exit_code == 2 and "--force" in res.stderr
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", f"model={tmp_path / 'other'}", "--steps", "0-2",
+                           "--force"])
+    assert res.exit_code == 1 and "model weights differ" in res.stdout

@@ -1,0 +1,152 @@
+"""The package's shape, checked: imports go down the layers, modules stay small, public functions are annotated.
+
+Layers, bottom up (DESIGN §2, STYLE "A layout that shows the architecture"):
+
+    errors -> contracts -> jsonable, capture -> provenance -> engine | integrations
+        -> record | replayer | diff | inspect -> bisect, demo -> cli
+
+A module may import its own package, anything in a lower layer, and nothing above. Within one layer only the
+edges listed in SIDEWAYS are allowed (the replayer diffs what it replays). The vLLM integration never imports the
+builtin engine, nor the other way round. Imports inside functions count: they are how a lower layer would
+reach up lazily.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "replay"
+
+LAYERS: dict[str, int] = {
+    "replay": 0,  # the package's __init__ (version only)
+    "replay.errors": 0,
+    "replay.contracts": 1,
+    "replay.jsonable": 2,
+    "replay.capture": 2,
+    "replay.provenance": 3,
+    "replay.engine": 4,
+    "replay.integrations": 4,
+    "replay.record": 5,
+    "replay.replayer": 5,
+    "replay.diff": 5,
+    "replay.inspect": 5,
+    "replay.bisect": 6,
+    "replay.demo": 6,
+    "replay.cli": 7,
+}
+SIDEWAYS = {("replay.replayer", "replay.diff")}
+MAX_LINES = 400
+MAX_LOOSE = 5
+
+
+def _room(module: str) -> str:
+    """The layer entry a dotted module name belongs to (its longest prefix in LAYERS)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in LAYERS:
+            return name
+    raise KeyError(module)
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append((".".join(parts), path))
+    return out
+
+
+def _imports(module: str, path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append(name)
+            out += [f"{name}.{a.name}" for a in node.names]  # `from replay import errors` names a module
+    return [n for n in out if n == "replay" or n.startswith("replay.")]
+
+
+def _violations() -> list[str]:
+    known = {m for m, _ in _modules()}
+    bad = []
+    for module, path in _modules():
+        here = _room(module)
+        for target in _imports(module, path):
+            while target not in known and "." in target:  # `from replay.x import name`: the module is replay.x
+                target = target.rpartition(".")[0]
+            there = _room(target)
+            if there == here or there == "replay":
+                continue
+            if {here, there} == {"replay.engine", "replay.integrations"}:
+                bad.append(f"{module} imports {target}: the builtin engine and the vLLM integration are independent")
+            elif LAYERS[there] > LAYERS[here] or (LAYERS[there] == LAYERS[here] and (here, there) not in SIDEWAYS):
+                bad.append(f"{module} (layer {LAYERS[here]}) imports {target} (layer {LAYERS[there]})")
+    return bad
+
+
+def test_every_module_has_a_layer():
+    for module, _ in _modules():
+        _room(module)  # raises KeyError for a module outside every room
+
+
+def test_imports_go_down_the_layers():
+    assert _violations() == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {m: n for m, p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_at_most_five_modules_loose_under_the_package():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE, loose
+
+
+def _public_functions(tree: ast.Module):
+    """Module-level functions and methods of module-level classes whose names do not start with `_`."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
+                    yield f"{node.name}.{item.name}", item
+
+
+@pytest.mark.parametrize("module,path", _modules(), ids=[m for m, _ in _modules()])
+def test_public_functions_are_annotated_and_documented(module, path):
+    if module.startswith("replay.cli."):  # typer commands: their parameters are typed, their docstrings are --help
+        pass
+    problems = []
+    for name, fn in _public_functions(ast.parse(path.read_text())):
+        args = fn.args
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+        if args.vararg:
+            params.append(args.vararg)
+        if args.kwarg:
+            params.append(args.kwarg)
+        missing = [a.arg for a in params if a.annotation is None and a.arg not in ("self", "cls")]
+        if missing:
+            problems.append(f"{name}: parameters without a type: {', '.join(missing)}")
+        if fn.returns is None and fn.name != "__init__":
+            problems.append(f"{name}: no return type")
+        if ast.get_docstring(fn) is None:
+            problems.append(f"{name}: no docstring")
+    assert problems == []
