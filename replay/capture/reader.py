@@ -339,6 +339,13 @@ class CaptureReader:
             raise CaptureDamagedError(self.path, f"step {n} is in a damaged part of the capture: {lost[0].describe()}")
         raise CaptureError(self.path, f"no step {n} in this capture")
 
+    def step_span(self) -> tuple[int, int] | None:
+        """(first, last) step index by the seek index; None without an index or without steps."""
+        if self.index is None:
+            return None
+        chunks = [c for c in self.index.chunks if c.num_steps]
+        return (chunks[0].first_step, chunks[-1].last_step) if chunks else None
+
     @property
     def complete(self) -> bool:
         """True when the capture was closed cleanly (the seek index is present and readable)."""

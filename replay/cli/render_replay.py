@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from replay.bisect.stress import StressReport
     from replay.demo import DemoResult
     from replay.diff import BatchComposition, CaptureDiff, Divergence
-    from replay.replayer import ReplayReport
+    from replay.replayer import CheckResult, ReplayReport
 
 
 def _batch_line(b: BatchComposition) -> str:
@@ -48,9 +48,9 @@ def render_run(rep: ReplayReport) -> str:
             f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""))
 
 
-def render_check(code: int) -> str:
-    """`replay check`'s verdict (for people; git bisect reads the exit code)."""
-    return {0: "good: replays within tolerance", 1: "bad: diverges", 125: "cannot test"}[code]
+def render_check(res: CheckResult) -> str:
+    """`replay check`'s verdict and its reason (for people; git bisect reads the exit code)."""
+    return f"{res.verdict}: {res.reason}"
 
 
 def render_replay(rep: ReplayReport) -> str:
@@ -58,10 +58,12 @@ def render_replay(rep: ReplayReport) -> str:
     tol = rep.tolerance
     tol_text = "bitwise" if tol.bitwise else f"atol {tol.atol:g}, rtol {tol.rtol:g}"
     lines = []
-    for d in rep.environment_differences:
+    for d in rep.environment_differences + (rep.host_differences if rep.diverged else []):
         lines.append(f"note: {d}")
     head = (f"replayed {rep.steps_replayed} steps of {rep.capture} ({rep.mode} mode, {tol_text}; a tie flip is a "
-            f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)")
+            f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
+            f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
+            "tokens")
     lines.append(head)
     if rep.plant is not None:
         p = rep.plant
@@ -69,9 +71,12 @@ def render_replay(rep: ReplayReport) -> str:
     if rep.run_to_run:
         lines.append(f"run to run: {rep.run_to_run}")
     if rep.foreign_draws_differ:
+        who = ("vLLM drew them with its own sampler kernels and random streams, which only vLLM's runner repeats "
+               "(--set runner=vllm)" if rep.foreign_draws_by == "vllm" else
+               "the builtin engine drew them with its per-request generators, which only the builtin runner "
+               "repeats (--set runner=builtin)")
         lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
-                     "not compared: vLLM drew them with its own sampler kernels and random streams, which only "
-                     "vLLM's runner repeats (--set runner=vllm); their logprobs are compared")
+                     f"not compared: {who}; their logprobs are compared")
     if not rep.diverged:
         lines.append("MATCH: every replayed step equals the recording")
         return "\n".join(lines)

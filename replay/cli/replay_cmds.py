@@ -74,9 +74,9 @@ def check(
     except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
         err(str(e))
         raise typer.Exit(125) from None
-    code = check_capture(capture, opts)
-    emit(code, render_check, stderr=True)
-    raise typer.Exit(code)
+    res = check_capture(capture, opts)
+    emit(res, render_check, stderr=True)
+    raise typer.Exit(res.code)
 
 
 @command

@@ -53,6 +53,7 @@ class StepSummary(msgspec.Struct):
     topk_set_changes: int = 0
     rank_changes: int = 0
     foreign_draws_differ: int = 0  # sampled tokens another implementation drew with its own RNG (not compared)
+    tokens_compared: int = 0  # sampled tokens (output positions) of this step that were compared
 
 
 def batch_composition(step: int, so: SchedulerOutput, ext: dict[str, str]) -> BatchComposition:
@@ -84,6 +85,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             continue
         et, at = expected.sampled_token_ids[i], actual.sampled_token_ids[j]
         er, ar = row(expected.logprobs, i), row(actual.logprobs, j)
+        summary.tokens_compared += len(et)
         if rid in foreign_draws:
             if et != at:
                 summary.foreign_draws_differ += 1

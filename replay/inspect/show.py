@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import msgspec
@@ -22,34 +23,36 @@ class ShownSteps(msgspec.Struct):
 
 def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: str | None = None,
                limit: int | None = None) -> ShownSteps:
-    """Steps in `rng` (all if None) that schedule or finish `request` (internal or external id; any if None).
-    Reads only the chunks that hold the range when the capture has an index and no request filter is given.
-    Raises CaptureError when nothing matches."""
+    """Steps in `rng` (all if None) that schedule or finish `request` (internal or external id; any if None), at
+    most `limit` of them, with the external ids of the requests they mention. Arrivals may sit in any chunk before
+    a step, so every chunk up to the range's end is read; with a seek index, steps outside the range are skipped
+    before they are decoded and chunks past the range are not read. Raises CaptureError when nothing matches."""
     with CaptureReader(path) as r:
         ext: dict[str, str] = {}
         out: list[Step] = []
         internal = request
-        if request is None and rng is not None:
-            out = list(r.steps(rng.first, rng.last))
-        else:
-            for rec in r.records():
-                if isinstance(rec, RequestAdded):
-                    rid, eid = rec.request.request_id, rec.request.external_req_id
-                    if eid is not None:
-                        ext[rid] = eid
-                        if request is not None and eid == request:
-                            internal = rid
-                    continue
-                if not isinstance(rec, Step):
-                    continue
-                if rng is not None and (rec.index < rng.first or (rng.last is not None and rec.index > rng.last)):
-                    continue
-                so = rec.scheduler_output
-                if internal is not None and internal not in so.num_scheduled_tokens and internal not in so.finished_req_ids:
-                    continue
-                out.append(rec)
-                if limit is not None and len(out) >= limit:
-                    break
+        chunks = None
+        if r.index is not None and rng is not None and rng.last is not None:
+            last = rng.last
+            chunks = itertools.takewhile(lambda ref: not (ref.info.num_steps and ref.info.first_step > last),
+                                         r.iter_chunks())
+        keep = None if rng is None else (lambda index: index in rng)
+        for rec in r.records(chunks=chunks, keep_step=keep):
+            if isinstance(rec, RequestAdded):
+                rid, eid = rec.request.request_id, rec.request.external_req_id
+                if eid is not None:
+                    ext[rid] = eid
+                    if request is not None and eid == request:
+                        internal = rid
+                continue
+            if not isinstance(rec, Step) or (rng is not None and rec.index not in rng):
+                continue
+            so = rec.scheduler_output
+            if internal is not None and internal not in so.num_scheduled_tokens and internal not in so.finished_req_ids:
+                continue
+            out.append(rec)
+            if limit is not None and len(out) >= limit:
+                break
         if not out:
             what = f"step {rng.first}" if rng is not None and rng.last == rng.first else \
                 f"steps {rng}" if rng is not None else "any step"

@@ -2,11 +2,11 @@
 the recording) -> `loop` (the one replay loop, forced or free) -> `run` (`replay run`: replay and diff) and
 `check` (`replay check`, the `git bisect run` predicate). `plant` perturbs one module at one step."""
 
-from replay.replayer.check import check_capture
+from replay.replayer.check import CheckResult, check_capture
 from replay.replayer.loop import MODES, StepLoop
 from replay.replayer.plant import Plant
 from replay.replayer.run import ReplayOptions, ReplayReport, replay_capture
 from replay.replayer.runner import KNOBS, BuiltRunner, Runner, build_runner, parse_overrides
 
-__all__ = ["check_capture", "MODES", "StepLoop", "Plant", "ReplayOptions", "ReplayReport",
+__all__ = ["CheckResult", "check_capture", "MODES", "StepLoop", "Plant", "ReplayOptions", "ReplayReport",
            "replay_capture", "KNOBS", "BuiltRunner", "Runner", "build_runner", "parse_overrides"]

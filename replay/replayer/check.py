@@ -5,16 +5,38 @@ from __future__ import annotations
 
 import os
 
+import msgspec
+
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, ReplayError
-from replay.replayer.run import ReplayOptions, replay_capture
+from replay.replayer.run import ReplayOptions, ReplayReport, replay_capture
 
 
-def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> int:
-    """`git bisect run` predicate: 0 replays within tolerance, 1 diverges, 125 cannot test."""
+class CheckResult(msgspec.Struct):
+    """The predicate's answer and why: what it compared, where it diverged, or why it could not test."""
+
+    capture: str
+    code: int  # 0 good, 1 bad, 125 cannot test
+    reason: str
+    report: ReplayReport | None = None
+
+    @property
+    def verdict(self) -> str:
+        """good | bad | cannot test."""
+        return {EXIT_OK: "good", EXIT_DIVERGED: "bad"}.get(self.code, "cannot test")
+
+
+def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> CheckResult:
+    """`git bisect run` predicate: 0 replays within tolerance, 1 diverges, 125 cannot test. Never raises for the
+    capture, the model or the engine: whatever stops the replay is a reason it could not test."""
     try:
-        report = replay_capture(path, opts)
-    except ReplayError:
-        return EXIT_CANNOT_TEST
-    except Exception:  # noqa: BLE001 - an engine that fails to start cannot be tested, whatever the reason
-        return EXIT_CANNOT_TEST
-    return EXIT_DIVERGED if report.diverged else EXIT_OK
+        rep = replay_capture(path, opts)
+    except ReplayError as e:
+        return CheckResult(str(path), EXIT_CANNOT_TEST, str(e))
+    except Exception as e:  # noqa: BLE001 - an engine that fails to start cannot be tested, whatever the reason
+        return CheckResult(str(path), EXIT_CANNOT_TEST, f"{path}: {type(e).__name__}: {e}"[:500])
+    compared = f"{rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled tokens"
+    if not rep.diverged:
+        return CheckResult(str(path), EXIT_OK, f"{path}: replays within tolerance ({compared})", rep)
+    d = rep.first_divergence
+    return CheckResult(str(path), EXIT_DIVERGED, f"{path}: diverges at step {d.step}, request {d.request_id} "
+                       f"({d.kind}; {rep.num_divergences} divergence(s) over {compared})", rep)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import msgspec
 
-from replay.capture import CaptureReader, Step, StepRange
+from replay.capture import CaptureReader, Header, Step, StepRange
 from replay.capture import format as fmt
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
 from replay.diff import BatchComposition, Divergence, StepSummary, Tolerance, batch_composition, compare_step
@@ -60,6 +60,16 @@ class ReplayReport(msgspec.Struct):
     # sampled tokens of random-sampling requests that differ but cannot be compared: vLLM drew them with its own
     # sampler kernels and random streams, which only vLLM's runner repeats (not counted in num_divergences)
     foreign_draws_differ: int = 0
+    host_differences: list[str] = []  # the machine's own differences (platform, Python), shown with a divergence
+    foreign_draws_by: str = ""  # whose sampler drew the foreign draws ("vllm" | "builtin"), when there are any
+    steps_compared: int = 0  # what the verdict rests on: steps diffed, requests with an output among them, and
+    requests_compared: int = 0  # their sampled tokens
+    tokens_compared: int = 0
+
+
+def recorded_draws(header: Header) -> str:
+    """Whose random streams drew the recording's samples: "vllm" for a vLLM capture, else "builtin"."""
+    return "vllm" if header.engine == "vllm" else "builtin"
 
 
 def _random(sp: SamplingParams | None) -> bool:
@@ -90,10 +100,13 @@ class _Pass:
     count: int = 0  # every divergence
     first_batch: BatchComposition | None = None
     notes: list[str] = field(default_factory=list)
+    host_notes: list[str] = field(default_factory=list)
+    recorded_draws: str = "builtin"
     steps: int = 0
     replay_s: float = 0.0
     record_s: float = 0.0
     digests: list[bytes] = field(default_factory=list)  # of every replayed output, for --repeat
+    requests: set[str] = field(default_factory=set)  # requests with an output among the diffed steps
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -101,13 +114,18 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
     rng = opts.steps
     out = _Pass()
     with CaptureReader(path) as r:
+        if rng is not None:
+            _check_range(path, rng, r.step_span())
         built = build_runner(r.header, opts.overrides, force=opts.force)
-        out.notes = built.notes
+        out.notes, out.host_notes = built.notes, built.host_notes
         loop = StepLoop(path, built.runner, opts.mode)
-        # vLLM draws random samples with its own kernels and streams (unseeded requests: the global generator;
-        # on CPU even seeded ones: a fused SplitMix64 Gumbel kernel). Only vLLM's own runner repeats those draws;
-        # elsewhere the tokens of random-sampling requests are not compared (their logprobs still are).
-        foreign_draws = r.header.engine == "vllm" and built.runner.random_draws != "vllm"
+        # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
+        # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine
+        # with per-request torch generators and an exponential race. Only a runner of the recording's family
+        # repeats its draws; on the other, the tokens of random-sampling requests are not compared (their
+        # logprobs still are), in either direction.
+        out.recorded_draws = recorded_draws(r.header)
+        foreign_draws = out.recorded_draws != built.runner.random_draws
         foreign_random: set[str] = set()
         run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
         for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
@@ -122,6 +140,7 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
                                              opts.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
                                              foreign_random)
                 out.summaries.append(summary)
+                out.requests.update(expected.req_ids if expected is not None else ())
                 if divs and out.first_batch is None:
                     out.first_batch = batch_composition(rec.index, so, loop.external)
                 out.count += len(divs)
@@ -179,10 +198,27 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
             if s is not None:
                 run_to_run = f"NOT deterministic: replay {k} differs from replay 1 at step {s}"
                 break
+    if opts.diff and not p.summaries:
+        what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
+        raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
+                         "at least one compared step")
     divs = sorted(p.divergences, key=lambda d: (d.step, d.kind != "token"))
     first = divs[0] if divs else None
     return ReplayReport(str(path), opts.mode, bool(p.count), first, p.first_batch if first else None,
                         _repro(str(path), first.step, opts) if first else None, opts.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
                         next((d for d in divs if d.kind == "token"), None),
-                        sum(s.foreign_draws_differ for s in p.summaries))
+                        sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, p.recorded_draws,
+                        len(p.summaries),
+                        len(p.requests),
+                        sum(s.tokens_compared for s in p.summaries))
+
+
+def _span(steps: int) -> str:
+    return "no steps" if steps == 0 else f"steps 0-{steps - 1}"
+
+
+def _check_range(path: str | os.PathLike, rng: StepRange, span: tuple[int, int] | None) -> None:
+    """Refuse a --steps range the capture's index says lies outside it, before replaying anything."""
+    if span is not None and rng.first > span[1]:
+        raise UsageError(f"{path}: steps {rng}: the capture has steps {span[0]}-{span[1]}; nothing to compare")

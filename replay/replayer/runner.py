@@ -65,7 +65,12 @@ class BuiltRunner:
     def notes(self) -> list[str]:
         """One line per difference that can change numerics: 'dtype: recorded float32, replay bfloat16'."""
         return [self.model_mismatch] * bool(self.model_mismatch) + [
-            d.as_note() for d in self.differences if d.affects != "scheduling" and d.label != "fingerprint"]
+            d.as_note() for d in self.differences if d.affects in ("numerics", "model") and d.label != "fingerprint"]
+
+    @property
+    def host_notes(self) -> list[str]:
+        """The same for the machine itself (platform, Python): suspects when a replay diverges."""
+        return [d.as_note() for d in self.differences if d.affects == "host"]
 
     def builtin(self, what: str) -> "ModelRunner":
         """The builtin runner, for what needs its internals (snapshots, module hooks); UsageError otherwise."""

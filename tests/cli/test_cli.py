@@ -42,6 +42,15 @@ def test_show_one_step_a_range_and_a_request(small_capture):
                                  or data["request"] in s["scheduler_output"]["finished_req_ids"] for s in data["steps"])
 
 
+def test_show_a_range_keeps_its_limit_and_the_external_ids(small_capture):
+    data = json.loads(invoke("show", small_capture, "--step", "10-30", "--limit", "3", "--json").stdout)
+    assert [s["index"] for s in data["steps"]] == [10, 11, 12]
+    scheduled = {rid for s in data["steps"] for rid in s["scheduler_output"]["num_scheduled_tokens"]}
+    assert scheduled and scheduled <= set(data["external_ids"])  # arrivals read from chunks before the range
+    text = invoke("show", small_capture, "--step", "10").stdout
+    assert "(req-" in text
+
+
 def test_export_jsonl_has_one_object_per_record(small_capture, tmp_path):
     out = tmp_path / "x.jsonl"
     res = invoke("export", small_capture, "-o", out)

@@ -117,11 +117,25 @@ def test_repeat_reports_run_to_run_determinism(rich_capture):
 
 
 def test_check_exit_codes(rich_capture, tmp_path, small_capture):
-    assert check_capture(rich_capture) == 0
-    assert check_capture(rich_capture, ReplayOptions(overrides={"dtype": "bfloat16"})) == 1
-    assert check_capture(small_capture) == 125  # a synthetic capture has no model to replay on
-    assert check_capture(tmp_path / "missing.capture") == 125
-    assert check_capture(rich_capture, ReplayOptions(overrides={"model": str(tmp_path)})) == 125  # model missing
+    assert check_capture(rich_capture).code == 0
+    assert check_capture(rich_capture, ReplayOptions(overrides={"dtype": "bfloat16"})).code == 1
+    assert check_capture(small_capture).code == 125  # a synthetic capture has no model to replay on
+    missing = check_capture(tmp_path / "missing.capture")
+    assert missing.code == 125 and "missing.capture" in missing.reason and "no such file" in missing.reason
+    assert check_capture(rich_capture, ReplayOptions(overrides={"model": str(tmp_path)})).code == 125  # model missing
+
+
+def test_steps_outside_the_capture_are_a_usage_error_not_a_match(rich_capture):
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--steps", "400-500"])
+    assert res.exit_code == 2 and "nothing to compare" in res.stderr and "MATCH" not in res.stdout
+
+
+def test_every_report_says_what_it_compared(rich_capture):
+    rep = replay_capture(rich_capture, ReplayOptions(steps=StepRange(2, 5)))
+    assert rep.steps_compared == 4 and rep.steps_replayed == 6
+    assert 0 < rep.requests_compared <= 8 and rep.tokens_compared >= rep.requests_compared
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--steps", "2-5"])
+    assert f"compared 4 steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled tokens" in res.stdout
 
 
 def test_cli_run_and_check(rich_capture, tmp_path):

@@ -65,7 +65,12 @@ class VllmRunner:
         try:
             self.llm = self._build(LLM, model, m, ec, overrides)
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
-            raise UsageError(f"vLLM cannot build an engine for this capture: {type(e).__name__}: {e}"[:400]) from None
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            hint = ""
+            if "block size" in msg.lower():
+                hint = (f" (the capture's KV block size is {ec.block_size}; vLLM's CPU attention takes multiples of "
+                        "32: record with --block-size 32)")
+            raise UsageError(f"vLLM cannot build an engine for this capture: {msg}{hint}") from None
         core = self.llm.llm_engine.engine_core.engine_core
         self.runner = core.model_executor.driver_worker.worker.model_runner
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
@@ -92,9 +97,9 @@ class VllmRunner:
 
     def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
                       sampled_override: dict[str, list[int]] | None = None) -> None:
-        """Remember the step; forced mode writes the recorded tokens into vLLM's cached state."""
-        if drawn_seeds:
-            raise UsageError("this capture has engine-drawn seeds (builtin engine): replay it on the builtin runner")
+        """Remember the step; forced mode writes the recorded tokens into vLLM's cached state. `drawn_seeds` (the
+        builtin engine's seeds for unseeded requests) mean nothing to vLLM's sampler: those draws are the builtin
+        engine's own, and the replay does not compare them."""
         self._so = self._to_vllm(so)
         if sampled_override:
             self._force(sampled_override)

@@ -112,7 +112,7 @@ def test_a_builtin_replay_after_a_vllm_engine_in_the_same_process_gets_its_threa
     replay_capture(vllm_capture[0], ReplayOptions(overrides={"runner": "vllm"}))  # a vLLM engine in this process
     golden = Path(__file__).resolve().parents[3] / "captures" / "tiny-mixed.capture"
     torch.set_num_threads(2)  # vLLM's no-op now: what a user's code would try
-    assert check_capture(golden) == 0 and torch.get_num_threads() == 1
+    assert check_capture(golden).code == 0 and torch.get_num_threads() == 1
 
 
 def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
@@ -123,9 +123,31 @@ def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
     cfg = EngineConfig(model=model, scheduler=SchedulerConfig(block_size=32, num_gpu_blocks=64, max_model_len=512),
                        runner=RunnerConfig(num_threads=1))
     wl = SyntheticWorkload(num_requests=6, sampling="greedy", num_logprobs=3, seed=2)
-    path = record_builtin(RecordOptions(cfg, synthetic(wl, 1024), tmp_path / "b.capture")).path
+    reqs = synthetic(wl, 1024)
+    seeded = SyntheticWorkload(num_requests=2, num_logprobs=3, seed=3,
+                               defaults={"temperature": 0.8, "seed": 7, "max_tokens": 10})
+    reqs += [r for r in synthetic(seeded, 1024)]
+    for i, r in enumerate(reqs[-2:]):
+        r.request_id = f"seeded-{i}"
+    path = record_builtin(RecordOptions(cfg, reqs, tmp_path / "b.capture")).path
     rep = replay_capture(path, ReplayOptions(overrides={"runner": "vllm"}, tolerance=Tolerance(atol=1e-5)))
-    assert not rep.diverged, rep.first_divergence  # vLLM's kernels agree with the builtin reference on this batch
+    # vLLM's kernels agree with the builtin reference on this batch; the builtin engine's seeded draws are its own
+    # (per-request torch generators), not vLLM's: not compared, and never called confident flips
+    assert not rep.diverged, rep.first_divergence
+    assert rep.foreign_draws_differ > 0 and rep.foreign_draws_by == "builtin"
+
+
+def test_a_block_size_vllm_cannot_use_is_refused_with_the_fix(vllm_capture, tmp_path):
+    from replay.engine.config import EngineConfig, SchedulerConfig
+    from replay.errors import UsageError
+    from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+
+    model = str(vllm_capture[0].parent / "tiny-llama")
+    cfg = EngineConfig(model=model, scheduler=SchedulerConfig(block_size=16, max_model_len=512))
+    path = record_builtin(RecordOptions(cfg, synthetic(SyntheticWorkload(num_requests=2, seed=1), 1024),
+                                        tmp_path / "b16.capture")).path
+    with pytest.raises(UsageError, match="block size is 16.*--block-size 32"):
+        replay_capture(path, ReplayOptions(overrides={"runner": "vllm"}))
 
 
 RICH = textwrap.dedent("""
