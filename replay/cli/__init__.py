@@ -1,18 +1,19 @@
 """The `replay` command: parse, call one library function, render, map errors to exit codes (DESIGN §6).
 
 Results go to stdout, diagnostics to stderr. Every error is one line (`replay: <file>: <problem>`), never a
-traceback. Exit codes: 0 ok, 1 divergence / nothing recoverable, 2 usage or unreadable input, 3 completed on a
+traceback (`replay -v` shows it). Exit codes: 0 ok, 1 divergence / nothing recoverable, 2 usage or unreadable input, 3 completed on a
 damaged capture, 125 cannot test.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from typer.exceptions import Abort, Exit, TyperException
 
 from replay.cli import bisect_cmds, inspect_cmds, record_cmds, replay_cmds  # noqa: F401  (they register commands)
-from replay.cli.common import app, err
+from replay.cli.common import VERBOSE_ENV, app, err
 from replay.errors import EXIT_OK, EXIT_USAGE
 
 __all__ = ["app", "main", "run"]
@@ -20,6 +21,17 @@ __all__ = ["app", "main", "run"]
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `replay` console script. Returns the exit code."""
+    verbose_before = os.environ.get(VERBOSE_ENV)  # `-v` sets it for this command (and what it starts) only
+    try:
+        return _main(argv)
+    finally:
+        if verbose_before is None:
+            os.environ.pop(VERBOSE_ENV, None)
+        else:
+            os.environ[VERBOSE_ENV] = verbose_before
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         rc = app(args=argv, prog_name="replay", standalone_mode=False)
     except Exit as e:

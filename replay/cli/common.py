@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 import typer
 
 from replay.capture.step_range import StepRange
-from replay.errors import EXIT_DAMAGED, EXIT_OK, ReplayError, UsageError
+from replay.errors import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, ReplayError, UsageError
 
 if TYPE_CHECKING:
     from replay.capture import Damage
@@ -26,6 +28,20 @@ app = typer.Typer(
 bisect_app = typer.Typer(help="Narrow a divergence down: to a step, a co-batched request, a module, a knob.",
                          no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bisect_app, name="bisect")
+VERBOSE_ENV = "REPLAY_VERBOSE"  # set by `replay -v`: tracebacks (and, where vLLM runs, its logs) are shown
+
+
+@app.callback()
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks of errors.")) -> None:
+    """Record-and-replay debugger for LLM inference engines that speak vLLM's v1 data contracts."""
+    if verbose:
+        # the environment, not a module global: processes the command starts (vLLM's) see it too
+        os.environ[VERBOSE_ENV] = "1"
+
+
+def verbose() -> bool:
+    """Whether `-v` was given (or REPLAY_VERBOSE=1 is set)."""
+    return os.environ.get(VERBOSE_ENV) == "1"
 
 
 def err(msg: str) -> None:
@@ -56,6 +72,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except ReplayError as e:
+            if verbose():
+                traceback.print_exc()
             err(str(e))
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
@@ -63,6 +81,14 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130) from None
         except BrokenPipeError:  # `replay export x | head`
             raise typer.Exit(EXIT_OK) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug of ours or a library's: one line, the traceback with -v
+            if verbose():
+                traceback.print_exc()
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            err(f"internal error, please report it: {msg}" + ("" if verbose() else " (`replay -v ...` shows where)"))
+            raise typer.Exit(EXIT_USAGE) from None
 
     return wrapper
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ATTENTION_IMPLS = ("sdpa", "reference")
+from replay.engine.config import ATTENTION_IMPLS
+
 
 
 class KVCache:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from replay.errors import UsageError
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: the "which side is closer to the truth" re-run
+ATTENTION_IMPLS = ("sdpa", "reference")  # sdpa (fast) | reference (plain math, float64 softmax)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -46,15 +51,50 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
-    """The model runner's numerics knobs (each one can change bits; all are recorded in the capture header)."""
+    """The model runner's numerics knobs (each one can change bits; all are recorded in the capture header).
+    Checked when made: a value the runner cannot honour is a UsageError naming the knob."""
 
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # one of DTYPES
     device: str = "cpu"
-    attention_impl: str = "sdpa"  # sdpa (fast) | reference (plain math, float64 softmax)
+    attention_impl: str = "sdpa"  # one of ATTENTION_IMPLS
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     batch_invariant: bool = False
     seed: int = 0  # engine seed: draws the seeds of unseeded requests
     logprobs_mode: str = "raw_logprobs"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UsageError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise UsageError(f"attention {self.attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise UsageError(f"threads {self.num_threads}: expected a positive integer")
+        if self.seed < 0:
+            raise UsageError(f"seed {self.seed}: expected a non-negative integer")
+        if self.device != "cpu":
+            problem = device_problem(self.device)
+            if problem:
+                raise UsageError(f"device {self.device!r}: {problem}")
+
+
+def device_problem(device: str) -> str | None:
+    """Why the builtin engine cannot run on `device` in this process (None when it can)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return "not a device name (cpu, cuda, cuda:1, ...)"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return "the builtin engine runs on cpu or cuda"
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"no CUDA device here (torch {torch.__version__}, {build})"
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"there are {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

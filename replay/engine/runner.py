@@ -65,7 +65,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
                  eos_token_id: int | None = None, batch_invariant: bool = False):
-        from replay.engine.attention import ATTENTION_IMPLS
+        from replay.engine.config import ATTENTION_IMPLS
 
         if attention_impl not in ATTENTION_IMPLS:
             raise UsageError(f"attention implementation {attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")

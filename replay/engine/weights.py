@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from replay.engine.config import DTYPES as DTYPE_NAMES
 from replay.engine.config import ModelConfig
 from replay.engine.model import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, CausalLM
 from replay.errors import UsageError
 from replay.provenance.weights import Fingerprint, read_json, safetensors_files
 
-# The dtypes the builtin engine runs in (float64: the "which side is closer to the truth" re-execution).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the dtype names of engine.config, as torch dtypes
 
 
 def torch_dtype(name: str) -> torch.dtype:

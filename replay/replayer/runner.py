@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant", "runner")
 RUNNERS = ("builtin", "vllm")
+VLLM_KNOBS = ("dtype", "model", "runner")  # what vLLM-runner replay can change (vLLM picks its own kernels)
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 class Runner(Protocol):
@@ -47,7 +49,20 @@ def parse_overrides(items: list[str] | None) -> dict[str, str]:
             raise UsageError(f"--set {item!r}: expected KNOB=VALUE")
         if key not in KNOBS:
             raise UsageError(f"--set {item!r}: unknown knob {key!r}; knobs are {', '.join(KNOBS)}")
-        out[key] = value.strip()
+        out[key] = value = value.strip()
+        if key == "threads" and not (value.isdigit() and int(value) >= 1):
+            raise UsageError(f"--set threads={value}: expected a positive integer")
+        if key == "seed" and not value.isdigit():
+            raise UsageError(f"--set seed={value}: expected a non-negative integer")
+        if key == "batch_invariant" and value.lower() not in BOOLEANS:
+            raise UsageError(f"--set batch_invariant={value}: expected true or false")
+        if key == "runner" and value not in RUNNERS:
+            raise UsageError(f"--set runner={value}: expected builtin or vllm")
+    if out.get("runner") == "vllm":
+        builtin_only = [k for k in out if k not in VLLM_KNOBS]
+        if builtin_only:
+            raise UsageError(f"--set {', '.join(builtin_only)}: builtin runner only (vLLM's runner picks its own "
+                             f"kernels and threads); with runner=vllm the knobs are {', '.join(VLLM_KNOBS)}")
     return out
 
 
@@ -84,8 +99,6 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     """A fresh runner for `header`'s capture. Raises UsageError (exit 2) for a capture no runner can replay and for
     different weights without `force`."""
     kind = overrides.get("runner", "builtin")
-    if kind not in RUNNERS:
-        raise UsageError(f"--set runner={kind!r}: expected builtin or vllm")
     if header.model is None or header.engine == "synthetic":
         raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
                          "(record one with `replay record`)")
@@ -118,16 +131,8 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
     model_ref = overrides.get("model") or m.path or m.name
     # another engine's attention backend is not one of ours: cross-implementation replays use our default
     own = ec.attention_impl if header.engine == "builtin" else ""
-    try:
-        seed = int(overrides.get("seed", ec.seed or 0))
-    except ValueError:
-        raise UsageError(f"--set seed={overrides['seed']!r}: expected an integer") from None
-    threads = env.num_threads or None  # the recorded thread count, unless told otherwise
-    if "threads" in overrides:
-        try:
-            threads = int(overrides["threads"])
-        except ValueError:
-            raise UsageError(f"--set threads={overrides['threads']!r}: expected an integer") from None
+    seed = int(overrides.get("seed", ec.seed or 0))
+    threads = int(overrides["threads"]) if "threads" in overrides else env.num_threads or None  # as recorded
     cfg = EngineConfig(
         model=model_ref,
         scheduler=SchedulerConfig(block_size=ec.block_size, num_gpu_blocks=max(ec.num_gpu_blocks, 1) + extra_blocks,
@@ -137,8 +142,8 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
         runner=RunnerConfig(dtype=overrides.get("dtype", m.dtype or "float32"),
                             device=overrides.get("device", ec.extra.get("device", "cpu")),
                             attention_impl=overrides.get("attention", own or "sdpa"), num_threads=threads,
-                            batch_invariant=str(overrides.get("batch_invariant", ec.batch_invariant)).lower()
-                            in ("1", "true", "yes", "on"), seed=seed))
+                            batch_invariant=BOOLEANS[str(overrides.get("batch_invariant", ec.batch_invariant)).lower()],
+                            seed=seed))
     if threads:
         set_torch_threads(threads)
     model, model_cfg, fingerprint = load_model(cfg.model, cfg.runner.dtype, cfg.runner.device)

@@ -4,6 +4,7 @@ symlink loops: exit 2 and exactly one line on stderr, never a traceback."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,8 @@ def paths(tmp_path, small_capture):
     bad_jsonl.write_text('{"prompt": 5}\n')
     grammar = tmp_path / "grammar.jsonl"
     grammar.write_text('{"prompt_token_ids": [5, 6], "structured_outputs": {"regex": "[0-9]+"}}\n')
-    return {"cap": str(small_capture), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
+    golden = Path(__file__).resolve().parents[2] / "captures" / "tiny-mixed.capture"
+    return {"cap": str(small_capture), "golden": str(golden), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
             "jsonl": str(bad_jsonl), "grammar": str(grammar), "out": str(tmp_path / "out.capture")}
 
 
@@ -43,6 +45,17 @@ CASES = [
     ("info", "{missing}"), ("info", "{dir}"), ("info", "{loop}"), ("show", "{loop}", "--step", "1"),
     ("export", "{loop}"), ("recover", "{loop}"), ("run", "{loop}", "--diff"), ("run", "{cap}", "--diff"),
     ("diff", "{loop}", "{cap}"), ("diff", "{cap}", "{missing}"),
+    # knobs a replay cannot take, and selections with nothing in them
+    ("run", "{golden}", "--set", "threads=0"), ("run", "{golden}", "--set", "threads=-1"),
+    ("run", "{golden}", "--set", "seed=abc"), ("run", "{golden}", "--set", "device=cuda:7"),
+    ("run", "{golden}", "--set", "device=tpu"), ("run", "{golden}", "--set", "dtype=float8"),
+    ("run", "{golden}", "--set", "attention=magic"), ("run", "{golden}", "--set", "batch_invariant=maybe"),
+    ("run", "{golden}", "--set", "model={missing}"), ("run", "{golden}", "--runner", "tensorrt"),
+    ("run", "{golden}", "--runner", "vllm", "--set", "threads=1"), ("run", "{golden}", "--diff", "--steps", "40-50"),
+    ("bisect", "config", "{golden}", "--bad", "dtype=bfloat16", "--steps", "90-99", "-q"),
+    ("bisect", "batch", "{golden}", "--step", "1", "--request", "nobody", "-q"),
+    ("record", "--device", "cuda:7", "--out", "{out}"), ("record", "--device", "tpu", "--out", "{out}"),
+    ("record", "--threads", "0", "--out", "{out}"),
 ]
 
 
