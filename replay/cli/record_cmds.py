@@ -44,6 +44,7 @@ def record(
     logprobs: Optional[int] = typer.Option(None, "--logprobs", min=-1),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Capture path (default: captures/<model>-<time>.capture)."),
     flush_interval: Optional[float] = typer.Option(None, "--flush-interval", min=0.01, help="Seconds before an open chunk is written (default 1): bounds what a crash of the writer can lose."),
+    vllm_arg: Optional[list[str]] = typer.Option(None, "--vllm-arg", help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, e.g. gpu_memory_utilization=0.5 (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json: bool = JsonOpt,
 ) -> None:
@@ -51,11 +52,13 @@ def record(
     from replay.cli.render_capture import render_record
     from replay.record import EngineOptions, SyntheticWorkload, workload_requests
     from replay.record import record as do_record
+    from replay.record.options import parse_vllm_args
 
     options = EngineOptions(engine, model, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                             num_blocks=num_blocks, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
-                            device=device, attention=attention, threads=threads, batch_invariant=batch_invariant)
+                            device=device, attention=attention, threads=threads, batch_invariant=batch_invariant,
+                            vllm_args=parse_vllm_args(vllm_arg))
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                       logprobs=logprobs).items() if v is not None}
     workload = SyntheticWorkload(num_requests=num_requests, prompt_len=int_range(prompt_len, "--prompt-len"),

@@ -5,7 +5,8 @@ them into an engine configuration. The builtin engine's defaults are its config 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import UsageError
@@ -27,6 +28,7 @@ class EngineOptions:
     num_blocks: int | None = None  # KV blocks (vLLM: num_gpu_blocks_override)
     max_model_len: int | None = None
     enable_prefix_caching: bool | None = None
+    vllm_args: dict[str, object] = field(default_factory=dict)  # vLLM only: any EngineArgs field, by vLLM's name
     # builtin engine only
     device: str | None = None
     attention: str | None = None
@@ -44,7 +46,26 @@ class EngineOptions:
             if given:
                 raise UsageError(f"{', '.join(given)}: builtin engine only (vLLM picks its own device and kernels)")
             if self.model == "tiny":
-                raise UsageError("--engine vllm needs --model PATH, a local checkpoint directory ('tiny' is builtin only)")
+                raise UsageError("--engine vllm needs --model PATH, a local checkpoint directory "
+                                 "('tiny' is builtin only)")
+        elif self.vllm_args:
+            raise UsageError(f"--vllm-arg {next(iter(self.vllm_args))}: vLLM engine only (--engine vllm)")
+
+
+def parse_vllm_args(items: list[str] | None) -> dict[str, object]:
+    """`["gpu_memory_utilization=0.5", "enforce_eager=false"]` -> {"gpu_memory_utilization": 0.5, ...}: values are
+    read as JSON where they parse (numbers, true/false, null, lists), else kept as strings."""
+    out: dict[str, object] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UsageError(f"--vllm-arg {item!r}: expected NAME=VALUE (vLLM's engine argument names)")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def _given(defaults: object, **values: object) -> object:

