@@ -92,7 +92,10 @@ class Environment(msgspec.Struct, omit_defaults=True):
     python_version: str = ""
     platform: str = ""
     hostname: str = ""
-    env: dict[str, str] = {}  # relevant environment variables (VLLM_*, CUBLAS_*, OMP_*, ...)
+    env: dict[str, str] = {}  # relevant environment variables (VLLM_*, CUBLAS_*, OMP_*, ATEN_*, LD_PRELOAD, ...)
+    # library settings that steer kernels and threading: cpu_capability (ATen's kernel ISA), mkl, onednn and
+    # openmp versions, mkl_dynamic / omp_dynamic (thread-count adjustment), interop_threads, cpus_allowed
+    libraries: dict[str, str] = {}
 
 
 class Header(msgspec.Struct, tag="header", array_like=True, omit_defaults=True):

@@ -17,7 +17,7 @@ from replay.engine.runner import ModelRunner
 from replay.engine.scheduler import Scheduler
 from replay.engine.weights import load_model, torch_dtype
 from replay.errors import UsageError
-from replay.provenance import current_environment, make_header, set_torch_threads
+from replay.provenance import current_environment, make_header, pin_threading, set_torch_threads
 
 
 class LLMEngine:
@@ -25,6 +25,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, listeners: list | None = None):
         rc = config.runner
+        pin_threading()  # exactly the threads torch has, in every library: see pin_threading
         if rc.num_threads:
             set_torch_threads(rc.num_threads)
         torch_dtype(rc.dtype)

@@ -2,9 +2,12 @@
 between two such descriptions (a recording and its replay, or two recordings)."""
 
 from replay.provenance.differences import HeaderDifference, header_differences, is_suspect
-from replay.provenance.environment import current_environment, relevant_env, set_torch_threads
+from replay.provenance.environment import (
+    current_environment, pin_threading, relevant_env, set_mkl_dynamic, set_torch_threads,
+)
 from replay.provenance.header import make_header
 from replay.provenance.weights import Fingerprint, checkpoint_fingerprint
 
-__all__ = ["HeaderDifference", "header_differences", "is_suspect", "current_environment", "relevant_env", "set_torch_threads",
+__all__ = ["HeaderDifference", "header_differences", "is_suspect", "current_environment", "pin_threading", "relevant_env", "set_mkl_dynamic",
+           "set_torch_threads",
            "make_header", "Fingerprint", "checkpoint_fingerprint"]

@@ -30,6 +30,8 @@ FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("environment", "num_threads", "threads", "numerics"),
     ("environment", "deterministic_algorithms", "deterministic algorithms", "numerics"),
     ("environment", "matmul_precision", "float32 matmul precision", "numerics"),
+    ("environment", "libraries", "*", "numerics"),  # one difference per library setting (both sides known)
+    ("environment", "env", "*", "numerics"),  # one per environment variable (unset counts), VLLM_/REPLAY_ aside
     ("environment", "python_version", "python", "host"),
     ("environment", "platform", "platform", "host"),
     ("engine_config", "block_size", "block size", "scheduling"),
@@ -71,6 +73,28 @@ def _text(field: str, value: Any) -> str:
     return value[:12] if field == "fingerprint" else str(value)
 
 
+# library settings that say how the process runs, not what a kernel computes
+HOST_LIBRARY_SETTINGS = ("interop_threads", "cpus_allowed")
+# environment variables compared one by one; vLLM's own (VLLM_*) configure the engine, whose settings the engine
+# config carries, or are process-internal (VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_DIST_IDENT); REPLAY_* are ours
+UNCOMPARED_ENV_PREFIXES = ("VLLM_", "REPLAY_")
+
+
+def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, str]) -> list[HeaderDifference]:
+    out = []
+    if name == "libraries":  # a setting one side did not record (an older capture) is unknown, not different
+        for key in sorted(set(x) & set(y)):
+            if x[key] != y[key]:
+                affects = "host" if key in HOST_LIBRARY_SETTINGS else "numerics"
+                out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], affects))
+        return out
+    for key in sorted(set(x) | set(y)):  # environment variables: unset on one side is a difference
+        if not key.startswith(UNCOMPARED_ENV_PREFIXES) and x.get(key) != y.get(key):
+            out.append(HeaderDifference(f"{section}.{name}.{key}", key, _text(key, x.get(key)),
+                                        _text(key, y.get(key)), "numerics"))
+    return out
+
+
 def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
     """Every field of FIELDS whose value differs between `a` and `b`, in FIELDS' order. A model field missing on
     either side (a model-free capture) is not a difference; an empty fingerprint is unknown, not different."""
@@ -79,6 +103,9 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
         if section == "model" and (a.model is None or b.model is None):
             continue
         x, y = _value(a, section, name), _value(b, section, name)
+        if label == "*":
+            out += _dict_differences(section, name, x or {}, y or {})
+            continue
         if name == "fingerprint" and (not x or not y):
             continue
         if x != y:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
-from replay.provenance import HeaderDifference, header_differences, set_torch_threads
+from replay.provenance import HeaderDifference, header_differences, pin_threading, set_torch_threads
 
 if TYPE_CHECKING:
     from replay.engine.runner import ModelRunner
@@ -144,8 +144,12 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
                             attention_impl=overrides.get("attention", own or "sdpa"), num_threads=threads,
                             batch_invariant=BOOLEANS[str(overrides.get("batch_invariant", ec.batch_invariant)).lower()],
                             seed=seed))
+    pin_threading()
     if threads:
-        set_torch_threads(threads)
+        got = set_torch_threads(threads)
+        if got != threads:  # e.g. OMP_THREAD_LIMIT: the kernels would split their work another way
+            raise UsageError(f"threads: the replay needs {threads} but torch here runs {got} (OMP_THREAD_LIMIT?); "
+                             "--set threads=N replays with another count, as a difference")
     model, model_cfg, fingerprint = load_model(cfg.model, cfg.runner.dtype, cfg.runner.device)
     eos = model_cfg.eos_token_id
     eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)

@@ -16,7 +16,7 @@ from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
 from replay.integrations.vllm.convert import to_vllm_sampling_params
 from replay.integrations.vllm.header import vllm_header
-from replay.provenance import set_torch_threads
+from replay.provenance import set_mkl_dynamic, set_torch_threads
 
 
 def _vllm_kwargs(cls, values: dict) -> dict:
@@ -38,7 +38,8 @@ def fresh_process_threads(env: dict[str, str]) -> None:
         threads = int(omp_num_threads) if omp_num_threads else len(os.sched_getaffinity(0))
     except (ValueError, AttributeError):
         threads = os.cpu_count() or 1
-    set_torch_threads(max(threads, 1))
+    set_mkl_dynamic(env.get("MKL_DYNAMIC", "TRUE").upper() != "FALSE")  # as a fresh process has it (MKL's default)
+    set_torch_threads(max(threads, 1), pin=False)
 
 
 class VllmRunner:
