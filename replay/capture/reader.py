@@ -22,6 +22,7 @@ import zstandard
 from replay.capture import format as fmt
 from replay.capture.damage import Damage
 from replay.capture.frames import SKIPPABLE_BASE, SKIPPABLE_MASK, ZSTD_MAGIC, FrameError, find_next_frame, parse_frame
+from replay.capture.peek import is_unknown_tag, peek
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
 from replay.errors import (
     CaptureDamagedError,
@@ -265,14 +266,14 @@ class CaptureReader:
                 raise LimitExceededError(self.path, f"record of {len(raw)} bytes over the {self.max_record_bytes}-byte "
                                          "limit", chunk=ref.number, offset=ref.offset)
             if self.index is not None:  # handles come from the index: skip the in-band declarations
-                tag, index = _peek(raw)
+                tag, index = peek(raw)
                 if tag == "ids" or (keep_step is not None and tag == "step" and index is not None
                                     and not keep_step(index)):
                     continue
             try:
                 out.append(fmt.WIRE_DECODER.decode(raw))
             except msgspec.DecodeError as e:
-                if _is_unknown_tag(raw):
+                if is_unknown_tag(raw):
                     self.unknown_records += 1
                     continue
                 raise _ChunkUnreadable(f"malformed record ({e})") from None
@@ -369,38 +370,3 @@ class CaptureReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _is_unknown_tag(raw: msgspec.Raw) -> bool:
-    """True when a record is a well-formed array whose tag this version does not know (a newer minor format)."""
-    try:
-        value = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        return False
-    return isinstance(value, list) and bool(value) and isinstance(value[0], str) and value[0] not in fmt.RECORD_TAGS
-
-
-def _peek(raw: bytes) -> tuple[str | None, int | None]:
-    """(tag, first field as int) of a stored record, read from its first bytes without decoding it; (None, None)
-    when the bytes do not look as expected (the caller then decodes the record in full)."""
-    b = memoryview(raw)
-    try:
-        h = b[0]
-        p = 1 if 0x90 <= h <= 0x9F else 3 if h == 0xDC else 5 if h == 0xDD else 0
-        if not p:
-            return None, None
-        h = b[p]
-        if not 0xA0 <= h <= 0xBF:
-            return None, None
-        n = h & 0x1F
-        tag = bytes(b[p + 1:p + 1 + n]).decode("ascii")
-        p += 1 + n
-        h = b[p]
-        if h <= 0x7F:
-            return tag, h
-        width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(h)
-        if width is None:
-            return tag, None
-        return tag, int.from_bytes(b[p + 1:p + 1 + width], "big")
-    except (IndexError, UnicodeDecodeError):
-        return None, None

