@@ -31,7 +31,7 @@ FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("environment", "deterministic_algorithms", "deterministic algorithms", "numerics"),
     ("environment", "matmul_precision", "float32 matmul precision", "numerics"),
     ("environment", "libraries", "*", "numerics"),  # one difference per library setting (both sides known)
-    ("environment", "env", "*", "numerics"),  # one per environment variable (unset counts), VLLM_/REPLAY_ aside
+    ("environment", "env", "*", "numerics"),  # one per library environment variable (unset counts)
     ("environment", "python_version", "python", "host"),
     ("environment", "platform", "platform", "host"),
     ("engine_config", "block_size", "block size", "scheduling"),
@@ -75,9 +75,12 @@ def _text(field: str, value: Any) -> str:
 
 # library settings that say how the process runs, not what a kernel computes
 HOST_LIBRARY_SETTINGS = ("interop_threads", "cpus_allowed")
-# environment variables compared one by one; vLLM's own (VLLM_*) configure the engine, whose settings the engine
-# config carries, or are process-internal (VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_DIST_IDENT); REPLAY_* are ours
-UNCOMPARED_ENV_PREFIXES = ("VLLM_", "REPLAY_")
+# Environment variables compared one by one: those the math and communication libraries read when they start. Not
+# vLLM's own (the engine config carries what they configure, or they are process-internal), not TORCHINDUCTOR_* or
+# PYTORCH_NVML_* (vLLM sets those in-process on import), not OMP_NUM_THREADS (the thread count is compared as such).
+COMPARED_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "DNNL_", "ONEDNN_", "OPENBLAS_", "CUBLAS_",
+                         "NCCL_", "LD_PRELOAD")
+UNCOMPARED_ENV = ("OMP_NUM_THREADS",)
 
 
 def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, str]) -> list[HeaderDifference]:
@@ -89,7 +92,7 @@ def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, s
                 out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], affects))
         return out
     for key in sorted(set(x) | set(y)):  # environment variables: unset on one side is a difference
-        if not key.startswith(UNCOMPARED_ENV_PREFIXES) and x.get(key) != y.get(key):
+        if key.startswith(COMPARED_ENV_PREFIXES) and key not in UNCOMPARED_ENV and x.get(key) != y.get(key):
             out.append(HeaderDifference(f"{section}.{name}.{key}", key, _text(key, x.get(key)),
                                         _text(key, y.get(key)), "numerics"))
     return out

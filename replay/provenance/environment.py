@@ -21,9 +21,27 @@ RELEVANT_ENV_NAMES = ("LD_PRELOAD",)
 
 
 def relevant_env() -> dict[str, str]:
-    """The environment variables, among RELEVANT_ENV_PREFIXES and RELEVANT_ENV_NAMES, that are set."""
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(RELEVANT_ENV_PREFIXES) or k in RELEVANT_ENV_NAMES}
+    """The environment variables, among RELEVANT_ENV_PREFIXES and RELEVANT_ENV_NAMES, that are set. LD_PRELOAD as the
+    process started with it: only then does it act (vLLM's CPU platform sets it in os.environ for the processes it
+    starts, which changes nothing in this one)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(RELEVANT_ENV_PREFIXES)}
+    initial = _initial_environment()
+    for name in RELEVANT_ENV_NAMES:
+        value = initial.get(name) if initial is not None else os.environ.get(name)
+        if value:
+            env[name] = value
+    return dict(sorted(env.items()))
+
+
+def _initial_environment() -> dict[str, str] | None:
+    """The environment this process was started with (Linux), whatever it has set since."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    pairs = (item.decode("utf-8", "replace").partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
 
 
 def current_environment(*, with_torch: bool = True, device: str = "cpu") -> Environment:

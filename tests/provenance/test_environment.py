@@ -21,11 +21,20 @@ def test_library_settings_are_recorded():
 def test_numerics_environment_variables_are_recorded(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc.so")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc.so")  # too late to act: not what this process runs with
     monkeypatch.setenv("HOME_OF_NOTHING", "x")
     env = relevant_env()
-    assert {"ATEN_CPU_CAPABILITY", "ONEDNN_DEFAULT_FPMATH_MODE", "LD_PRELOAD"} <= set(env)
-    assert "HOME_OF_NOTHING" not in env
+    assert {"ATEN_CPU_CAPABILITY", "ONEDNN_DEFAULT_FPMATH_MODE"} <= set(env)
+    assert "HOME_OF_NOTHING" not in env and env.get("LD_PRELOAD") != "/usr/lib/libtcmalloc.so"
+
+
+def test_a_preload_the_process_started_with_is_recorded(tmp_path):
+    code = "from replay.provenance import relevant_env; print(relevant_env().get('LD_PRELOAD'))"
+    lib = subprocess.run(["python3", "-c", "import ctypes.util; print(ctypes.util.find_library('m') or '')"],
+                         capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, LD_PRELOAD=lib))
+    assert out.stdout.strip() == lib
 
 
 def test_a_replay_run_differently_names_the_difference_before_its_verdict(tmp_path):
