@@ -50,6 +50,16 @@ def vllm_capture(tmp_path_factory):
     return _record(d, "inprocess")
 
 
+def _record_script(d: Path, name: str, text: str) -> Path:
+    """Run a vLLM script (argument: the tiny Llama's directory) with REPLAY_CAPTURE set; returns the capture."""
+    script, capture = d / f"{name}.py", d / f"{name}.capture"
+    script.write_text(text)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
+                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return capture
+
+
 def _record(d, mode):
     capture = d / f"{mode}.capture"
     script = d / "run_vllm.py"
@@ -172,12 +182,7 @@ RICH = textwrap.dedent("""
 
 
 def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(vllm_capture):
-    d = vllm_capture[0].parent
-    script, capture = d / "rich.py", d / "rich.capture"
-    script.write_text(RICH)
-    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
-                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    capture = _record_script(vllm_capture[0].parent, "rich", RICH)
     seen = {"resumed": 0, "prefix_hits": 0, "prompt_logprobs": 0, "seeded": 0, "random": 0}
     with CaptureReader(capture) as r:
         for s in r.records():
@@ -239,12 +244,7 @@ def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(vllm_capture, monkey
     (not set aside as vLLM's own); without it (the control) they differ."""
     from replay.engine.runner import ModelRunner
 
-    d = vllm_capture[0].parent
-    script, capture = d / "seeded.py", d / "seeded.capture"
-    script.write_text(SEEDED)
-    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
-                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    capture = _record_script(vllm_capture[0].parent, "seeded", SEEDED)
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     print(f"seeded vLLM-CPU draws on the builtin runner: {rep.tokens_compared} tokens compared, "
           f"{sum(s.token_mismatches for s in rep.steps)} differ")
