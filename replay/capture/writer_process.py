@@ -3,8 +3,12 @@
 The engine thread only msgspec-encodes each record (tens of µs) and writes the bytes into a pipe. Everything
 else (id interning, the logprob transforms, zstd, the file) runs in a separate Python process, so it can never
 take the engine's interpreter lock: a background *thread* doing the same Python work measurably slows a
-Python-heavy engine step (measurements §3). A bonus: if the engine process dies, the writer process reads the end
-of the pipe, seals every record it received into chunks and leaves a `.partial` capture for `replay recover`.
+Python-heavy engine step (measurements §3). A bonus: if the engine process goes away without closing the capture
+(a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a SIGKILL; an
+interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the capture
+itself: footer, seek index, rename, with the status "engine stopped" (nothing it received is lost). It runs in its
+own session and ignores SIGINT, SIGTERM and SIGHUP, so a Ctrl-C or a kill of the engine's process group does not
+take it down before it has sealed; it exits as soon as it has.
 
 Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
 added, `X` request aborted, `S` step (payloads are msgpack records with string ids), `F` flush, `C` close (payload:
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -183,19 +188,20 @@ class _Images:
             self.conv = TolerantConverter()
             self.conv.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
 
-    def write(self, writer, kind: bytes, payload: bytes) -> None:
-        """Convert one `V` or `R` frame and hand it to `writer`."""
+    def write(self, writer, kind: bytes, payload: bytes, last_step: int) -> int:
+        """Convert one `V` or `R` frame and hand it to `writer`; returns the last step written."""
         self.warm()
         c = self.conv
         if kind == b"R":
             step, request = msgspec.msgpack.decode(payload)
             writer.add_request(c.convert(request, EngineCoreRequest), step)
-            return
+            return last_step
         index, so, mro, go, timing = msgspec.msgpack.decode(payload)
         writer.write_step_record(fmt.Step(
             index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
             grammar_output=None if go is None else c.convert(go, GrammarOutput[str]),
             timing=None if timing is None else fmt.StepTiming(*timing)))
+        return index
 
 
 def _grow_pipe(fd: int) -> None:
@@ -209,6 +215,25 @@ def _grow_pipe(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
     except (OSError, ValueError, ImportError):
         pass  # another OS, or a lower limit: the default pipe works, it only waits sooner
+
+
+def stopped_status(last_step: int, cut: bool = False) -> str:
+    """The footer status of a capture the engine left without closing it."""
+    where = f"after step {last_step}" if last_step >= 0 else "before its first step"
+    lost = "; the record it was sending when it went away was cut short and dropped" if cut else ""
+    return f"engine stopped: the engine went away {where} without closing the capture; every record it sent is " \
+           f"here{lost}"
+
+
+def _detach() -> None:
+    """Outlive the engine long enough to seal: a session of our own (a Ctrl-C or a kill of the engine's process group
+    does not reach us) and no default handlers for the stop signals. The end of the pipe is what ends us."""
+    try:
+        os.setsid()
+    except OSError:  # already a session leader
+        pass
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _child(options: dict) -> int:
@@ -228,14 +253,18 @@ def _child(options: dict) -> int:
         out.flush()
 
     def read_frame():
+        """(kind, payload); (None, b"") at the end of the pipe, (None, None) when it ends inside a frame."""
         head = stdin.read(_FRAME.size)
         if len(head) < _FRAME.size:
-            return None, b""
+            return None, (b"" if not head else None)
         kind, n = _FRAME.unpack(head)
-        return kind, stdin.read(n)
+        payload = stdin.read(n)
+        return (kind, payload) if len(payload) == n else (None, None)
 
+    _detach()
     writer = None
     images = _Images()
+    last_step = -1
     try:
         kind, payload = read_frame()
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
@@ -247,7 +276,10 @@ def _child(options: dict) -> int:
         say({"ok": "ready"})
         while True:
             kind, payload = read_frame()
-            if kind is None or kind == b"Q":  # the engine is gone (or gave up): keep what we have, no footer
+            if kind is None:  # the engine went away without closing: seal what it sent
+                writer.close(status=stopped_status(last_step, cut=payload is None))
+                return 0
+            if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
                 writer.abandon()
                 return 0
             if kind == b"C":
@@ -258,11 +290,12 @@ def _child(options: dict) -> int:
                 writer.flush()
                 continue
             if kind in (b"V", b"R"):
-                images.write(writer, kind, payload)
+                last_step = images.write(writer, kind, payload, last_step)
                 continue
             rec = decoders[kind].decode(payload)
             if kind == b"S":
                 writer.write_step_record(rec)
+                last_step = rec.index
             elif kind == b"A":
                 writer.add_request(rec.request, rec.step)
             else:

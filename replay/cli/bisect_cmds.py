@@ -24,6 +24,7 @@ from replay.cli.common import (
     replay_options,
     step_range,
 )
+from replay.errors import EXIT_DAMAGED
 
 
 @bisect_command
@@ -45,6 +46,8 @@ def bisect_steps(
     emit(res, render_bisect_steps, json=json)
     if res.step is not None:
         raise typer.Exit(1)
+    if res.replay is not None and res.replay.data_lost:  # no divergence in the readable prefix, but data was lost
+        raise typer.Exit(EXIT_DAMAGED)
 
 
 @bisect_command

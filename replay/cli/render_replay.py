@@ -44,8 +44,17 @@ def render_divergence(d: Divergence) -> list[str]:
 
 def render_run(rep: ReplayReport) -> str:
     """`replay run` without --diff: how long the replay took."""
-    return (f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
-            f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""))
+    return "\n".join([f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
+                      f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""),
+                      *_prefix_lines(rep)])
+
+
+def _prefix_lines(rep: ReplayReport) -> list[str]:
+    """What a replay of a damaged or unfinished capture covered, and what it could not."""
+    if not rep.data_lost:
+        return []
+    where = rep.stopped or f"the replay covers the {rep.steps_replayed} steps that were readable"
+    return [f"capture damaged ({'; '.join(rep.data_lost[:3])}): {where}"]
 
 
 def render_check(res: CheckResult) -> str:
@@ -77,8 +86,10 @@ def render_replay(rep: ReplayReport) -> str:
                "repeats (--set runner=builtin)")
         lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
                      f"not compared: {who}; their logprobs are compared")
+    lines += _prefix_lines(rep)
     if not rep.diverged:
-        lines.append("MATCH: every replayed step equals the recording")
+        lines.append("MATCH: every replayed step equals the recording" + (" (data was lost: the readable prefix "
+                                                                          "matches)" if rep.data_lost else ""))
         return "\n".join(lines)
     tokens = sum(s.token_mismatches for s in rep.steps)
     lines.append(f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "

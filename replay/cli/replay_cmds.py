@@ -24,6 +24,7 @@ from replay.cli.common import (
     err,
     replay_options,
 )
+from replay.errors import EXIT_DAMAGED
 
 
 @command
@@ -53,6 +54,8 @@ def run(
     emit(rep, render_replay if diff else render_run, json=json)
     if diff and rep.diverged:
         raise typer.Exit(1)
+    if rep.data_lost:  # the readable prefix replayed (and matched), but the capture lost data
+        raise typer.Exit(EXIT_DAMAGED)
 
 
 @command

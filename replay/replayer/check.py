@@ -36,7 +36,8 @@ def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) ->
         return CheckResult(str(path), EXIT_CANNOT_TEST, f"{path}: {type(e).__name__}: {e}"[:500])
     compared = f"{rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled tokens"
     if not rep.diverged:
-        return CheckResult(str(path), EXIT_OK, f"{path}: replays within tolerance ({compared})", rep)
+        lost = f"; data was lost ({rep.data_lost[0]}), only the readable prefix was checked" if rep.data_lost else ""
+        return CheckResult(str(path), EXIT_OK, f"{path}: replays within tolerance ({compared}){lost}", rep)
     d = rep.first_divergence
     return CheckResult(str(path), EXIT_DIVERGED, f"{path}: diverges at step {d.step}, request {d.request_id} "
                        f"({d.kind}; {rep.num_divergences} divergence(s) over {compared})", rep)

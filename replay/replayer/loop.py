@@ -45,10 +45,12 @@ class StepLoop:
         self.steps_run = 0
         self.execute_s = 0.0  # wall time spent in the runner
         self.next_step: Step | None = None  # with `until`: the step the loop stopped before
+        self.stopped: str | None = None  # why the loop ended before the capture did (steps missing after a gap)
 
     def steps(self, records: Iterable[Record]) -> Iterator[Step]:
-        """The steps among `records`, checked to start at step 0 and to follow each other with none missing;
-        request arrivals are noted on the way."""
+        """The steps among `records`, checked to start at step 0; a gap (steps lost with a damaged chunk) ends them
+        there, with the reason in `stopped`: a step after it is a diff against state the runner never saw.
+        Request arrivals are noted on the way."""
         expected = None
         for rec in records:
             if isinstance(rec, RequestAdded):
@@ -62,8 +64,8 @@ class StepLoop:
                 raise UsageError(f"{self.path}: capture starts at step {rec.index}, not at a clean boundary (step 0): "
                                  "a SchedulerOutput is a diff against state the runner never saw")
             if expected is not None and rec.index != expected:
-                raise UsageError(f"{self.path}: steps {expected}-{rec.index - 1} are missing (damaged capture?): "
-                                 "replay cannot skip steps")
+                self.stopped = f"steps {expected}-{rec.index - 1} are missing: the replay stops after step {expected - 1}"
+                return
             expected = rec.index + 1
             yield rec
 

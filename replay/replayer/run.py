@@ -62,6 +62,8 @@ class ReplayReport(msgspec.Struct):
     foreign_draws_differ: int = 0
     host_differences: list[str] = []  # the machine's own differences (platform, Python), shown with a divergence
     foreign_draws_by: str = ""  # whose sampler drew the foreign draws ("vllm" | "builtin"), when there are any
+    data_lost: list[str] = []  # what the capture lost (damaged chunks, an unfinished tail): the replay is of a prefix
+    stopped: str | None = None  # where and why the replay ended before the capture's last step
     steps_compared: int = 0  # what the verdict rests on: steps diffed, requests with an output among them, and
     requests_compared: int = 0  # their sampled tokens
     tokens_compared: int = 0
@@ -100,6 +102,8 @@ class _Pass:
     count: int = 0  # every divergence
     first_batch: BatchComposition | None = None
     notes: list[str] = field(default_factory=list)
+    data_lost: list[str] = field(default_factory=list)
+    stopped: str | None = None
     host_notes: list[str] = field(default_factory=list)
     recorded_draws: str = "builtin"
     steps: int = 0
@@ -149,9 +153,8 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
         if opts.progress is not None:
             opts.progress(None)
         out.steps, out.replay_s = loop.steps_run, loop.execute_s
-        if r.damage:
-            raise CaptureDamagedError(path, f"capture is damaged ({r.damage[0].describe()}); replay needs every step "
-                                      "(try `replay recover` and replay a prefix with --steps)")
+        out.data_lost = [d.describe() for d in r.damage]
+        out.stopped = loop.stopped
     return out
 
 
@@ -197,6 +200,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
             if s is not None:
                 run_to_run = f"NOT deterministic: replay {k} differs from replay 1 at step {s}"
                 break
+    if opts.diff and not p.summaries and p.data_lost and p.steps == 0:
+        raise CaptureDamagedError(path, f"no readable prefix of steps to replay ({p.data_lost[0]})")
     if opts.diff and not p.summaries:
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
@@ -208,7 +213,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
                         next((d for d in divs if d.kind == "token"), None),
                         sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, p.recorded_draws,
-                        len(p.summaries),
+                        p.data_lost, p.stopped, len(p.summaries),
                         len(p.requests),
                         sum(s.tokens_compared for s in p.summaries))
 
