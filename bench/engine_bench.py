@@ -65,7 +65,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 import replay.record.builtin as record_mod
-from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from replay.contracts import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from replay.engine.config import EngineConfig, RunnerConfig
 from replay.engine.runner import ModelRunner
 from replay.engine.weights import load_checkpoint

@@ -8,7 +8,13 @@ from pathlib import Path
 import msgspec
 
 from replay.inspect import CaptureInfo, capture_info
-from replay.record import EngineOptions, RecordResult, SyntheticWorkload, record, workload_requests
+from replay.record import (
+    EngineOptions,
+    RecordResult,
+    SyntheticWorkload,
+    record,
+    workload_requests,
+)
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
 
 DEMO_CAPTURE = Path("captures/demo.capture")

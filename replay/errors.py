@@ -12,6 +12,10 @@ EXIT_USAGE = 2
 EXIT_DAMAGED = 3
 EXIT_CANNOT_TEST = 125
 
+# `replay -v`: tracebacks of errors, and the output of the engines we drive, on the terminal. An environment
+# variable, not a global: the processes a command starts (vLLM's) see it too.
+VERBOSE_ENV = "REPLAY_VERBOSE"
+
 
 class ReplayError(Exception):
     """Base of every error the package raises on purpose; the CLI prints `str(err)` and exits `err.exit_code`."""

@@ -20,3 +20,14 @@ def small_capture(tmp_path):
 def small_capture_bytes(small_capture):
     """The bytes of `small_capture`."""
     return small_capture.read_bytes()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which tolerance the golden replays took on this machine (bitwise on the recording's hardware, or the
+    cross-hardware one, and why): a test's `record_property("tolerance", ...)`."""
+    lines = [value for key in ("passed", "failed") for report in terminalreporter.stats.get(key, [])
+             for name, value in getattr(report, "user_properties", ()) if name == "tolerance"]
+    if lines:
+        terminalreporter.section("tolerance taken")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -11,7 +11,12 @@ import torch
 from msgspec.structs import replace
 
 from replay.capture import CaptureReader
-from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from replay.contracts import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from replay.errors import UsageError
 from replay.replayer import StepLoop, build_runner
 

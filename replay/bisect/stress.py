@@ -52,6 +52,9 @@ class _Watch:
     def on_request_aborted(self, request_id, step):
         pass
 
+    def on_step_failed(self, index, so, error):
+        pass
+
     def on_step(self, index, so, mro, **kw):
         if mro is None or self.target not in mro.req_id_to_index:
             return

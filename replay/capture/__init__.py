@@ -5,6 +5,7 @@ from replay.capture.format import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     ChunkInfo,
+    Crash,
     EngineConfig,
     Environment,
     Footer,
@@ -18,11 +19,12 @@ from replay.capture.format import (
     StepTiming,
 )
 from replay.capture.reader import CaptureReader, ChunkRef
+from replay.capture.sets import capture_paths
 from replay.capture.step_range import StepRange
 from replay.capture.writer import CaptureWriter
 
 __all__ = [
-    "FORMAT_MAJOR", "FORMAT_MINOR", "ChunkInfo", "EngineConfig", "Environment", "Footer", "Header", "Index",
+    "FORMAT_MAJOR", "FORMAT_MINOR", "ChunkInfo", "Crash", "EngineConfig", "Environment", "Footer", "Header", "Index",
     "ModelIdentity", "Record", "RequestAborted", "RequestAdded", "Step", "StepTiming",
-    "CaptureReader", "ChunkRef", "Damage", "CaptureWriter", "StepRange",
+    "CaptureReader", "ChunkRef", "Damage", "CaptureWriter", "StepRange", "capture_paths",
 ]

@@ -32,7 +32,7 @@ from replay.contracts import (
 )
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1: Crash records (a 1.0 reader skips them, and sees the crashed step as one with no output)
 
 PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
 INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
@@ -78,6 +78,10 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     runner_class: str = ""
     batch_invariant: bool = False
     extra: dict[str, Any] = {}  # engine-specific settings, by the engine's own names
+    # how the engine lays the model out and compiles it, by vLLM's names (tensor_parallel_size,
+    # pipeline_parallel_size, data_parallel_size, distributed_executor_backend, compilation_mode, cudagraph_mode,
+    # enforce_eager, kv_cache_dtype, quantization, speculative_config), values as text
+    layout: dict[str, str] = {}
 
 
 class Environment(msgspec.Struct, omit_defaults=True):
@@ -96,6 +100,9 @@ class Environment(msgspec.Struct, omit_defaults=True):
     # library settings that steer kernels and threading: cpu_capability (ATen's kernel ISA), mkl, onednn and
     # openmp versions, mkl_dynamic / omp_dynamic (thread-count adjustment), interop_threads, cpus_allowed
     libraries: dict[str, str] = {}
+    # the hardware that decides numerics (replay.provenance.hardware): cpu_model, cpu_isa (the kernel-dispatch
+    # features present), and on CUDA gpu, gpu_capability, driver, cuda_runtime, cublas, cudnn, nccl
+    hardware: dict[str, str] = {}
 
 
 class Header(msgspec.Struct, tag="header", array_like=True, omit_defaults=True):
@@ -157,19 +164,35 @@ class Step(msgspec.Struct, Generic[RID], tag="step", array_like=True, omit_defau
     grammar_output: GrammarOutput[RID] | None = None  # structured-output bitmask given to sample_tokens
 
 
+class Crash(msgspec.Struct, tag="crash", array_like=True, omit_defaults=True):
+    """The engine raised while executing step `step`. Written just before that step's `Step` record, which holds what
+    was scheduled (and the grammar bitmask) and no output: replay re-executes it and compares what it raises."""
+
+    step: int
+    error_type: str  # the exception's class name, e.g. "RuntimeError"
+    message: str  # str(exception)
+    traceback: str = ""  # the formatted traceback, as the engine's process printed it (for people; not compared)
+
+    def describe(self) -> str:
+        """'RuntimeError: CPU Generator does not use offset'."""
+        return f"{self.error_type}: {self.message}" if self.message else self.error_type
+
+
 class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
     """Last record of a cleanly closed capture."""
 
     num_steps: int
     num_records: int
-    status: str = "ok"  # "ok", "error: <why the engine stopped>", or "recovered from <file>: <what was lost>"
+    # "ok"; "engine stopped: ..." (the writer sealed it when the engine went away without closing: nothing lost);
+    # "crashed at step N: <exception>"; "error: <why the recorder stopped>"; "recovered from <file>: <what was lost>"
+    status: str = "ok"
 
 
 # Records as stored (request ids in steps are int handles). `Ids` never leaves the reader.
-WireRecord = Header | RequestAdded | RequestAborted | Ids | Step[int] | Footer
+WireRecord = Header | RequestAdded | RequestAborted | Ids | Step[int] | Crash | Footer
 # Records as the reader yields them (ids resolved to vLLM's strings).
-Record = Header | RequestAdded | RequestAborted | Step[str] | Footer
-RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "step", "footer"})
+Record = Header | RequestAdded | RequestAborted | Step[str] | Crash | Footer
+RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "step", "crash", "footer"})
 
 
 class ChunkInfo(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -21,7 +21,14 @@ import zstandard
 
 from replay.capture import format as fmt
 from replay.capture.damage import Damage
-from replay.capture.frames import SKIPPABLE_BASE, SKIPPABLE_MASK, ZSTD_MAGIC, FrameError, find_next_frame, parse_frame
+from replay.capture.frames import (
+    SKIPPABLE_BASE,
+    SKIPPABLE_MASK,
+    ZSTD_MAGIC,
+    FrameError,
+    find_next_frame,
+    parse_frame,
+)
 from replay.capture.peek import is_unknown_tag, peek
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
 from replay.errors import (

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import msgspec
 
-from replay.capture import format as fmt
 from replay.capture.damage import Damage
 from replay.capture.reader import CaptureReader
 from replay.capture.writer import CaptureWriter
@@ -56,14 +55,8 @@ def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, for
         tmp = dst.with_name(dst.name + ".recovering") if _same(dst.with_name(dst.name + ".partial"), src) else None
         writer = CaptureWriter(dst, reader.header, overwrite=force, partial_path=tmp)
         try:
-            for rec in reader.records():
-                if isinstance(rec, fmt.Step):
-                    writer.write_step_record(rec)
-                elif isinstance(rec, fmt.RequestAdded):
-                    writer.add_request(rec.request, rec.step)
-                elif isinstance(rec, fmt.RequestAborted):
-                    writer.abort_request(rec.request_id, rec.step)
-                # Header was written by the writer itself; Footer is replaced by the new one.
+            for rec in reader.records():  # the new writer writes its own Header and Footer
+                writer.write_record(rec)
         except BaseException:
             writer.abandon()
             raise

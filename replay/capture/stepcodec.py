@@ -16,7 +16,13 @@ import numpy as np
 from msgspec.structs import replace
 
 from replay.capture.format import Ids, Step
-from replay.contracts import Array, LogprobsLists, LogprobsTensors, ModelRunnerOutput, SchedulerOutput
+from replay.contracts import (
+    Array,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 A = TypeVar("A")
 B = TypeVar("B")

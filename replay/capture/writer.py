@@ -152,6 +152,23 @@ class CaptureWriter(WriterContext):
         self._last_step = step.index
         return sum(len(p) for p in parts)
 
+    def write_crash(self, crash: fmt.Crash) -> None:
+        """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,
+        no output) right after it."""
+        self._append([self._encode(crash)])
+
+    def write_record(self, record: fmt.Record) -> None:
+        """Copy a record read from another capture (`recover`, rewriting a capture): steps, arrivals, aborts and
+        crashes; a Header or Footer is this writer's own to write, so it is skipped."""
+        if isinstance(record, fmt.Step):
+            self.write_step_record(record)
+        elif isinstance(record, fmt.RequestAdded):
+            self.add_request(record.request, record.step)
+        elif isinstance(record, fmt.RequestAborted):
+            self.abort_request(record.request_id, record.step)
+        elif isinstance(record, fmt.Crash):
+            self.write_crash(record)
+
     def flush(self) -> None:
         """Close the open chunk now and hand it to the background thread."""
         self._check()

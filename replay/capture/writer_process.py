@@ -7,16 +7,21 @@ Python-heavy engine step (measurements §3). A bonus: if the engine process goes
 (a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a SIGKILL; an
 interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the capture
 itself: footer, seek index, rename, with the status "engine stopped" (nothing it received is lost). It runs in its
-own session and ignores SIGINT, SIGTERM and SIGHUP, so a Ctrl-C or a kill of the engine's process group does not
-take it down before it has sealed; it exits as soon as it has.
+own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C, nor a
+kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
+sealed; it exits as soon as it has.
 
 Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
-added, `X` request aborted, `S` step (payloads are msgpack records with string ids), `F` flush, `C` close (payload:
-the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts (its
-objects msgpack-encoded as they are, which is all the engine thread pays for): `V` a step image
-`[index, scheduler_output, model_runner_output, grammar_output, timing]`, `R` an arrival image
-`[step, request]`; the child converts them into contracts field by field (`replay.contracts.tolerant`). The child
-answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}`.
+added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with string ids), `F` flush, `C` close
+(payload: the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts
+(its objects msgpack-encoded as they are, which is all the engine thread pays for); the child converts them into
+contracts field by field (`replay.contracts.tolerant`): `R` an arrival `[step, request]`; a step in the order the
+engine lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output,
+start_ns, schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index,
+model_runner_output, execute_ns, update_ns]` (the step is written then), `E` the exception that ended it `[index,
+error_type, message, traceback]` (a `Crash` record and the scheduled step are written then); `V` a whole step
+`[index, scheduler_output, model_runner_output, grammar_output, timing]`. The child answers on stdout with one JSON
+line: `{"ok": ...}` or `{"error": "..."}`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ import msgspec
 
 from replay.capture import format as fmt
 from replay.capture.writer import WriterContext
-from replay.contracts import EngineCoreRequest, GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from replay.contracts import (
+    EngineCoreRequest,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from replay.errors import CaptureError, UsageError
 
 _FRAME = struct.Struct("<cI")
@@ -93,6 +103,31 @@ class ProcessCaptureWriter(WriterContext):
         self._last_step = step.index
         self._num_steps += 1
         return len(data)
+
+    def write_crash(self, crash: fmt.Crash) -> None:
+        """Record that the engine raised while executing step `crash.step` (then write that step, with no output)."""
+        self._send(b"K", _ENCODER.encode(crash))
+
+    def scheduled_image(self, index: int, scheduler_output: bytes, start_ns: int, schedule_ns: int) -> None:
+        """Step `index` was scheduled: its SchedulerOutput image, kept by the writer process until the step ends."""
+        self._send(b"P", _ENCODER.encode([index, msgspec.Raw(scheduler_output), start_ns, schedule_ns]))
+
+    def grammar_image(self, index: int, grammar_output: bytes) -> None:
+        """Step `index`'s structured-output bitmask (GrammarOutput image), built before the model runs."""
+        self._send(b"G", _ENCODER.encode([index, msgspec.Raw(grammar_output)]))
+
+    def output_image(self, index: int, model_runner_output: bytes, execute_ns: int, update_ns: int) -> None:
+        """Step `index` ended with this ModelRunnerOutput image: the writer process writes the step now."""
+        if index <= self._last_step:
+            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+        self._send(b"O", _ENCODER.encode([index, msgspec.Raw(model_runner_output), execute_ns, update_ns]))
+        self._last_step = index
+        self._num_steps += 1
+
+    def crash_image(self, index: int, error_type: str, message: str, traceback: str) -> None:
+        """Step `index` raised while executing: the writer process writes a Crash record and the scheduled step."""
+        self._send(b"E", _ENCODER.encode([index, error_type, message, traceback]))
+        self._last_step = max(self._last_step, index)
 
     def add_request_image(self, request_image: bytes, step: int) -> None:
         """Record an arrival given as another engine's msgpack-encoded request (converted in the child)."""
@@ -175,10 +210,16 @@ class ProcessCaptureWriter(WriterContext):
 
 
 class _Images:
-    """The child's side of `V` / `R` frames: images -> contracts -> the writer."""
+    """The child's side of image frames: images -> contracts -> the writer."""
 
     def __init__(self):
         self.conv = None
+        self.pending: dict[int, list] = {}  # index -> [scheduler_output image, grammar image, start, schedule_ns]
+        self.crash: fmt.Crash | None = None
+
+    def crash_status(self) -> str:
+        """The footer status once the engine raised during a step ("" when it did not)."""
+        return f"crashed at step {self.crash.step}: {self.crash.describe()}"[:500] if self.crash else ""
 
     def warm(self) -> None:
         """Import and compile the converters now, before the engine's first step rather than during it."""
@@ -189,13 +230,37 @@ class _Images:
             self.conv.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
 
     def write(self, writer, kind: bytes, payload: bytes, last_step: int) -> int:
-        """Convert one `V` or `R` frame and hand it to `writer`; returns the last step written."""
+        """Convert one image frame and hand what it completes to `writer`; returns the last step written."""
         self.warm()
         c = self.conv
         if kind == b"R":
             step, request = msgspec.msgpack.decode(payload)
             writer.add_request(c.convert(request, EngineCoreRequest), step)
             return last_step
+        if kind == b"P":
+            index, so, start, schedule_ns = msgspec.msgpack.decode(payload)
+            self.pending[index] = [so, None, start, schedule_ns]
+            return last_step
+        if kind == b"G":
+            index, go = msgspec.msgpack.decode(payload)
+            if index in self.pending:
+                self.pending[index][1] = go
+            return last_step
+        if kind in (b"O", b"E"):
+            index, *rest = msgspec.msgpack.decode(payload)
+            so, go, start, schedule_ns = self.pending.pop(index)
+            grammar = None if go is None else c.convert(go, GrammarOutput[str])
+            if kind == b"E":
+                self.crash = fmt.Crash(index, *rest)
+                writer.write_crash(self.crash)
+                writer.write_step_record(fmt.Step(index, c.convert(so, SchedulerOutput[str]), None,
+                                                  grammar_output=grammar, timing=fmt.StepTiming(start, schedule_ns)))
+                return index
+            mro, execute_ns, update_ns = rest
+            writer.write_step_record(fmt.Step(
+                index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
+                grammar_output=grammar, timing=fmt.StepTiming(start, schedule_ns, execute_ns, update_ns)))
+            return index
         index, so, mro, go, timing = msgspec.msgpack.decode(payload)
         writer.write_step_record(fmt.Step(
             index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
@@ -217,17 +282,29 @@ def _grow_pipe(fd: int) -> None:
         pass  # another OS, or a lower limit: the default pipe works, it only waits sooner
 
 
-def stopped_status(last_step: int, cut: bool = False) -> str:
+_IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"E")
+
+
+def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
     """The footer status of a capture the engine left without closing it."""
     where = f"after step {last_step}" if last_step >= 0 else "before its first step"
+    unfinished = ""
+    if pending:
+        steps = sorted(pending)
+        unfinished = (f"; step {steps[0]} was scheduled but never finished (not recorded)" if len(steps) == 1 else
+                      f"; steps {steps[0]}-{steps[-1]} were scheduled but never finished (not recorded)")
     lost = "; the record it was sending when it went away was cut short and dropped" if cut else ""
     return f"engine stopped: the engine went away {where} without closing the capture; every record it sent is " \
-           f"here{lost}"
+           f"here{unfinished}{lost}"
 
 
 def _detach() -> None:
-    """Outlive the engine long enough to seal: a session of our own (a Ctrl-C or a kill of the engine's process group
-    does not reach us) and no default handlers for the stop signals. The end of the pipe is what ends us."""
+    """Outlive the engine long enough to seal. vLLM's shutdown SIGKILLs every descendant of the EngineCore it finds
+    (psutil's children, recursively), so the writer must not be one: it forks once more and the engine's own child
+    exits at once, leaving the writer to init. Then a session of its own (a Ctrl-C or a kill of the engine's process
+    group does not reach it) and no default handlers for the stop signals. The end of the pipe is what ends it."""
+    if hasattr(os, "fork") and os.fork() > 0:
+        os._exit(0)
     try:
         os.setsid()
     except OSError:  # already a session leader
@@ -277,20 +354,26 @@ def _child(options: dict) -> int:
         while True:
             kind, payload = read_frame()
             if kind is None:  # the engine went away without closing: seal what it sent
-                writer.close(status=stopped_status(last_step, cut=payload is None))
+                writer.close(status=images.crash_status() or stopped_status(last_step, images.pending,
+                                                                             cut=payload is None))
                 return 0
             if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
                 writer.abandon()
                 return 0
             if kind == b"C":
-                writer.close(status=payload.decode())
+                status = payload.decode()
+                writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
                 say({"ok": "closed", "records": writer.num_records})
                 return 0
             if kind == b"F":
                 writer.flush()
                 continue
-            if kind in (b"V", b"R"):
+            if kind in _IMAGE_FRAMES:
                 last_step = images.write(writer, kind, payload, last_step)
+                continue
+            if kind == b"K":
+                images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
+                writer.write_crash(images.crash)
                 continue
             rec = decoders[kind].decode(payload)
             if kind == b"S":

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import typer
 
 from replay.capture.step_range import StepRange
-from replay.errors import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, ReplayError, UsageError
+from replay.errors import (
+    EXIT_DAMAGED,
+    EXIT_OK,
+    EXIT_USAGE,
+    VERBOSE_ENV,
+    ReplayError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from replay.capture import Damage
@@ -28,7 +35,6 @@ app = typer.Typer(
 bisect_app = typer.Typer(help="Narrow a divergence down: to a step, a co-batched request, a module, a knob.",
                          no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bisect_app, name="bisect")
-VERBOSE_ENV = "REPLAY_VERBOSE"  # set by `replay -v`: tracebacks (and, where vLLM runs, its logs) are shown
 
 
 @app.callback()
@@ -49,9 +55,13 @@ def err(msg: str) -> None:
     print(f"replay: {msg}", file=sys.stderr)
 
 
-def emit(result: Any, render: Callable[[Any], str], *, json: bool = False, stderr: bool = False) -> None:
+def emit(result: Any, render: Callable[[Any], str], *, json: bool = False, stderr: bool = False,
+         separate: bool = False) -> None:
     """Print a library result: as one JSON line, or as `render` puts it; on stdout, or as a diagnostic on stderr
-    (`stderr`: where stdout carries something else, or nothing a script should parse)."""
+    (`stderr`: where stdout carries something else, or nothing a script should parse). `separate`: a blank line
+    first (the next of several results)."""
+    if separate:
+        print()
     if json:
         from replay.jsonable import dumps
 
@@ -139,14 +149,21 @@ def step_range(text: str | None, flag: str = "--steps") -> StepRange | None:
 
 def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: float, rtol: float, tie_margin: float,
                    repeat: int, force: bool, plant: str | None, diff: bool = True,
-                   runner: str | None = None) -> ReplayOptions:
-    """ReplayOptions from the replay commands' shared flags (`--runner R` is `--set runner=R`)."""
+                   runner: str | None = None, tolerance: str | None = None) -> ReplayOptions:
+    """ReplayOptions from the replay commands' shared flags (`--runner R` is `--set runner=R`; `--tolerance auto`
+    chooses between bitwise and a cross-hardware tolerance, and cannot be mixed with --atol/--rtol)."""
     from replay.diff import Tolerance
+    from replay.errors import UsageError
     from replay.replayer import Plant, ReplayOptions, parse_overrides
 
+    if tolerance not in (None, "auto", "bitwise"):
+        raise UsageError(f"--tolerance {tolerance}: use auto or bitwise (or --atol/--rtol for numbers)")
+    if tolerance is not None and (atol or rtol):
+        raise UsageError(f"--tolerance {tolerance} decides the tolerance itself: drop --atol/--rtol, or it")
     knobs = set_ if runner is None else [*(set_ or []), f"runner={runner}"]
     return ReplayOptions(mode=mode, overrides=parse_overrides(knobs), steps=step_range(steps),
-                         tolerance=Tolerance(atol, rtol, tie_margin), repeat=repeat, force=force,
+                         tolerance=Tolerance(atol, rtol, tie_margin), auto_tolerance=tolerance == "auto",
+                         repeat=repeat, force=force,
                          plant=Plant.parse(plant) if plant else None, diff=diff,
                          progress=step_progress if sys.stderr.isatty() else None)
 
@@ -160,6 +177,8 @@ def step_progress(index: int | None) -> None:
 
 
 CaptureArg = typer.Argument(..., help="Capture file.", show_default=False)
+CaptureSetArg = typer.Argument(..., help="Capture file, or a directory or glob of them (one per data-parallel rank).",
+                               show_default=False)
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 ModeOpt = typer.Option("forced", "--mode", help="forced: recorded tokens fed back each step (local diffs); free: the runner's own.")
 SetOpt = typer.Option(None, "--set", help="Override a knob for the replay: dtype, attention, threads, device, model, seed, runner (repeatable).")
@@ -167,6 +186,8 @@ RunnerOpt = typer.Option(None, "--runner", help="builtin (the reference runner) 
 StepsOpt = typer.Option(None, "--steps", help="Diff only steps A-B (steps before A still run: state is rebuilt from step 0).")
 AtolOpt = typer.Option(0.0, "--atol", min=0, help="Absolute logprob tolerance (default: bitwise).")
 RtolOpt = typer.Option(0.0, "--rtol", min=0, help="Relative logprob tolerance (default: bitwise).")
+ToleranceOpt = typer.Option(None, "--tolerance", help="auto: bitwise on the recording's hardware, else the "
+                            "measured cross-hardware tolerance (it says which it took); bitwise: the default.")
 TieOpt = typer.Option(0.05, "--tie-margin", min=0, help="A token flip at a top1-top2 margin below this is a tie flip.")
 ForceOpt = typer.Option(False, "--force", help="Replay even on a model whose weights differ from the recording's.")
 PlantOpt = typer.Option(None, "--plant", help="Plant a divergence: STEP:REQUEST:MODULE:SIZE adds SIZE to that module's output.")

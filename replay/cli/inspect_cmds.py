@@ -8,19 +8,32 @@ from typing import Optional
 
 import typer
 
-from replay.cli.common import CaptureArg, JsonOpt, command, damage_exit, emit, step_range
+from replay.cli.common import (
+    CaptureArg,
+    CaptureSetArg,
+    JsonOpt,
+    command,
+    damage_exit,
+    emit,
+    step_range,
+)
 from replay.errors import EXIT_DAMAGED
 
 
 @command
-def info(capture: Path = CaptureArg, json: bool = JsonOpt) -> None:
-    """Header summary, steps, requests, tokens, sizes and damage of a capture."""
+def info(capture: Path = CaptureSetArg, json: bool = JsonOpt) -> None:
+    """Header summary, steps, requests, tokens, sizes, how it ended and damage of a capture (or of each capture of a
+    directory or glob: one per data-parallel rank, say)."""
+    from replay.capture import capture_paths
     from replay.cli.render_capture import render_info
     from replay.inspect import capture_info
 
-    res = capture_info(capture)
-    emit(res, render_info, json=json)
-    damage_exit(res.damage)
+    damage = []
+    for i, path in enumerate(capture_paths(capture)):
+        res = capture_info(path)
+        emit(res, render_info, json=json, separate=i > 0 and not json)
+        damage += res.damage
+    damage_exit(damage)
 
 
 @command

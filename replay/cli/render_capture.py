@@ -7,7 +7,7 @@ import datetime as dt
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from replay.capture import Damage, Step
+    from replay.capture import Crash, Damage, Step
     from replay.capture.recover import RecoverResult
     from replay.inspect import CaptureInfo, ShownSteps
     from replay.record import RecordResult
@@ -52,6 +52,8 @@ def render_info(info: CaptureInfo) -> str:
     if c.seed is not None:
         cfg.append(f"seed {c.seed}")
     lines.append("config    " + ", ".join(cfg))
+    if c.layout:  # vLLM's names, as `--set` would take them
+        lines.append("layout    " + ", ".join(f"{k}={v}" for k, v in c.layout.items()))
     e = h.environment
     env = [e.device or "?"]
     if e.torch_version:
@@ -60,6 +62,11 @@ def render_info(info: CaptureInfo) -> str:
         env.append(f"{e.num_threads} threads")
     env.append(f"python {e.python_version}" if e.python_version else "")
     lines.append("env       " + ", ".join(x for x in env if x))
+    if e.hardware:
+        from replay.provenance import hardware_summary
+
+        cap = e.libraries.get("cpu_capability")
+        lines.append("hardware  " + hardware_summary(e.hardware) + (f", ATen kernels {cap}" if cap else ""))
     span = f" ({info.first_step}-{info.last_step})" if info.first_step is not None else ""
     lines += [
         f"steps     {info.num_steps:,}{span} in {info.num_chunks} chunks",
@@ -89,8 +96,9 @@ def _lp_cells(step: Step, row: int) -> tuple[str, str, str]:
     return f"{float(vals[0]):.6g}", str(rank), topk
 
 
-def render_step(step: Step, external_ids: dict[str, str], only: str | None = None) -> str:
-    """One step: batch composition, then a row per scheduled request."""
+def render_step(step: Step, external_ids: dict[str, str], only: str | None = None, crash: Crash | None = None) -> str:
+    """One step: batch composition, then a row per scheduled request (and the exception, if the engine crashed
+    executing it)."""
     so, mro = step.scheduler_output, step.model_runner_output
     new_ids = {r.req_id: r for r in so.scheduled_new_reqs}
     cr = so.scheduled_cached_reqs
@@ -120,12 +128,15 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
         rows.append(f"  {label:<44} {kind:<8} {computed:>8} {n:>6}  {sampled:<12} {lpv:>10} {rank:>5}  {topk}")
     if so.finished_req_ids and only is None:
         rows.append("  finished: " + ", ".join(sorted(so.finished_req_ids)))
+    if crash is not None:
+        rows.append(f"  CRASHED: the engine raised {crash.describe()} executing this step (no output recorded)")
+        rows += ["    " + line for line in crash.traceback.strip().splitlines()[-6:]]
     return "\n".join(rows)
 
 
 def render_shown(shown: ShownSteps) -> str:
     """`replay show`."""
-    parts = [render_step(s, shown.external_ids, shown.request) for s in shown.steps]
+    parts = [render_step(s, shown.external_ids, shown.request, shown.crashes.get(s.index)) for s in shown.steps]
     if shown.damage:
         parts.append("damage (data was lost):\n" + "\n".join(render_damage(shown.damage)))
     return "\n\n".join(parts)

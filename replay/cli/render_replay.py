@@ -43,10 +43,10 @@ def render_divergence(d: Divergence) -> list[str]:
 
 
 def render_run(rep: ReplayReport) -> str:
-    """`replay run` without --diff: how long the replay took."""
+    """`replay run` without --diff: how long the replay took, and whether a recorded crash repeated."""
     return "\n".join([f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
                       f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""),
-                      *_prefix_lines(rep)])
+                      *_prefix_lines(rep), *_crash_lines(rep)])
 
 
 def _prefix_lines(rep: ReplayReport) -> list[str]:
@@ -74,6 +74,8 @@ def render_replay(rep: ReplayReport) -> str:
             f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
             "tokens")
     lines.append(head)
+    if rep.tolerance_choice:
+        lines.append(f"tolerance auto: {rep.tolerance_choice}")
     if rep.plant is not None:
         p = rep.plant
         lines.append(f"planted: {p.size:g} added to {p.module} for request {p.request} at step {p.step}")
@@ -87,10 +89,16 @@ def render_replay(rep: ReplayReport) -> str:
         lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
                      f"not compared: {who}; their logprobs are compared")
     lines += _prefix_lines(rep)
+    crash = rep.crash
+    lines += _crash_lines(rep, reproduced_only=True)
     if not rep.diverged:
         lines.append("MATCH: every replayed step equals the recording" + (" (data was lost: the readable prefix "
                                                                           "matches)" if rep.data_lost else ""))
         return "\n".join(lines)
+    if crash is not None and not crash.reproduced:
+        lines += _crash_lines(rep)
+        if rep.first_divergence is None:
+            return "\n".join(lines)
     tokens = sum(s.token_mismatches for s in rep.steps)
     lines.append(f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "
                  f"{rep.first_divergence.step}")
@@ -113,6 +121,18 @@ def render_replay(rep: ReplayReport) -> str:
         lines.append(f"... {len(bad) - 40} more steps differ (--json has every number)")
     lines.append(f"{len(bad)} of {len(rep.steps)} steps differ")
     return "\n".join(lines)
+
+
+def _crash_lines(rep: ReplayReport, *, reproduced_only: bool = False) -> list[str]:
+    """The recorded crash's outcome: reproduced, or a divergence with the command that re-runs the crashing step."""
+    crash = rep.crash
+    if crash is None or (reproduced_only and not crash.reproduced):
+        return []
+    if crash.reproduced:
+        return [f"reproduced the recorded crash at step {crash.step}: {crash.recorded}"]
+    then = f"raised {crash.replayed}" if crash.replayed else "ran through without an error"
+    return [f"DIVERGED: the recording crashed at step {crash.step} ({crash.recorded}); the replay {then}",
+            f"  re-run: replay run {rep.capture} --diff --steps {crash.step}-{crash.step}"]
 
 
 def render_capture_diff(res: CaptureDiff) -> str:

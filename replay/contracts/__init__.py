@@ -26,8 +26,18 @@ from replay.contracts.outputs import (
     SamplerOutput,
 )
 from replay.contracts.reqid import RID
-from replay.contracts.sampling_params import SAMPLING_EPS, RequestOutputKind, SamplingParams, SamplingType
-from replay.contracts.sched_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from replay.contracts.sampling_params import (
+    SAMPLING_EPS,
+    RequestOutputKind,
+    SamplingParams,
+    SamplingType,
+)
+from replay.contracts.sched_output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 __all__ = [
     "DTYPES", "Array", "Opaque", "RID",

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 import msgspec
 
 from replay.capture import CaptureReader, Header, RequestAdded, Step
-from replay.diff.rules import Row, Tolerance, classify, logprob_diff, margin, row, rows_equal
+from replay.diff.rules import (
+    Row,
+    Tolerance,
+    classify,
+    logprob_diff,
+    margin,
+    row,
+    rows_equal,
+)
 from replay.diff.step import BatchComposition, batch_composition
-from replay.provenance import header_differences, is_suspect
+from replay.provenance import hardware_differences, header_differences, is_suspect
 
 
 @dataclass(slots=True)
@@ -49,7 +57,7 @@ class TokenMismatch(msgspec.Struct, omit_defaults=True):
     a_batch: BatchComposition | None = None
     b_batch: BatchComposition | None = None
     batches_differ: bool = False
-    suspect: str = ""  # "batch variance" | "run-to-run nondeterminism"
+    suspect: str = ""  # "hardware (...)" | "batch variance" | "configuration (...)" | "run-to-run nondeterminism"
 
 
 class CaptureDiff(msgspec.Struct):
@@ -141,7 +149,13 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         first.b_batch = b.batches.get(first.b_step) if first.b_step is not None else None
         first.batches_differ = not _same_batch(first.a_batch, first.b_batch)
         knobs = [d.as_pair() for d in differences if is_suspect(d)]
-        if first.batches_differ:
+        hardware = [d.as_pair() for d in hardware_differences(differences)]
+        layout = [d.as_pair() for d in differences if d.affects == "layout"]
+        if hardware:  # the first thing to rule out: other kernels compute other bits whatever the batch
+            first.suspect = "hardware (" + "; ".join(hardware[:3]) + ")"
+        elif layout:  # another parallel layout or compilation reduces in another order
+            first.suspect = "layout (" + "; ".join(layout[:3]) + ")"
+        elif first.batches_differ:
             first.suspect = "batch variance"
         elif knobs:
             first.suspect = "configuration (" + "; ".join(knobs[:3]) + ")"

@@ -7,7 +7,15 @@ import msgspec
 import numpy as np
 
 from replay.contracts import ModelRunnerOutput, SchedulerOutput
-from replay.diff.rules import Row, Tolerance, classify, logprob_diff, margin, row, rows_equal
+from replay.diff.rules import (
+    Row,
+    Tolerance,
+    classify,
+    logprob_diff,
+    margin,
+    row,
+    rows_equal,
+)
 
 
 class BatchComposition(msgspec.Struct):

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from replay.engine.config import ATTENTION_IMPLS
 
 
-
 class KVCache:
     """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the model dtype."""
 

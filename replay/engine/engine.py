@@ -17,7 +17,12 @@ from replay.engine.runner import ModelRunner
 from replay.engine.scheduler import Scheduler
 from replay.engine.weights import load_model, torch_dtype
 from replay.errors import UsageError
-from replay.provenance import current_environment, make_header, pin_threading, set_torch_threads
+from replay.provenance import (
+    current_environment,
+    make_header,
+    pin_threading,
+    set_torch_threads,
+)
 
 
 class LLMEngine:
@@ -88,7 +93,12 @@ class LLMEngine:
         t0 = time.monotonic_ns()
         so = self.scheduler.schedule()
         t1 = time.monotonic_ns()
-        mro = self.runner.execute_model(so)
+        try:
+            mro = self.runner.execute_model(so)
+        except Exception as e:
+            for listener in self.listeners:
+                listener.on_step_failed(self.step_index, so, e)
+            raise
         t2 = time.monotonic_ns()
         outputs = self.scheduler.update_from_output(so, mro)
         t3 = time.monotonic_ns()
@@ -123,6 +133,7 @@ def builtin_header(config: EngineConfig, model_config: ModelConfig, fingerprint:
         enable_prefix_caching=sc.enable_prefix_caching, enable_chunked_prefill=sc.enable_chunked_prefill,
         attention_impl=rc.attention_impl, seed=rc.seed, logprobs_mode=rc.logprobs_mode,
         runner_class="replay.engine.runner.ModelRunner", batch_invariant=rc.batch_invariant,
-        extra={"device": rc.device, "dtype": rc.dtype})
+        extra={"device": rc.device, "dtype": rc.dtype},
+        layout={"tensor_parallel_size": "1", "pipeline_parallel_size": "1", "data_parallel_size": "1"})
     return make_header("builtin", engine_version=__version__, model=model, engine_config=engine_config,
                        environment=current_environment(device=rc.device))

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replay.contracts import EngineCoreRequest, FinishReason, RequestStatus, SamplingParams
+from replay.contracts import (
+    EngineCoreRequest,
+    FinishReason,
+    RequestStatus,
+    SamplingParams,
+)
 
 
 @dataclass(slots=True)

@@ -239,6 +239,9 @@ class ModelRunner:
         """top1 - top2 raw logprob of each request sampled in the last step (the diff classifies flips with it)."""
         return self.last_margins
 
+    def close(self) -> None:
+        """Nothing to release early: the runner's tensors go with it."""
+
     # -- snapshots (re-executing a step several ways without replaying the steps before it) -----------------------
 
     def snapshot(self) -> "RunnerSnapshot":

@@ -7,7 +7,7 @@ import os
 
 import msgspec
 
-from replay.capture import CaptureReader, Damage, RequestAdded, Step, StepRange
+from replay.capture import CaptureReader, Crash, Damage, RequestAdded, Step, StepRange
 from replay.errors import CaptureError
 
 
@@ -19,6 +19,7 @@ class ShownSteps(msgspec.Struct):
     external_ids: dict[str, str]  # internal request id -> the user's id, from RequestAdded records read
     request: str | None  # the internal id selected with --request, if any
     damage: list[Damage]
+    crashes: dict[int, Crash] = {}  # step index -> what the engine raised executing it (for the steps shown)
 
 
 def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: str | None = None,
@@ -29,6 +30,7 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
     before they are decoded and chunks past the range are not read. Raises CaptureError when nothing matches."""
     with CaptureReader(path) as r:
         ext: dict[str, str] = {}
+        crashes: dict[int, Crash] = {}
         out: list[Step] = []
         internal = request
         chunks = None
@@ -38,6 +40,9 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
                                          r.iter_chunks())
         keep = None if rng is None else (lambda index: index in rng)
         for rec in r.records(chunks=chunks, keep_step=keep):
+            if isinstance(rec, Crash):
+                crashes[rec.step] = rec
+                continue
             if isinstance(rec, RequestAdded):
                 rid, eid = rec.request.request_id, rec.request.external_req_id
                 if eid is not None:
@@ -59,4 +64,6 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
             who = f" scheduling request {request!r}" if request is not None else ""
             lost = f" (the capture is damaged: {r.damage[0].describe()})" if r.damage else ""
             raise CaptureError(path, f"no {what}{who} in this capture{lost}")
-        return ShownSteps(str(path), out, ext, internal, list(r.damage))
+        shown = {s.index for s in out}
+        return ShownSteps(str(path), out, ext, internal, list(r.damage),
+                          {i: c for i, c in crashes.items() if i in shown})

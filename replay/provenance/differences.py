@@ -9,10 +9,13 @@ from typing import Any
 import msgspec
 
 from replay.capture.format import Header
+from replay.provenance.hardware import LABELS
 
 # (section, field, label, what it affects), in the order reports list them. "scheduling" knobs change which steps
 # a run forms, not what a given step computes: a replay follows the recorded steps whatever they say.
 FIELDS: tuple[tuple[str, str, str, str], ...] = (
+    ("environment", "hardware", "*", "hardware"),  # the leading suspect across machines: one per hardware key
+    ("engine_config", "layout", "*", "layout"),  # then the parallel layout and compilation: one per setting
     ("", "engine", "engine", "numerics"),
     ("", "engine_version", "engine version", "numerics"),
     ("model", "name", "model", "model"),
@@ -51,7 +54,7 @@ class HeaderDifference(msgspec.Struct, frozen=True):
     label: str  # how reports name it: "dtype", "threads"
     a: str
     b: str
-    affects: str  # "numerics" | "model" | "host" | "scheduling"
+    affects: str  # "hardware" | "layout" | "numerics" | "model" | "host" | "scheduling"
 
     def as_note(self) -> str:
         """For a replay: 'dtype: recorded float32, replay bfloat16'."""
@@ -85,6 +88,17 @@ UNCOMPARED_ENV = ("OMP_NUM_THREADS",)
 
 def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, str]) -> list[HeaderDifference]:
     out = []
+    if name == "hardware":  # a key one side could not read (or an older capture) is unknown, not different
+        for key in sorted(set(x) & set(y), key=lambda k: list(LABELS).index(k) if k in LABELS else len(LABELS)):
+            if x[key] != y[key]:
+                a, b = _isa_delta(x[key], y[key]) if key == "cpu_isa" else (x[key], y[key])
+                out.append(HeaderDifference(f"{section}.{name}.{key}", LABELS.get(key, key), a, b, "hardware"))
+        return out
+    if name == "layout":  # vLLM's names; a setting one side does not have (the builtin engine) is unknown
+        for key in [k for k in x if k in y]:
+            if x[key] != y[key]:
+                out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], "layout"))
+        return out
     if name == "libraries":  # a setting one side did not record (an older capture) is unknown, not different
         for key in sorted(set(x) & set(y)):
             if x[key] != y[key]:
@@ -96,6 +110,12 @@ def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, s
             out.append(HeaderDifference(f"{section}.{name}.{key}", key, _text(key, x.get(key)),
                                         _text(key, y.get(key)), "numerics"))
     return out
+
+
+def _isa_delta(x: str, y: str) -> tuple[str, str]:
+    """Two feature lists as what only each side has: ('avx512f avx512bw', 'none')."""
+    fx, fy = x.split(), y.split()
+    return (" ".join(f for f in fx if f not in fy) or "none"), (" ".join(f for f in fy if f not in fx) or "none")
 
 
 def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
@@ -115,6 +135,12 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
             out.append(HeaderDifference(f"{section}.{name}" if section else name, label, _text(name, x),
                                         _text(name, y), affects))
     return out
+
+
+def hardware_differences(differences: list[HeaderDifference]) -> list[HeaderDifference]:
+    """Those of `differences` that say the two runs computed on different hardware: a hardware key, or ATen's
+    kernel ISA (`cpu_capability`, which ATEN_CPU_CAPABILITY can also lower on the same machine)."""
+    return [d for d in differences if d.affects == "hardware" or d.field == "environment.libraries.cpu_capability"]
 
 
 def is_suspect(d: HeaderDifference) -> bool:

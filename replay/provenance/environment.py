@@ -10,6 +10,7 @@ import socket
 import sys
 
 from replay.capture.format import Environment
+from replay.provenance.hardware import current_hardware
 
 # Environment variables that change kernels, threading or determinism; recorded so replay can name a difference.
 # ATEN_CPU_CAPABILITY picks ATen's kernels (it even changes what torch.randn draws with the scalar kernels),
@@ -52,6 +53,7 @@ def current_environment(*, with_torch: bool = True, device: str = "cpu") -> Envi
         platform=platform.platform(),
         hostname=socket.gethostname(),
         env=relevant_env(),
+        hardware=current_hardware(device),
     )
     if with_torch or "torch" in sys.modules:
         import torch

@@ -6,7 +6,14 @@ import time
 from typing import Any
 
 from replay import __version__
-from replay.capture.format import FORMAT_MAJOR, FORMAT_MINOR, EngineConfig, Environment, Header, ModelIdentity
+from replay.capture.format import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    EngineConfig,
+    Environment,
+    Header,
+    ModelIdentity,
+)
 from replay.provenance.environment import current_environment
 
 

@@ -11,7 +11,13 @@ from replay.record.options import EngineOptions, builtin_config
 from replay.record.recorder import default_capture_path, record
 from replay.record.result import ProgressBar, RecordResult
 from replay.record.tap import CaptureTap, StepListener
-from replay.record.workload import SyntheticWorkload, WorkloadRequest, load_jsonl, synthetic, workload_requests
+from replay.record.workload import (
+           SyntheticWorkload,
+           WorkloadRequest,
+           load_jsonl,
+           synthetic,
+           workload_requests,
+)
 
 __all__ = ["RecordOptions", "record_builtin", "run_engine", "EngineOptions", "builtin_config",
            "default_capture_path", "record", "ProgressBar", "RecordResult", "CaptureTap", "StepListener",

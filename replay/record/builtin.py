@@ -82,17 +82,18 @@ def record_builtin(opts: RecordOptions) -> RecordResult:
         raise UsageError(f"request {constrained.request_id or '?'}: structured_outputs needs a grammar backend, which "
                          "the builtin engine does not have (record it with --engine vllm; replay works on both)")
     engine = LLMEngine(opts.engine, listeners=list(opts.listeners))
-    writer = None
+    writer = tap = None
     if opts.tap:
         extra = {} if opts.flush_interval is None else {"flush_interval": opts.flush_interval}
         writer = ProcessCaptureWriter(opts.out, engine.header(), overwrite=opts.overwrite, **extra)
-        engine.listeners.append(CaptureTap(writer))
+        tap = CaptureTap(writer)
+        engine.listeners.append(tap)
     t = time.perf_counter()
     try:
         steps, prompt_tokens, generated = run_engine(engine, opts.requests, opts.progress)
     except BaseException as e:
         if writer is not None:
-            writer.close(status=f"error: {type(e).__name__}: {e}"[:500])
+            writer.close(status=tap.crash_status or f"error: {type(e).__name__}: {e}"[:500])
         raise
     wall = time.perf_counter() - t
     size = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import IO
+
 import msgspec
 
 
@@ -29,11 +31,19 @@ class RecordResult(msgspec.Struct):
 class ProgressBar:
     """A stderr progress bar (rich) over generated tokens."""
 
-    def __init__(self, total: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    def __init__(self, total: int, file: IO[str] | None = None) -> None:
+        """`file`: where the bar draws (default stderr; a terminal stream while an engine's output is redirected)."""
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self._p = Progress(TextColumn("recording"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                           TimeElapsedColumn(), transient=True)
+                           TimeElapsedColumn(), transient=True, console=Console(file=file) if file else None)
         self._p.start()
         self._task = self._p.add_task("record", total=total)
 

@@ -10,9 +10,10 @@ objects again; compression and I/O happen on the writer's background thread (zst
 from __future__ import annotations
 
 import time
+import traceback
 from typing import Protocol
 
-from replay.capture import CaptureWriter, StepTiming
+from replay.capture import CaptureWriter, Crash, StepTiming
 from replay.capture.writer_process import ProcessCaptureWriter
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 
@@ -30,6 +31,9 @@ class StepListener(Protocol):
                 *, drawn_seeds: dict[str, int] | None = None, timing: StepTiming | None = None) -> None:
         """Step `index` ran: what went into the runner and what came out."""
 
+    def on_step_failed(self, index: int, scheduler_output: SchedulerOutput, error: BaseException) -> None:
+        """Step `index` was scheduled and raised `error` while executing (the engine re-raises it)."""
+
 
 class CaptureTap:
     """A StepListener that writes everything to a capture writer (`CaptureWriter`, or `ProcessCaptureWriter`
@@ -37,6 +41,7 @@ class CaptureTap:
 
     def __init__(self, writer: CaptureWriter | ProcessCaptureWriter) -> None:
         self.writer = writer
+        self.crash_status = ""  # the footer status once a step raised
         self.encode_ns = 0  # time spent on the engine thread, for the tap-overhead benchmark
 
     def on_request_added(self, request: EngineCoreRequest, step: int) -> None:
@@ -54,3 +59,11 @@ class CaptureTap:
         self.writer.write_step(index, scheduler_output, model_runner_output, drawn_seeds=drawn_seeds or {},
                                timing=timing)
         self.encode_ns += time.perf_counter_ns() - t
+
+    def on_step_failed(self, index: int, scheduler_output: SchedulerOutput, error: BaseException) -> None:
+        """Record the crash: the exception, then the step that raised it (scheduled, no output)."""
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-8000:]
+        crash = Crash(index, type(error).__name__, str(error), tb)
+        self.crash_status = f"crashed at step {index}: {crash.describe()}"[:500]
+        self.writer.write_crash(crash)
+        self.writer.write_step(index, scheduler_output, None)

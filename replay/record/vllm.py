@@ -13,8 +13,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from replay.errors import UsageError
+from replay.integrations.vllm.logs import VllmLog
 from replay.record.options import EngineOptions
 from replay.record.result import ProgressBar, RecordResult
 from replay.record.workload import SAMPLING_FIELDS, Arrivals, WorkloadRequest
@@ -67,26 +69,35 @@ def record_vllm(opts: VllmRecordOptions) -> RecordResult:
             raise UsageError(f"request {text.request_id or '?'}: a text prompt, but {opts.model} has no tokenizer; "
                              "give prompt_token_ids")
     out.parent.mkdir(parents=True, exist_ok=True)
-    llm = _build(opts)
-    core = llm.llm_engine.engine_core.engine_core
-    from replay.integrations.vllm.plugin import SEEDED_CHUNK_CRASH, attach, detach
+    with VllmLog(out, ".vllm.log") as log:  # vLLM's own output, beside the capture (`replay -v`: on the terminal)
+        try:
+            llm = _build(opts)
+        except EngineRefused as e:  # vLLM's own reason: its log says more (our argument checks need no log)
+            raise UsageError(f"{e}{log.where()}") from None
+        log.ours()
+        core = llm.llm_engine.engine_core.engine_core
+        from replay.integrations.vllm.plugin import SEEDED_CHUNK_CRASH, attach, detach
 
-    tap = attach(core.scheduler, out)
-    status = "ok"
-    t = time.perf_counter()
-    try:
-        steps, prompt_tokens, generated = _drive(llm.llm_engine, opts.requests, opts.progress)
-    except Exception as e:
-        status = f"error: {type(e).__name__}: {e}"[:500]
-        if "does not use offset" in str(e):
-            raise UsageError(SEEDED_CHUNK_CRASH) from None
-        raise
-    finally:
-        wall = time.perf_counter() - t
-        tap.close(status=status)
-        detach(core.scheduler)
-        _shutdown(llm)
+        tap = attach(core.scheduler, out)
+        status = "ok"
+        t = time.perf_counter()
+        try:
+            steps, prompt_tokens, generated = _drive(llm.llm_engine, opts.requests, opts.progress, log.console)
+        except Exception as e:
+            status = tap.crash or f"error: {type(e).__name__}: {e}"[:500]
+            if "does not use offset" in str(e):
+                raise UsageError(f"{SEEDED_CHUNK_CRASH}; the capture keeps the crashing step{log.where()}") from None
+            raise
+        finally:
+            wall = time.perf_counter() - t
+            tap.close(status=status)
+            detach(core.scheduler)
+            _shutdown(llm)
     return RecordResult.of(out, steps, len(opts.requests), prompt_tokens, generated, wall, out.stat().st_size)
+
+
+class EngineRefused(UsageError):
+    """vLLM refused to build the engine with these settings (its reason, in one line)."""
 
 
 def _build(opts: VllmRecordOptions):
@@ -114,7 +125,7 @@ def _build(opts: VllmRecordOptions):
         if "memory" in msg.lower() and _on_cpu():
             hint = (" (on CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB, e.g. VLLM_CPU_KVCACHE_SPACE=1, and "
                     "--vllm-arg gpu_memory_utilization=0.5 lowers the share of memory vLLM reserves)")
-        raise UsageError(f"vLLM cannot build this engine: {type(e).__name__}: {msg}{hint}") from None
+        raise EngineRefused(f"vLLM cannot build this engine: {type(e).__name__}: {msg}{hint}") from None
     finally:
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -165,10 +176,10 @@ def _params(p):
     return SamplingParams(**fields)
 
 
-def _drive(engine, reqs: list[WorkloadRequest], progress: bool) -> tuple[int, int, int]:
+def _drive(engine, reqs: list[WorkloadRequest], progress: bool, console: IO[str]) -> tuple[int, int, int]:
     """Add requests at their arrival steps and step until all finish. Returns (steps, prompt, generated tokens)."""
     arrivals = Arrivals(reqs)
-    bar = ProgressBar(arrivals.expected_tokens) if progress else None
+    bar = ProgressBar(arrivals.expected_tokens, console) if progress else None
     steps = prompt_tokens = generated = added = 0
     try:
         while arrivals or engine.has_unfinished_requests():

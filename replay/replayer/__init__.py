@@ -6,7 +6,13 @@ from replay.replayer.check import CheckResult, check_capture
 from replay.replayer.loop import MODES, StepLoop
 from replay.replayer.plant import Plant
 from replay.replayer.run import ReplayOptions, ReplayReport, replay_capture
-from replay.replayer.runner import KNOBS, BuiltRunner, Runner, build_runner, parse_overrides
+from replay.replayer.runner import (
+           KNOBS,
+           BuiltRunner,
+           Runner,
+           build_runner,
+           parse_overrides,
+)
 
 __all__ = ["CheckResult", "check_capture", "MODES", "StepLoop", "Plant", "ReplayOptions", "ReplayReport",
            "replay_capture", "KNOBS", "BuiltRunner", "Runner", "build_runner", "parse_overrides"]

@@ -35,6 +35,8 @@ def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) ->
     except Exception as e:  # noqa: BLE001 - an engine that fails to start cannot be tested, whatever the reason
         return CheckResult(str(path), EXIT_CANNOT_TEST, f"{path}: {type(e).__name__}: {e}"[:500])
     compared = f"{rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled tokens"
+    if rep.tolerance_choice:  # --tolerance auto says which tolerance it took
+        compared += f"; tolerance {rep.tolerance_choice}"
     if not rep.diverged:
         lost = f"; data was lost ({rep.data_lost[0]}), only the readable prefix was checked" if rep.data_lost else ""
         return CheckResult(str(path), EXIT_OK, f"{path}: replays within tolerance ({compared}){lost}", rep)

@@ -7,7 +7,9 @@ Modes, named as vLLM names them:
   with the recorded ones, so every step runs on the recorded trajectory and each step's diff is local;
 - `free`: the runner keeps its own samples, which shows how far a divergence propagates.
 
-`replay_capture` diffs every step it yields; `StepSession` (bisect) replays up to a step and stops before it.
+`replay_capture` diffs every step it yields; `StepSession` (bisect) replays up to a step and stops before it. A
+step the recording crashed on (a `Crash` record precedes it) is re-executed last and not yielded: what it raises,
+or that it raises nothing, is kept in `crash` for the report.
 """
 
 from __future__ import annotations
@@ -16,12 +18,23 @@ import os
 import time
 from typing import Callable, Iterable, Iterator
 
-from replay.capture import Record, RequestAdded, Step
+import msgspec
+
+from replay.capture import Crash, Record, RequestAdded, Step
 from replay.contracts import ModelRunnerOutput
 from replay.errors import UsageError
 from replay.replayer.runner import Runner
 
 MODES = ("forced", "free")
+
+
+class CrashOutcome(msgspec.Struct):
+    """The recording's crash at `step`, re-executed: what it raised then and what it raises now."""
+
+    step: int
+    recorded: str  # "RuntimeError: CPU Generator does not use offset"
+    replayed: str | None  # the same form, or None when the step ran through
+    reproduced: bool  # same exception type and message
 
 
 def check_mode(mode: str) -> None:
@@ -46,6 +59,8 @@ class StepLoop:
         self.execute_s = 0.0  # wall time spent in the runner
         self.next_step: Step | None = None  # with `until`: the step the loop stopped before
         self.stopped: str | None = None  # why the loop ended before the capture did (steps missing after a gap)
+        self.crash: CrashOutcome | None = None  # the recorded crash, re-executed (when the capture has one)
+        self._crash: Crash | None = None
 
     def steps(self, records: Iterable[Record]) -> Iterator[Step]:
         """The steps among `records`, checked to start at step 0; a gap (steps lost with a damaged chunk) ends them
@@ -57,6 +72,9 @@ class StepLoop:
                 rid = rec.request.request_id
                 self.external[rid] = rec.request.external_req_id or rid
                 self.internal[self.external[rid]] = rid
+                continue
+            if isinstance(rec, Crash):
+                self._crash = rec
                 continue
             if not isinstance(rec, Step):
                 continue
@@ -79,6 +97,16 @@ class StepLoop:
         self.steps_run += 1
         return actual
 
+    def _reexecute_crash(self, step: Step, crash: Crash, run: Callable[[Step], ModelRunnerOutput] | None) -> CrashOutcome:
+        """Run the step the recording crashed on; an exception is the outcome, not an error of the replay."""
+        try:
+            self.execute(step, run)
+            replayed = None
+        except Exception as e:  # noqa: BLE001 - whatever the engine raises is what is compared
+            replayed = Crash(step.index, type(e).__name__, str(e)).describe()
+        recorded = crash.describe()
+        return CrashOutcome(step.index, recorded, replayed, replayed == recorded)
+
     def advance(self, step: Step) -> None:
         """Move past `step`: its recorded tokens become the cached ones and count towards output positions."""
         out = step.model_runner_output
@@ -97,6 +125,9 @@ class StepLoop:
                 return
             if until is not None and step.index == until:
                 self.next_step = step
+                return
+            if self._crash is not None and self._crash.step == step.index:
+                self.crash = self._reexecute_crash(step, self._crash, run)
                 return
             actual = self.execute(step, run)
             yield step, actual

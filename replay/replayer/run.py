@@ -14,11 +14,19 @@ import msgspec
 from replay.capture import CaptureReader, Header, Step, StepRange
 from replay.capture import format as fmt
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
-from replay.diff import BatchComposition, Divergence, StepSummary, Tolerance, batch_composition, compare_step
+from replay.diff import (
+    BatchComposition,
+    Divergence,
+    StepSummary,
+    Tolerance,
+    batch_composition,
+    compare_step,
+)
 from replay.errors import CaptureDamagedError, UsageError
-from replay.replayer.loop import StepLoop, check_mode
+from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, install
 from replay.replayer.runner import BuiltRunner, build_runner
+from replay.replayer.tolerance import auto_tolerance
 
 
 @dataclass(slots=True)
@@ -29,6 +37,7 @@ class ReplayOptions:
     overrides: dict[str, str] = field(default_factory=dict)  # --set KNOB=VALUE
     steps: StepRange | None = None  # diff only these steps (steps before them run, steps after them do not)
     tolerance: Tolerance = field(default_factory=Tolerance)
+    auto_tolerance: bool = False  # --tolerance auto: bitwise on the recording's hardware, else CROSS_HARDWARE_ATOL
     repeat: int = 1
     force: bool = False  # replay on a different model
     plant: Plant | None = None
@@ -62,11 +71,13 @@ class ReplayReport(msgspec.Struct):
     foreign_draws_differ: int = 0
     host_differences: list[str] = []  # the machine's own differences (platform, Python), shown with a divergence
     foreign_draws_by: str = ""  # whose sampler drew the foreign draws ("vllm" | "builtin"), when there are any
+    crash: CrashOutcome | None = None  # the recording crashed at a step: re-executed, reproduced or not
     data_lost: list[str] = []  # what the capture lost (damaged chunks, an unfinished tail): the replay is of a prefix
     stopped: str | None = None  # where and why the replay ended before the capture's last step
     steps_compared: int = 0  # what the verdict rests on: steps diffed, requests with an output among them, and
     requests_compared: int = 0  # their sampled tokens
     tokens_compared: int = 0
+    tolerance_choice: str = ""  # with --tolerance auto: which tolerance it took, and why
 
 
 def recorded_draws(header: Header) -> str:
@@ -85,6 +96,10 @@ def _digest(mro: ModelRunnerOutput | None) -> bytes:
 
 def _repro(path: str, step: int, opts: ReplayOptions) -> str:
     args = ["replay", "run", path, "--diff", "--steps", f"{step}-{step}", "--mode", opts.mode]
+    if opts.auto_tolerance:
+        args += ["--tolerance", "auto"]
+    elif not opts.tolerance.bitwise:
+        args += ["--atol", f"{opts.tolerance.atol:g}", "--rtol", f"{opts.tolerance.rtol:g}"]
     for k, v in opts.overrides.items():
         args += ["--set", f"{k}={v}"]
     if opts.plant is not None:
@@ -104,6 +119,7 @@ class _Pass:
     notes: list[str] = field(default_factory=list)
     data_lost: list[str] = field(default_factory=list)
     stopped: str | None = None
+    crash: CrashOutcome | None = None
     host_notes: list[str] = field(default_factory=list)
     recorded_draws: str = "builtin"
     steps: int = 0
@@ -111,51 +127,67 @@ class _Pass:
     record_s: float = 0.0
     digests: list[bytes] = field(default_factory=list)  # of every replayed output, for --repeat
     requests: set[str] = field(default_factory=set)  # requests with an output among the diffed steps
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    tolerance_choice: str = ""
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
     """Replay the capture once, diffing the steps `opts.steps` selects."""
-    rng = opts.steps
     out = _Pass()
     with CaptureReader(path) as r:
-        if rng is not None:
-            _check_range(path, rng, r.step_span())
-        built = build_runner(r.header, opts.overrides, force=opts.force)
-        out.notes, out.host_notes = built.notes, built.host_notes
-        loop = StepLoop(path, built.runner, opts.mode)
-        # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
-        # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine
-        # with per-request torch generators and an exponential race. Only a runner of the recording's family
-        # repeats its draws; on the other, the tokens of random-sampling requests are not compared (their
-        # logprobs still are), in either direction.
-        out.recorded_draws = recorded_draws(r.header)
-        foreign_random: set[str] = set()
-        run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
-        for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
-            so, expected = rec.scheduler_output, rec.model_runner_output
-            foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params) and not
-                                  built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None))
-            if rec.timing is not None:
-                out.record_s += rec.timing.execute_ns / 1e9
-            out.digests.append(_digest(actual))
-            if opts.diff and (rng is None or rec.index >= rng.first):
-                summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
-                                             opts.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
-                                             foreign_random)
-                out.summaries.append(summary)
-                out.requests.update(expected.req_ids if expected is not None else ())
-                if divs and out.first_batch is None:
-                    out.first_batch = batch_composition(rec.index, so, loop.external)
-                out.count += len(divs)
-                out.divergences.extend(divs[: max(0, opts.max_divergences - len(out.divergences))])
-            if opts.progress is not None:
-                opts.progress(rec.index)
-        if opts.progress is not None:
-            opts.progress(None)
-        out.steps, out.replay_s = loop.steps_run, loop.execute_s
-        out.data_lost = [d.describe() for d in r.damage]
-        out.stopped = loop.stopped
+        if opts.steps is not None:
+            _check_range(path, opts.steps, r.step_span())
+        built = build_runner(r.header, opts.overrides, force=opts.force, capture=path)
+        out.tolerance = opts.tolerance
+        if opts.auto_tolerance:
+            out.tolerance, out.tolerance_choice = auto_tolerance(r.header, built.differences,
+                                                                 opts.tolerance.tie_margin)
+        try:
+            _replay_pass(r, built, path, opts, out)
+        finally:
+            built.runner.close()
     return out
+
+
+def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, opts: ReplayOptions,
+                 out: _Pass) -> None:
+    """The replay and its diffs, on a built runner."""
+    rng = opts.steps
+    out.notes, out.host_notes = built.notes, built.host_notes
+    loop = StepLoop(path, built.runner, opts.mode)
+    # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
+    # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine
+    # with per-request torch generators and an exponential race. Only a runner of the recording's family
+    # repeats its draws; on the other, the tokens of random-sampling requests are not compared (their
+    # logprobs still are), in either direction.
+    out.recorded_draws = recorded_draws(r.header)
+    foreign_random: set[str] = set()
+    run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
+    for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
+        so, expected = rec.scheduler_output, rec.model_runner_output
+        foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params) and not
+                              built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None))
+        if rec.timing is not None:
+            out.record_s += rec.timing.execute_ns / 1e9
+        out.digests.append(_digest(actual))
+        if opts.diff and (rng is None or rec.index >= rng.first):
+            summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
+                                         out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
+                                         foreign_random)
+            out.summaries.append(summary)
+            out.requests.update(expected.req_ids if expected is not None else ())
+            if divs and out.first_batch is None:
+                out.first_batch = batch_composition(rec.index, so, loop.external)
+            out.count += len(divs)
+            out.divergences.extend(divs[: max(0, opts.max_divergences - len(out.divergences))])
+        if opts.progress is not None:
+            opts.progress(rec.index)
+    if opts.progress is not None:
+        opts.progress(None)
+    out.steps, out.replay_s = loop.steps_run, loop.execute_s
+    out.data_lost = [d.describe() for d in r.damage]
+    out.stopped = loop.stopped
+    out.crash = loop.crash
 
 
 def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:
@@ -200,22 +232,23 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
             if s is not None:
                 run_to_run = f"NOT deterministic: replay {k} differs from replay 1 at step {s}"
                 break
+    crash_diverged = p.crash is not None and not p.crash.reproduced
     if opts.diff and not p.summaries and p.data_lost and p.steps == 0:
         raise CaptureDamagedError(path, f"no readable prefix of steps to replay ({p.data_lost[0]})")
-    if opts.diff and not p.summaries:
+    if opts.diff and not p.summaries and p.crash is None:
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
                          "at least one compared step")
     divs = sorted(p.divergences, key=lambda d: (d.step, d.kind != "token"))
     first = divs[0] if divs else None
-    return ReplayReport(str(path), opts.mode, bool(p.count), first, p.first_batch if first else None,
-                        _repro(str(path), first.step, opts) if first else None, opts.tolerance, p.notes, p.steps,
+    return ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
+                        _repro(str(path), first.step, opts) if first else None, p.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
                         next((d for d in divs if d.kind == "token"), None),
-                        sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, p.recorded_draws,
+                        sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, p.recorded_draws, p.crash,
                         p.data_lost, p.stopped, len(p.summaries),
                         len(p.requests),
-                        sum(s.tokens_compared for s in p.summaries))
+                        sum(s.tokens_compared for s in p.summaries), p.tolerance_choice)
 
 
 def _span(steps: int) -> str:

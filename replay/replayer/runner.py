@@ -4,13 +4,19 @@ recording and the replay (`replay.provenance.header_differences`, DESIGN §2.5).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
-from replay.provenance import HeaderDifference, header_differences, pin_threading, set_torch_threads
+from replay.provenance import (
+    HeaderDifference,
+    header_differences,
+    pin_threading,
+    set_torch_threads,
+)
 
 if TYPE_CHECKING:
     from replay.engine.runner import ModelRunner
@@ -36,6 +42,9 @@ class Runner(Protocol):
 
     def margins(self) -> dict[str, float]:
         """top1 - top2 raw logprob per request sampled in the last step, where the runner knows it."""
+
+    def close(self) -> None:
+        """Release what the runner holds (an engine, a redirected terminal); the replay is over."""
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, str]:
@@ -76,12 +85,14 @@ class BuiltRunner:
     header: Header  # the replay described as a capture header would describe it
     differences: list[HeaderDifference]  # recorded vs replay, every field that differs (numerics first)
     model_mismatch: str | None = None  # set when the weights differ (refused without --force)
+    engine_notes: list[str] = field(default_factory=list)  # what the engine said that changes numerics
 
     @property
     def notes(self) -> list[str]:
         """One line per difference that can change numerics: 'dtype: recorded float32, replay bfloat16'."""
         return [self.model_mismatch] * bool(self.model_mismatch) + [
-            d.as_note() for d in self.differences if d.affects in ("numerics", "model") and d.label != "fingerprint"]
+            d.as_note() for d in self.differences if d.affects in ("hardware", "layout", "numerics", "model") and d.label != "fingerprint"
+        ] + self.engine_notes
 
     @property
     def host_notes(self) -> list[str]:
@@ -96,9 +107,10 @@ class BuiltRunner:
         return self.runner  # type: ignore[return-value]
 
 
-def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False, extra_blocks: int = 0) -> BuiltRunner:
-    """A fresh runner for `header`'s capture. Raises UsageError (exit 2) for a capture no runner can replay and for
-    different weights without `force`."""
+def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False, extra_blocks: int = 0,
+                 capture: str | os.PathLike = "replay") -> BuiltRunner:
+    """A fresh runner for `header`'s capture (`capture`: its path, beside which an engine's own log goes). Raises
+    UsageError (exit 2) for a capture no runner can replay and for different weights without `force`."""
     kind = overrides.get("runner", "builtin")
     if header.model is None or header.engine == "synthetic":
         raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
@@ -106,10 +118,12 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     if kind == "vllm":
         from replay.integrations.vllm.runner import VllmRunner
 
-        runner = VllmRunner(header, overrides)
+        runner = VllmRunner(header, overrides, capture)
         replay_header = runner.describe()
+        engine_notes = [f"vLLM: {w}" for w in runner.log.warnings]
     else:
         runner, replay_header = _build_builtin(header, overrides, extra_blocks)
+        engine_notes = []
     differences = header_differences(header, replay_header)
     mismatch = None
     if any(d.label == "fingerprint" for d in differences):
@@ -117,8 +131,9 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
         mismatch = (f"model weights differ from the recording's (fingerprint {header.model.fingerprint[:12]} "
                     f"recorded, {replay_header.model.fingerprint[:12]} loaded from {model_ref})")
         if not force:
+            runner.close()
             raise UsageError(f"{mismatch}; pass --force to replay on this model anyway")
-    return BuiltRunner(runner, kind, replay_header, differences, mismatch)
+    return BuiltRunner(runner, kind, replay_header, differences, mismatch, engine_notes)
 
 
 def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int) -> tuple["ModelRunner", Header]:

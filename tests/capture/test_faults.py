@@ -27,15 +27,18 @@ def _steps(path) -> list[int]:
         return [x.index for x in r.records() if isinstance(x, Step)]
 
 
-def _children(pid: int) -> list[int]:
-    """Child process ids of `pid` (Linux)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+def _writers(out: Path) -> list[int]:
+    """The writer processes recording into `out` (Linux). The writer detaches from the recorder (it forks away so
+    that vLLM's kill of its engine's process tree cannot reach it), so it is found by its command line."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            out += [int(c) for c in (task / "children").read_text().split()]
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            pass
-    return out
+            continue
+        if "replay.capture.writer_process" in cmd and str(out) in cmd:
+            pids.append(int(proc.name))
+    return pids
 
 
 def _start_record(out: Path) -> subprocess.Popen:
@@ -100,8 +103,10 @@ def test_a_killed_writer_leaves_a_partial_that_recover_restores(tmp_path):
     proc = _start_record(out)
     _wait_until_recording(proc, partial)
     time.sleep(1.5)
-    for child in _children(proc.pid):
-        os.kill(child, signal.SIGKILL)
+    writers = _writers(out)
+    assert writers, "no writer process found"
+    for pid in writers:
+        os.kill(pid, signal.SIGKILL)
     proc.kill()
     proc.wait()
     assert partial.exists() and not out.exists()

@@ -5,7 +5,12 @@ import os
 import pytest
 import zstandard
 
-from replay.capture.frames import FrameError, find_next_frame, parse_frame, skippable_frame
+from replay.capture.frames import (
+    FrameError,
+    find_next_frame,
+    parse_frame,
+    skippable_frame,
+)
 
 
 def test_data_and_skippable_frames_are_delimited():

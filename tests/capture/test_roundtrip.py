@@ -7,9 +7,20 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.capture import CaptureReader, CaptureWriter, RequestAborted, RequestAdded, Step
+from replay.capture import (
+    CaptureReader,
+    CaptureWriter,
+    RequestAborted,
+    RequestAdded,
+    Step,
+)
 from replay.provenance import make_header
-from tests.strategies import engine_core_requests, model_runner_outputs, scheduler_outputs, step_timings
+from tests.strategies import (
+    engine_core_requests,
+    model_runner_outputs,
+    scheduler_outputs,
+    step_timings,
+)
 
 _counter = itertools.count()
 

@@ -14,7 +14,13 @@ from replay.capture.stepcodec import (
     step_from_wire,
     step_to_wire,
 )
-from replay.contracts import Array, CachedRequestData, LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from replay.contracts import (
+    Array,
+    CachedRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 
 def _decode_step(ids: list[str], sampled: list[list[int]], lp_ids: np.ndarray, lp_vals: np.ndarray) -> Step:

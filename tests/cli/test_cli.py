@@ -99,6 +99,11 @@ def _corrupted(path, tmp_path):
     return p
 
 
+def _empty_dir(path):
+    path.mkdir()
+    return path
+
+
 def _truncated(path, tmp_path):
     p = tmp_path / "trunc.capture"
     p.write_bytes(path.read_bytes()[: len(path.read_bytes()) * 2 // 3])
@@ -110,7 +115,8 @@ def _truncated(path, tmp_path):
     "make, code, message",
     [
         (lambda p, t: t / "missing.capture", 2, "no such file"),
-        (lambda p, t: t, 2, "is a directory"),
+        # a directory: a capture set for info (this one holds none), not a capture for the others
+        (lambda p, t: _empty_dir(t / "no-captures"), 2, "directory"),
         (lambda p, t: _file(t / "empty.capture", b""), 2, "empty file"),
         (lambda p, t: _file(t / "text.capture", b"hello\n"), 2, "not a replay capture"),
         (_newer, 2, "upgrade replay"),

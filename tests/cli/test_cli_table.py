@@ -21,8 +21,11 @@ def paths(tmp_path, small_capture):
     grammar = tmp_path / "grammar.jsonl"
     grammar.write_text('{"prompt_token_ids": [5, 6], "structured_outputs": {"regex": "[0-9]+"}}\n')
     golden = Path(__file__).resolve().parents[2] / "captures" / "tiny-mixed.capture"
+    empty = tmp_path / "no-captures"
+    empty.mkdir()
     return {"cap": str(small_capture), "golden": str(golden), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
-            "jsonl": str(bad_jsonl), "grammar": str(grammar), "out": str(tmp_path / "out.capture")}
+            "jsonl": str(bad_jsonl), "grammar": str(grammar), "out": str(tmp_path / "out.capture"),
+            "emptydir": str(empty)}
 
 
 CASES = [
@@ -42,7 +45,7 @@ CASES = [
     ("run", "{cap}", "--repeat", "0"), ("run", "{cap}", "--atol", "-1"), ("run", "{cap}", "--mode", "sideways"),
     ("run", "{cap}", "--set", "nonsense"), ("recover", "{cap}", "-o", "{cap}"),
     # unreadable inputs
-    ("info", "{missing}"), ("info", "{dir}"), ("info", "{loop}"), ("show", "{loop}", "--step", "1"),
+    ("info", "{missing}"), ("info", "{emptydir}"), ("info", "{loop}"), ("show", "{loop}", "--step", "1"),
     ("export", "{loop}"), ("recover", "{loop}"), ("run", "{loop}", "--diff"), ("run", "{cap}", "--diff"),
     ("diff", "{loop}", "{cap}"), ("diff", "{cap}", "{missing}"),
     # knobs a replay cannot take, and selections with nothing in them

@@ -8,7 +8,13 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from replay.contracts import Array, ModelRunnerOutput, Opaque, SamplingParams, SchedulerOutput
+from replay.contracts import (
+    Array,
+    ModelRunnerOutput,
+    Opaque,
+    SamplingParams,
+    SchedulerOutput,
+)
 from replay.contracts.tolerant import TolerantConverter
 
 

@@ -15,7 +15,13 @@ import torch
 from replay.engine.config import ModelConfig
 from replay.engine.model import CausalLM, ContiguousAttention
 from replay.engine.tokenizer import ByteTokenizer, load_tokenizer
-from replay.engine.weights import TINY_CONFIG, load_checkpoint, load_model, load_model_config, tiny_model
+from replay.engine.weights import (
+    TINY_CONFIG,
+    load_checkpoint,
+    load_model,
+    load_model_config,
+    tiny_model,
+)
 from replay.errors import UsageError
 from replay.provenance import set_torch_threads
 

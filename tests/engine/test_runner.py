@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from replay.contracts import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from replay.engine.model import ContiguousAttention
 from replay.engine.runner import ModelRunner
 from replay.engine.weights import tiny_model

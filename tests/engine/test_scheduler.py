@@ -30,7 +30,11 @@ from replay.contracts import (
     SchedulerOutput,
 )
 from replay.engine.config import SchedulerConfig
-from replay.engine.kv_cache_manager import KVCacheManager, hash_block_tokens, update_block_hashes
+from replay.engine.kv_cache_manager import (
+    KVCacheManager,
+    hash_block_tokens,
+    update_block_hashes,
+)
 from replay.engine.request import Request
 from replay.engine.scheduler import Scheduler
 

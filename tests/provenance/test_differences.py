@@ -69,3 +69,14 @@ def test_a_builtin_replay_describes_itself_as_its_recording_did():
         set_torch_threads(threads)
     assert [d.as_note() for d in overridden.differences if d.label in ("dtype", "threads")] == [
         "dtype: recorded float32, replay bfloat16", "threads: recorded 1, replay 2"]
+
+
+def test_layout_differences_follow_hardware_and_lead_the_numerics():
+    """vLLM's parallel layout and compilation settings, by vLLM's names; a setting only one side has (the builtin
+    engine has no compilation mode) is unknown, not different."""
+    vllm_side = {"tensor_parallel_size": "2", "pipeline_parallel_size": "1", "compilation_mode": "VLLM_COMPILE"}
+    builtin_side = {"tensor_parallel_size": "1", "pipeline_parallel_size": "1"}
+    diffs = header_differences(_header(**{"engine_config.layout": vllm_side}),
+                               _header(**{"engine_config.layout": builtin_side, "model.dtype": "bfloat16"}))
+    assert [(d.label, d.a, d.b, d.affects) for d in diffs] == [
+        ("tensor_parallel_size", "2", "1", "layout"), ("dtype", "float32", "bfloat16", "numerics")]

@@ -15,7 +15,14 @@ from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.engine.engine import LLMEngine
 from replay.inspect import capture_info
 from replay.provenance import set_torch_threads
-from replay.record import RecordOptions, SyntheticWorkload, WorkloadRequest, record_builtin, run_engine, synthetic
+from replay.record import (
+    RecordOptions,
+    SyntheticWorkload,
+    WorkloadRequest,
+    record_builtin,
+    run_engine,
+    synthetic,
+)
 
 SMALL_POOL = SchedulerConfig(block_size=4, num_gpu_blocks=24, max_num_seqs=8, max_num_batched_tokens=16)
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,6 +109,22 @@ def test_rich_vllm_recording_replays_bitwise_on_vllms_runner(rich_capture):
     assert not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
 
 
+def test_vllm_runs_quietly_its_log_beside_the_capture_and_v_shows_it(rich_capture):
+    """`replay run --runner vllm` prints no vLLM line: the first line is ours, vLLM's output is in a log beside the
+    capture, and the warnings that change numerics are notes. `replay -v` shows vLLM's output live."""
+    out = subprocess.run(REPLAY + ["run", str(rich_capture), "--diff", "--runner", "vllm"], capture_output=True,
+                         text=True, env=ENV, timeout=600)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    assert first.startswith(("note: ", "replayed ")), first
+    assert "note: vLLM: Enforce eager set, disabling torch.compile" in out.stdout
+    assert " INFO " not in out.stdout and "Traceback" not in out.stdout
+    assert "Initializing a V1 LLM engine" in Path(f"{rich_capture}.vllm-replay.log").read_text()
+    loud = subprocess.run(REPLAY + ["-v", "run", str(rich_capture), "--diff", "--runner", "vllm", "--steps", "0-1"],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert loud.returncode == 0 and "Initializing a V1 LLM engine" in loud.stdout + loud.stderr
+
+
 def test_rich_vllm_recording_on_the_builtin_runner_with_the_grammar_mask(rich_capture, monkeypatch):
     rep = replay_capture(rich_capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     # greedy tokens (structured ones included) and every logprob agree; vLLM's random draws are not ours to repeat
@@ -168,9 +185,11 @@ def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(models):
                                    *SMALL_ENGINE], capture_output=True, text=True, env=ENV, timeout=600)
     if out.returncode == 0:
         pytest.skip("this vLLM build samples chunked seeded prefills fine")  # fixed upstream: nothing to explain
-    ours = [line for line in out.stderr.splitlines() if line.startswith("replay: ")]
-    assert out.returncode == 2 and len(ours) == 1 and "max_num_batched_tokens" in ours[0], out.stderr[-2000:]
-    assert "Traceback" not in out.stderr.split("replay: ")[-1]
-    assert "seeded" in out.stdout + out.stderr  # the tap's warning, logged before vLLM's own error
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("replay: ") and "max_num_batched_tokens" in lines[0], out.stderr
+    assert f"vLLM's log: {capture}.vllm.log" in lines[0]
+    log = Path(f"{capture}.vllm.log").read_text()
+    assert "seeded" in log and "does not use offset" in log  # the tap's warning, then vLLM's own error
     info = capture_info(capture)
-    assert info.complete and info.status.startswith("error")
+    assert info.complete and info.status.startswith("crashed at step ") and "does not use offset" in info.status

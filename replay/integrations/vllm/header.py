@@ -63,6 +63,32 @@ def _runner_class(vc: Any, sched: Any) -> str:
     return "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 
 
+def _name(value: Any) -> str:
+    """An enum by its name (CompilationMode.NONE -> NONE), anything else as text."""
+    return str(getattr(value, "name", value))
+
+
+def vllm_layout(vc: Any) -> dict[str, str]:
+    """The parallel layout, compilation and kernel-relevant settings of a vllm_config, by vLLM's names."""
+    pc, mc, cc = vc.parallel_config, vc.model_config, vc.cache_config
+    comp = getattr(vc, "compilation_config", None)
+    spec = getattr(vc, "speculative_config", None)
+    out = {
+        "tensor_parallel_size": getattr(pc, "tensor_parallel_size", 1),
+        "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
+        "data_parallel_size": getattr(pc, "data_parallel_size", 1),
+        "distributed_executor_backend": getattr(pc, "distributed_executor_backend", None) or "",
+        "compilation_mode": _name(getattr(comp, "mode", "")) if comp is not None else "",
+        "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", "")) if comp is not None else "",
+        "enforce_eager": bool(getattr(mc, "enforce_eager", False)),
+        "kv_cache_dtype": getattr(cc, "cache_dtype", "") or "",
+        "quantization": getattr(mc, "quantization", None) or "",
+        "speculative_config": (f"{getattr(spec, 'method', '')} x{getattr(spec, 'num_speculative_tokens', '')}"
+                               if spec is not None else ""),
+    }
+    return {k: _name(v) if not isinstance(v, (bool, int)) else str(v) for k, v in out.items() if v != ""}
+
+
 def vllm_header(sched: Any) -> Header:
     """Everything replay needs to rebuild an equivalent engine, from a vLLM Scheduler's vllm_config: what the tap
     records, and what vLLM-runner replay describes itself with (so both are compared field for field)."""
@@ -89,7 +115,7 @@ def vllm_header(sched: Any) -> Header:
         logprobs_mode=str(getattr(mc, "logprobs_mode", "raw_logprobs")),
         async_scheduling=bool(getattr(sc, "async_scheduling", False)),
         runner_class=_runner_class(vc, sched),
-        extra={"vllm_config": str(vc)[:4000]})
+        extra={"vllm_config": str(vc)[:4000]}, layout=vllm_layout(vc))
     extra = {"recorded_at": time.time()}
     try:
         seen = vllm_field_names()

