@@ -18,6 +18,7 @@ skips record tags it does not know (a newer minor version); a newer major versio
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Generic
 
 import msgspec
@@ -176,6 +177,16 @@ class Crash(msgspec.Struct, tag="crash", array_like=True, omit_defaults=True):
     def describe(self) -> str:
         """'RuntimeError: CPU Generator does not use offset'."""
         return f"{self.error_type}: {self.message}" if self.message else self.error_type
+
+    def status(self) -> str:
+        """The footer status of a capture that ends with this crash."""
+        return f"crashed at step {self.step}: {self.describe()}"[:500]
+
+    @classmethod
+    def from_exception(cls, step: int, error: BaseException) -> "Crash":
+        """The crash of step `step`, from the exception it raised (the traceback's last 8,000 characters)."""
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-8000:]
+        return cls(step, type(error).__name__, str(error), tb)
 
 
 class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):

@@ -19,10 +19,10 @@ def capture_paths(spec: str | os.PathLike) -> list[Path]:
     text = str(spec)
     p = Path(text)
     if p.is_dir():
-        found = sorted(p.glob("*.capture")) + sorted(p.glob("*.capture.partial"))
+        found = [*p.glob("*.capture"), *p.glob("*.capture.partial")]
         what = f"{p}: no captures in this directory"
     elif _GLOB & set(text):
-        found = sorted(Path(x) for x in glob.glob(text))
+        found = [Path(x) for x in glob.glob(text)]
         what = f"{text}: no captures match"
     else:
         return [p]

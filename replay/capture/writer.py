@@ -157,6 +157,11 @@ class CaptureWriter(WriterContext):
         no output) right after it."""
         self._append([self._encode(crash)])
 
+    @property
+    def last_step(self) -> int:
+        """The index of the last step written (-1 before the first)."""
+        return self._last_step
+
     def write_record(self, record: fmt.Record) -> None:
         """Copy a record read from another capture (`recover`, rewriting a capture): steps, arrivals, aborts and
         crashes; a Header or Footer is this writer's own to write, so it is skipped."""

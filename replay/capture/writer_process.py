@@ -93,15 +93,13 @@ class ProcessCaptureWriter(WriterContext):
 
     def write_step_record(self, step: fmt.Step) -> int:
         """Record an already built `Step`."""
-        if step.index <= self._last_step:
-            raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
+        self._check_order(step.index)
         try:
             data = _ENCODER.encode(step)
         except (TypeError, OverflowError, msgspec.EncodeError) as e:
             raise UsageError(f"cannot record a Step: {e}") from None
         self._send(b"S", data)
-        self._last_step = step.index
-        self._num_steps += 1
+        self._sent_step(step.index)
         return len(data)
 
     def write_crash(self, crash: fmt.Crash) -> None:
@@ -118,11 +116,9 @@ class ProcessCaptureWriter(WriterContext):
 
     def output_image(self, index: int, model_runner_output: bytes, execute_ns: int, update_ns: int) -> None:
         """Step `index` ended with this ModelRunnerOutput image: the writer process writes the step now."""
-        if index <= self._last_step:
-            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+        self._check_order(index)
         self._send(b"O", _ENCODER.encode([index, msgspec.Raw(model_runner_output), execute_ns, update_ns]))
-        self._last_step = index
-        self._num_steps += 1
+        self._sent_step(index)
 
     def crash_image(self, index: int, error_type: str, message: str, traceback: str) -> None:
         """Step `index` raised while executing: the writer process writes a Crash record and the scheduled step."""
@@ -137,14 +133,21 @@ class ProcessCaptureWriter(WriterContext):
                          grammar_output: bytes | None = None, timing: list[int] | None = None) -> int:
         """Record one step given as another engine's msgpack-encoded objects (converted in the child);
         `timing`: [start, schedule, execute, update] ns as `StepTiming`."""
-        if index <= self._last_step:
-            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+        self._check_order(index)
         raw = [msgspec.Raw(b) if b is not None else None for b in (scheduler_output, model_runner_output, grammar_output)]
         data = _ENCODER.encode([index, *raw, timing])
         self._send(b"V", data)
+        self._sent_step(index)
+        return len(data)
+
+    def _check_order(self, index: int) -> None:
+        """Refuse a step that does not follow the last one, as CaptureWriter does."""
+        if index <= self._last_step:
+            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+
+    def _sent_step(self, index: int) -> None:
         self._last_step = index
         self._num_steps += 1
-        return len(data)
 
     def flush(self) -> None:
         """Ask the writer process to close its open chunk now."""
@@ -219,7 +222,7 @@ class _Images:
 
     def crash_status(self) -> str:
         """The footer status once the engine raised during a step ("" when it did not)."""
-        return f"crashed at step {self.crash.step}: {self.crash.describe()}"[:500] if self.crash else ""
+        return self.crash.status() if self.crash else ""
 
     def warm(self) -> None:
         """Import and compile the converters now, before the engine's first step rather than during it."""
@@ -229,23 +232,23 @@ class _Images:
             self.conv = TolerantConverter()
             self.conv.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
 
-    def write(self, writer, kind: bytes, payload: bytes, last_step: int) -> int:
-        """Convert one image frame and hand what it completes to `writer`; returns the last step written."""
+    def write(self, writer, kind: bytes, payload: bytes) -> None:
+        """Convert one image frame and hand what it completes to `writer`."""
         self.warm()
         c = self.conv
         if kind == b"R":
             step, request = msgspec.msgpack.decode(payload)
             writer.add_request(c.convert(request, EngineCoreRequest), step)
-            return last_step
+            return
         if kind == b"P":
             index, so, start, schedule_ns = msgspec.msgpack.decode(payload)
             self.pending[index] = [so, None, start, schedule_ns]
-            return last_step
+            return
         if kind == b"G":
             index, go = msgspec.msgpack.decode(payload)
             if index in self.pending:
                 self.pending[index][1] = go
-            return last_step
+            return
         if kind in (b"O", b"E"):
             index, *rest = msgspec.msgpack.decode(payload)
             so, go, start, schedule_ns = self.pending.pop(index)
@@ -255,18 +258,17 @@ class _Images:
                 writer.write_crash(self.crash)
                 writer.write_step_record(fmt.Step(index, c.convert(so, SchedulerOutput[str]), None,
                                                   grammar_output=grammar, timing=fmt.StepTiming(start, schedule_ns)))
-                return index
+                return
             mro, execute_ns, update_ns = rest
             writer.write_step_record(fmt.Step(
                 index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
                 grammar_output=grammar, timing=fmt.StepTiming(start, schedule_ns, execute_ns, update_ns)))
-            return index
+            return
         index, so, mro, go, timing = msgspec.msgpack.decode(payload)
         writer.write_step_record(fmt.Step(
             index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
             grammar_output=None if go is None else c.convert(go, GrammarOutput[str]),
             timing=None if timing is None else fmt.StepTiming(*timing)))
-        return index
 
 
 def _grow_pipe(fd: int) -> None:
@@ -341,7 +343,6 @@ def _child(options: dict) -> int:
     _detach()
     writer = None
     images = _Images()
-    last_step = -1
     try:
         kind, payload = read_frame()
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
@@ -354,7 +355,7 @@ def _child(options: dict) -> int:
         while True:
             kind, payload = read_frame()
             if kind is None:  # the engine went away without closing: seal what it sent
-                writer.close(status=images.crash_status() or stopped_status(last_step, images.pending,
+                writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
                                                                              cut=payload is None))
                 return 0
             if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
@@ -369,20 +370,13 @@ def _child(options: dict) -> int:
                 writer.flush()
                 continue
             if kind in _IMAGE_FRAMES:
-                last_step = images.write(writer, kind, payload, last_step)
+                images.write(writer, kind, payload)
                 continue
             if kind == b"K":
                 images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
                 writer.write_crash(images.crash)
                 continue
-            rec = decoders[kind].decode(payload)
-            if kind == b"S":
-                writer.write_step_record(rec)
-                last_step = rec.index
-            elif kind == b"A":
-                writer.add_request(rec.request, rec.step)
-            else:
-                writer.abort_request(rec.request_id, rec.step)
+            writer.write_record(decoders[kind].decode(payload))  # S, A, X: a step, an arrival, an abort
     except ReplayError as e:
         if writer is not None:
             writer.abandon()

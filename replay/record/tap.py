@@ -10,7 +10,6 @@ objects again; compression and I/O happen on the writer's background thread (zst
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Protocol
 
 from replay.capture import CaptureWriter, Crash, StepTiming
@@ -62,8 +61,7 @@ class CaptureTap:
 
     def on_step_failed(self, index: int, scheduler_output: SchedulerOutput, error: BaseException) -> None:
         """Record the crash: the exception, then the step that raised it (scheduled, no output)."""
-        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-8000:]
-        crash = Crash(index, type(error).__name__, str(error), tb)
-        self.crash_status = f"crashed at step {index}: {crash.describe()}"[:500]
+        crash = Crash.from_exception(index, error)
+        self.crash_status = crash.status()
         self.writer.write_crash(crash)
         self.writer.write_step(index, scheduler_output, None)

@@ -64,7 +64,7 @@ def _runner_class(vc: Any, sched: Any) -> str:
 
 
 def _name(value: Any) -> str:
-    """An enum by its name (CompilationMode.NONE -> NONE), anything else as text."""
+    """An enum by its name (CompilationMode.NONE -> NONE, even an IntEnum), anything else as text."""
     return str(getattr(value, "name", value))
 
 
@@ -78,15 +78,15 @@ def vllm_layout(vc: Any) -> dict[str, str]:
         "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
         "data_parallel_size": getattr(pc, "data_parallel_size", 1),
         "distributed_executor_backend": getattr(pc, "distributed_executor_backend", None) or "",
-        "compilation_mode": _name(getattr(comp, "mode", "")) if comp is not None else "",
-        "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", "")) if comp is not None else "",
+        "compilation_mode": getattr(comp, "mode", ""),
+        "cudagraph_mode": getattr(comp, "cudagraph_mode", ""),
         "enforce_eager": bool(getattr(mc, "enforce_eager", False)),
         "kv_cache_dtype": getattr(cc, "cache_dtype", "") or "",
         "quantization": getattr(mc, "quantization", None) or "",
         "speculative_config": (f"{getattr(spec, 'method', '')} x{getattr(spec, 'num_speculative_tokens', '')}"
                                if spec is not None else ""),
     }
-    return {k: _name(v) if not isinstance(v, (bool, int)) else str(v) for k, v in out.items() if v != ""}
+    return {k: _name(v) for k, v in out.items() if v != ""}
 
 
 def vllm_header(sched: Any) -> Header:

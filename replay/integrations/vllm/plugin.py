@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +212,13 @@ class _Tap:
         entry = self.in_flight.pop(id(so), None)
         if entry is None:
             return
-        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:]
-        self.crash = f"crashed at step {entry[0]}: {type(err).__name__}: {err}"[:500]
-        self._send(self.writer.crash_image, entry[0], type(err).__name__, str(err), tb)
+        from replay.capture.format import (
+            Crash,  # only on a crash: the plugin imports lazily
+        )
+
+        crash = Crash.from_exception(entry[0], err)
+        self.crash = crash.status()
+        self._send(self.writer.crash_image, crash.step, crash.error_type, crash.message, crash.traceback)
 
     def _send(self, method, *args) -> None:
         """Hand a frame to the writer; a writer that has failed is logged once, never raised into vLLM's loop."""
