@@ -78,7 +78,7 @@ def record_vllm(opts: VllmRecordOptions) -> RecordResult:
         core = llm.llm_engine.engine_core.engine_core
         from replay.integrations.vllm.plugin import SEEDED_CHUNK_CRASH, attach, detach
 
-        tap = attach(core.scheduler, out)
+        tap = attach(core.scheduler, out, executor=core.model_executor)
         status = "ok"
         t = time.perf_counter()
         try:

@@ -78,6 +78,10 @@ class ReplayReport(msgspec.Struct):
     requests_compared: int = 0  # their sampled tokens
     tokens_compared: int = 0
     tolerance_choice: str = ""  # with --tolerance auto: which tolerance it took, and why
+    # with a divergence: the leading suspect among the recording's and the replay's differences (hardware, then the
+    # parallel layout and compilation, then the other numerics knobs), e.g. "tensor_parallel_size: recorded 2,
+    # replay 1"; "" when they compute alike
+    suspect: str = ""
 
 
 def recorded_draws(header: Header) -> str:
@@ -248,7 +252,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, p.recorded_draws, p.crash,
                         p.data_lost, p.stopped, len(p.summaries),
                         len(p.requests),
-                        sum(s.tokens_compared for s in p.summaries), p.tolerance_choice)
+                        sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
+                        p.notes[0] if p.notes and (p.count or crash_diverged) else "")
 
 
 def _span(steps: int) -> str:

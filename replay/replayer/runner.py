@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
+from replay.integrations.vllm.layout import LAYOUT_KNOBS, check_layout_knob
 from replay.provenance import (
     HeaderDifference,
     header_differences,
@@ -21,9 +22,10 @@ from replay.provenance import (
 if TYPE_CHECKING:
     from replay.engine.runner import ModelRunner
 
-KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant", "runner")
+KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant", "runner") + LAYOUT_KNOBS
 RUNNERS = ("builtin", "vllm")
-VLLM_KNOBS = ("dtype", "model", "runner")  # what vLLM-runner replay can change (vLLM picks its own kernels)
+# what vLLM-runner replay can change: the dtype, the weights, and the layout vLLM runs them on (vLLM's names)
+VLLM_KNOBS = ("dtype", "model", "runner") + LAYOUT_KNOBS
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -68,6 +70,17 @@ def parse_overrides(items: list[str] | None) -> dict[str, str]:
             raise UsageError(f"--set batch_invariant={value}: expected true or false")
         if key == "runner" and value not in RUNNERS:
             raise UsageError(f"--set runner={value}: expected builtin or vllm")
+        if key == "enforce_eager" and value.lower() not in BOOLEANS:
+            raise UsageError(f"--set enforce_eager={value}: expected true or false")
+        if key in LAYOUT_KNOBS:
+            try:
+                out[key] = check_layout_knob(key, value)
+            except ValueError as e:
+                raise UsageError(f"--set {key}={value}: {e}") from None
+    layout = [k for k in out if k in LAYOUT_KNOBS]
+    if layout and out.get("runner") != "vllm":
+        raise UsageError(f"--set {', '.join(layout)}: a vLLM layout knob; it needs vLLM's runner (--runner vllm): the "
+                         "builtin runner computes on one worker, in eager mode, with its own attention")
     if out.get("runner") == "vllm":
         builtin_only = [k for k in out if k not in VLLM_KNOBS]
         if builtin_only:

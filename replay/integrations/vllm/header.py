@@ -68,8 +68,29 @@ def _name(value: Any) -> str:
     return str(getattr(value, "name", value))
 
 
-def vllm_layout(vc: Any) -> dict[str, str]:
-    """The parallel layout, compilation and kernel-relevant settings of a vllm_config, by vLLM's names."""
+def worker_attention_backends(worker: Any) -> list[str]:
+    """On one worker (through `collective_rpc`): the attention backends its model runner selected, by vLLM's names."""
+    runner = getattr(worker, "worker", worker).model_runner  # a WorkerWrapperBase or the worker itself
+    return sorted({g.backend.get_name() for groups in getattr(runner, "attn_groups", []) for g in groups})
+
+
+def attention_backends(executor: Any) -> str:
+    """The attention backend(s) an engine's workers actually run ("CPU_ATTN", "FLASH_ATTN"...), asked of every
+    worker; "" when the executor cannot say (then the header simply does not record it)."""
+    if executor is None:
+        return ""
+    try:
+        per_rank = executor.collective_rpc(worker_attention_backends, timeout=60)
+    except Exception:  # noqa: BLE001 - provenance: an executor that cannot answer records nothing, and vLLM runs on
+        return ""
+    if not isinstance(per_rank, list) or not all(isinstance(x, list) for x in per_rank):
+        return ""
+    return ",".join(sorted({name for names in per_rank for name in names}))
+
+
+def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
+    """The parallel layout, compilation and kernel-relevant settings of a vllm_config, by vLLM's names, and the
+    attention backend the workers selected (`attention_backends`)."""
     pc, mc, cc = vc.parallel_config, vc.model_config, vc.cache_config
     comp = getattr(vc, "compilation_config", None)
     spec = getattr(vc, "speculative_config", None)
@@ -85,13 +106,15 @@ def vllm_layout(vc: Any) -> dict[str, str]:
         "quantization": getattr(mc, "quantization", None) or "",
         "speculative_config": (f"{getattr(spec, 'method', '')} x{getattr(spec, 'num_speculative_tokens', '')}"
                                if spec is not None else ""),
+        "attention_backend": attention_backend,
     }
     return {k: _name(v) for k, v in out.items() if v != ""}
 
 
-def vllm_header(sched: Any) -> Header:
+def vllm_header(sched: Any, attention_backend: str = "") -> Header:
     """Everything replay needs to rebuild an equivalent engine, from a vLLM Scheduler's vllm_config: what the tap
-    records, and what vLLM-runner replay describes itself with (so both are compared field for field)."""
+    records, and what vLLM-runner replay describes itself with (so both are compared field for field).
+    `attention_backend`: what the workers selected (`attention_backends(executor)`), where the caller can ask."""
     import vllm
 
     vc = sched.vllm_config
@@ -115,7 +138,7 @@ def vllm_header(sched: Any) -> Header:
         logprobs_mode=str(getattr(mc, "logprobs_mode", "raw_logprobs")),
         async_scheduling=bool(getattr(sc, "async_scheduling", False)),
         runner_class=_runner_class(vc, sched),
-        extra={"vllm_config": str(vc)[:4000]}, layout=vllm_layout(vc))
+        extra={"vllm_config": str(vc)[:4000]}, layout=vllm_layout(vc, attention_backend))
     extra = {"recorded_at": time.time()}
     try:
         seen = vllm_field_names()

