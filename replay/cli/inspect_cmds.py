@@ -75,10 +75,14 @@ def recover(
 @command
 def export(
     capture: Path = CaptureArg,
-    format: str = typer.Option("jsonl", "--format", "-f", help="Output format: jsonl (one JSON object per record)."),
+    format: str = typer.Option("jsonl", "--format", "-f", help="Output format: jsonl (one JSON object per record) "
+                               "or perfetto (a trace-event JSON timeline for ui.perfetto.dev and chrome://tracing)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write to a file instead of stdout."),
 ) -> None:
-    """Every record of a capture, one JSON object per line, for other tools."""
+    """Every record of a capture, one JSON object per line, for other tools; or (--format perfetto) its steps and
+    requests as a timeline to open in ui.perfetto.dev or chrome://tracing."""
+    from functools import partial
+
     from replay.cli.render_capture import render_exported
     from replay.inspect import export_records
 
@@ -92,7 +96,7 @@ def export(
             from replay.errors import UsageError
 
             raise UsageError(f"{output}: cannot write: {e.strerror or e}") from None
-    emit(n, render_exported, stderr=True)
+    emit(n, partial(render_exported, fmt=format), stderr=True)
     damage_exit(damage, listed=False)
 
 

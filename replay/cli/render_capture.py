@@ -170,6 +170,6 @@ def render_written(path: object) -> str:
     return f"wrote {path}"
 
 
-def render_exported(n: int) -> str:
-    """`replay export`'s count (on stderr: stdout carries the records)."""
-    return f"exported {n} records"
+def render_exported(n: int, fmt: str = "jsonl") -> str:
+    """`replay export`'s count (on stderr: stdout carries the records, or the trace)."""
+    return f"exported {n} trace events" if fmt == "perfetto" else f"exported {n} records"

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from replay.demo import DemoResult
     from replay.diff import BatchComposition, CaptureDiff, Divergence
     from replay.replayer import CheckResult, ReplayReport
+    from replay.replayer.corpus import CorpusResult, CorpusRow
 
 
 def _batch_line(b: BatchComposition) -> str:
@@ -60,6 +61,32 @@ def _prefix_lines(rep: ReplayReport) -> list[str]:
 def render_check(res: CheckResult) -> str:
     """`replay check`'s verdict and its reason (for people; git bisect reads the exit code)."""
     return f"{res.verdict}: {res.reason}"
+
+
+def render_corpus_row(r: CorpusRow) -> str:
+    """One capture of a corpus: verdict, time, where it diverged and the suspect, or why it could not be tested."""
+    line = f"{r.verdict.upper():<11} {r.seconds:7.1f} s  {r.capture}"
+    if r.first_divergence:
+        line += f"  first: {r.first_divergence}"
+        if r.suspect:
+            line += f"; suspect {r.suspect}"
+    elif r.code not in (0, 1):
+        line += f"  ({r.reason.removeprefix(r.capture + ': ')})"
+    return line
+
+
+def render_corpus(res: CorpusResult) -> str:
+    """`replay check CORPUS`: a row per capture in corpus order, the groups of differences, one summary line."""
+    lines = [render_corpus_row(r) for r in res.rows]
+    lines.append("")
+    for g in res.groups:
+        what = "; ".join(g.differences) if g.differences else "recorded like this runner (no difference)"
+        counts = f"{g.diverged} of {g.captures} diverge" + (f", {g.cannot_test} cannot test" if g.cannot_test else "")
+        lines.append(f"{counts}: {what}")
+    resumed = f", {res.resumed} resumed from the results file" if res.resumed else ""
+    lines.append(f"{len(res.rows)} captures: {res.good} good, {res.bad} bad, {res.cannot_test} cannot test "
+                 f"({res.how}, {res.seconds:.1f} s{resumed})")
+    return "\n".join(lines)
 
 
 def render_replay(rep: ReplayReport) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -9,7 +10,6 @@ import typer
 
 from replay.cli.common import (
     AtolOpt,
-    CaptureArg,
     CaptureSetArg,
     ForceOpt,
     JsonOpt,
@@ -26,7 +26,7 @@ from replay.cli.common import (
     err,
     replay_options,
 )
-from replay.errors import EXIT_DAMAGED
+from replay.errors import EXIT_DAMAGED, ReplayError
 
 
 @command
@@ -70,7 +70,8 @@ def run(
 
 @command
 def check(
-    capture: Path = CaptureArg,
+    capture: Path = typer.Argument(..., help="Capture file; or a corpus: a directory, a glob or a list file of them.",
+                                   show_default=False),
     mode: str = ModeOpt,
     set_: Optional[list[str]] = SetOpt,
     runner: Optional[str] = RunnerOpt,
@@ -78,19 +79,43 @@ def check(
     rtol: float = RtolOpt,
     tolerance: Optional[str] = ToleranceOpt,
     force: bool = ForceOpt,
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Corpus: replay N captures at once, in local processes."),
+    ray: bool = typer.Option(False, "--ray", help="Corpus: one Ray task per capture, on the cluster at RAY_ADDRESS "
+                             "(or --ray-address), else on a local single-node one."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to join (implies --ray)."),
+    results: Optional[Path] = typer.Option(None, "--results", help="Corpus: append each row to this JSONL file as "
+                                           "it finishes; rows already there for unchanged captures are reused."),
+    json: bool = JsonOpt,
 ) -> None:
     """Predicate for `git bisect run`: 0 replays within tolerance, 1 diverges, 125 cannot test. With
-    `--tolerance auto` it says which tolerance it took: bitwise on the recording's hardware, else a measured one."""
-    from replay.cli.render_replay import render_check
+    `--tolerance auto` it says which tolerance it took: bitwise on the recording's hardware, else a measured one.
+    Given a corpus (a directory, glob or list file), it checks every capture and prints one row each and a summary:
+    1 if any diverges, 0 if none does, 125 if none could be tested."""
+    from replay.cli.render_replay import render_check, render_corpus, render_corpus_row
     from replay.replayer import check_capture
+    from replay.replayer.corpus import check_corpus, corpus_paths
+    from replay.replayer.fanout import FanOut
 
     try:
         opts = replay_options(mode, set_, None, atol, rtol, 0.05, 1, force, None, runner=runner, tolerance=tolerance)
+        many = corpus_paths(capture) != [capture]  # a directory, a glob, a list file
     except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
         err(str(e))
         raise typer.Exit(125) from None
-    res = check_capture(capture, opts)
-    emit(res, render_check, stderr=True)
+    if not many and not (ray or ray_address or results or jobs > 1):
+        res = check_capture(capture, opts)
+        emit(res, render_check, json=json, stderr=not json)
+        raise typer.Exit(res.code)
+    how = FanOut(jobs=jobs, ray=ray or ray_address is not None, ray_address=ray_address)
+    show = None if json or not sys.stderr.isatty() else (lambda row: print(render_corpus_row(row), file=sys.stderr))
+    try:
+        res = check_corpus(capture, opts, how=how, results=results, on_row=show)
+    except ReplayError as e:  # a corpus that names nothing, a cluster out of reach: cannot test
+        err(str(e))
+        raise typer.Exit(125) from None
+    emit(res, render_corpus, json=json)
+    if res.code == 125:  # nothing was tested: say why in one line (git bisect skips this commit)
+        err(f"{capture}: none of its {len(res.rows)} capture(s) could be tested (first: {res.rows[0].reason})")
     raise typer.Exit(res.code)
 
 

@@ -1,4 +1,5 @@
-"""`export_records`: every record of a capture as one JSON object per line, for other tools."""
+"""`export_records`: a capture for other tools: every record as one JSON object per line (jsonl), or a timeline
+for trace viewers (perfetto: `replay.inspect.perfetto`)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ from typing import IO
 
 from replay.capture import CaptureReader, Damage
 from replay.errors import UsageError
+from replay.inspect.perfetto import export_perfetto
 from replay.jsonable import dumps
 
-FORMATS = ("jsonl",)
+FORMATS = ("jsonl", "perfetto")
 
 
 def export_records(path: str | os.PathLike, out: IO[str], fmt: str = "jsonl") -> tuple[int, list[Damage]]:
     """Write each readable record of `path` to `out` as a JSON line (`{"type": "step", ...}`, request ids as
-    strings, arrays as {dtype, shape, values}). Returns (records written, damage met)."""
+    strings, arrays as {dtype, shape, values}); with `fmt="perfetto"`, the Chrome trace-event document of
+    `export_perfetto` instead. Returns (records, or trace events, written; damage met)."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r}: supported formats are {', '.join(FORMATS)}")
+    if fmt == "perfetto":
+        return export_perfetto(path, out)
     n = 0
     with CaptureReader(path) as r:
         for rec in r.records():

@@ -1,0 +1,105 @@
+"""`replay check CORPUS`: 40 real builtin captures (several workloads), two recorded under a planted change of a
+numerics setting (MKL's conditional numerical reproducibility, `MKL_CBWR=COMPATIBLE`, which changes float32 GEMM
+results on this CPU), and one damaged; checked serially, in two local processes and as Ray tasks on a local
+single-node cluster (Ray itself, not a stand-in: `pip install ray` is part of the test extras)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replay.cli import main
+from replay.record import EngineOptions, SyntheticWorkload, record, synthetic
+from replay.replayer.corpus import check_corpus, corpus_paths
+from replay.replayer.fanout import FanOut
+
+PLANTED = ("planted-0.capture", "planted-1.capture")
+DAMAGED = "damaged.capture"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    shapes = [dict(sampling="greedy"), dict(sampling="mixed"), dict(sampling="greedy", num_logprobs=None),
+              dict(sampling="mixed", shared_prefix_fraction=0.8)]
+    for i in range(37):
+        wl = SyntheticWorkload(num_requests=3 + i % 4, prompt_len=(4, 12 + i % 5), output_len=(2, 6), seed=i,
+                               **shapes[i % len(shapes)])
+        record(EngineOptions(model="tiny", threads=1), synthetic(wl, 512), d / f"w{i:02d}.capture")
+    for name in PLANTED:  # the candidate differs from these recordings in one setting
+        out = subprocess.run([sys.executable, "-m", "replay.cli", "record", "--threads", "1", "--num-requests", "4",
+                              "--output-len", "2:6", "--out", str(d / name)], capture_output=True, text=True,
+                             env=dict(os.environ, MKL_CBWR="COMPATIBLE"), timeout=300)
+        assert out.returncode == 0, out.stderr
+    shutil.copy(d / "w00.capture", d / DAMAGED)
+    with open(d / DAMAGED, "r+b") as f:  # a flipped byte in the middle of a chunk
+        f.seek(os.path.getsize(d / DAMAGED) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert len(corpus_paths(d)) == 40
+    return d
+
+
+@pytest.fixture(scope="module")
+def serial(corpus):
+    return check_corpus(corpus)
+
+
+def _verdicts(res) -> dict[str, tuple[str, str, str]]:
+    return {Path(r.capture).name: (r.verdict, r.first_divergence, r.suspect) for r in res.rows}
+
+
+def test_a_corpus_check_names_the_planted_and_the_damaged_captures(serial):
+    bad = sorted(Path(r.capture).name for r in serial.rows if r.verdict == "bad")
+    cannot = [r for r in serial.rows if r.verdict == "cannot test"]
+    assert bad == list(PLANTED) and serial.code == 1
+    assert [Path(r.capture).name for r in cannot] == [DAMAGED] and "damaged" in cannot[0].reason.lower()
+    assert serial.good == 37 and serial.bad == 2 and serial.cannot_test == 1
+    planted = [r for r in serial.rows if Path(r.capture).name in PLANTED]
+    assert all(r.suspect == "MKL_CBWR: recorded COMPATIBLE, replay -" for r in planted)
+    group = serial.groups[0]  # the difference that explains the divergences comes first
+    assert group.differences == ["MKL_CBWR: recorded COMPATIBLE, replay -"] and (group.captures, group.diverged) == (2, 2)
+
+
+def test_ray_tasks_and_local_processes_give_the_serial_rows(corpus, serial):
+    pytest.importorskip("ray")
+    on_ray = check_corpus(corpus, how=FanOut(ray=True))
+    assert _verdicts(on_ray) == _verdicts(serial) and on_ray.code == serial.code
+    assert on_ray.how == "Ray (a local single-node cluster)"
+    in_processes = check_corpus(corpus, how=FanOut(jobs=2))
+    assert _verdicts(in_processes) == _verdicts(serial)
+
+
+def test_an_interrupted_run_resumes_from_its_results_file(corpus, serial, tmp_path):
+    results = tmp_path / "results.jsonl"
+    first = check_corpus(corpus, results=results)
+    lines = results.read_bytes().splitlines()
+    assert len(lines) == 40
+    results.write_bytes(b"\n".join(lines[:25]) + b"\n" + lines[25][:20])  # killed while writing row 26
+    seen = []
+    again = check_corpus(corpus, results=results, on_row=seen.append)
+    assert again.resumed == 25 and len(seen) == 15
+    assert _verdicts(again) == _verdicts(first) == _verdicts(serial)
+    (corpus / "w05.capture").touch()  # a changed capture is checked again
+    assert check_corpus(corpus, results=results).resumed == 39
+
+
+def test_the_command_line_prints_a_row_each_and_a_summary_with_bisect_exit_codes(corpus, tmp_path, capsys):
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"# two good captures\n{corpus / 'w01.capture'}\n\n{corpus / 'w02.capture'}\n")
+    assert main(["check", str(listing)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("GOOD") == 2 and "2 captures: 2 good, 0 bad, 0 cannot test (serial" in out
+    assert main(["check", str(corpus / "planted-*.capture"), "--json"]) == 1
+    res = json.loads(capsys.readouterr().out)
+    assert [r["verdict"] for r in res["rows"]] == ["bad", "bad"] and res["code"] == 1
+    listing.write_text(f"{corpus / DAMAGED}\n{corpus / 'nowhere.capture'}\n")
+    assert main(["check", str(listing)]) == 125  # nothing could be tested: skip, not "bad commit"
+    assert main(["check", str(tmp_path / "empty-*.capture")]) == 125
