@@ -12,6 +12,7 @@ from replay.bisect.ddmin import Ddmin
 from replay.capture import StepRange
 from replay.errors import UsageError
 from replay.replayer import ReplayOptions, parse_overrides, replay_capture
+from replay.replayer.fanout import FanOut, fan_out
 
 
 class ConfigBisect(msgspec.Struct):
@@ -27,9 +28,10 @@ class ConfigBisect(msgspec.Struct):
 
 def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRange | None = None,
                   log: Callable[[str], None] | None = None,
-                  state: str | os.PathLike | None = None) -> ConfigBisect:
+                  state: str | os.PathLike | None = None, how: FanOut = FanOut()) -> ConfigBisect:
     """`good` / `bad`: "K=V,K=V" knob settings (see `replay.replayer.KNOBS`). The good one must replay within
-    tolerance, the bad one must diverge."""
+    tolerance, the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned out, each round
+    of ddmin's subsets replays at once and the verdict is the serial one."""
     log = log or (lambda msg: None)
     g = parse_overrides([x for x in good.split(",") if x])
     b = parse_overrides([x for x in bad.split(",") if x])
@@ -38,11 +40,18 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
         raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")
 
     def diverges(subset) -> bool:
-        knobs = {**g, **dict(subset)}
-        rep = replay_capture(path, ReplayOptions(overrides=knobs, steps=steps, force=True))
-        return rep.diverged
+        return replays_diverged((str(path), {**g, **dict(subset)}, steps))
 
-    dd = Ddmin(diverges, log, state)
+    def many(subsets: list[tuple]) -> list[bool]:
+        tasks = [(str(path), {**g, **dict(s)}, steps) for s in subsets]
+        out: list[bool] = [False] * len(tasks)
+        for i, result in fan_out(replays_diverged, tasks, how):
+            out[i] = result
+        return out
+
+    fanned = how.ray or how.jobs > 1
+    dd = Ddmin(diverges, log, state, many if fanned else None)
+    dd.prefetch([(), tuple(changes)])
     log(f"checking the good configuration ({good or 'as recorded'})")
     if dd.fails(()):
         raise UsageError(f"the good configuration ({good or 'as recorded'}) already diverges: nothing to bisect")
@@ -54,3 +63,10 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     verdict = (f"changing {what} alone makes {path} diverge" if len(minimal) == 1
                else f"these changes together make {path} diverge (each alone does not): {what}")
     return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests)
+
+
+def replays_diverged(task: tuple[str, dict[str, str], StepRange | None]) -> bool:
+    """One test of the bisect (in whichever process or Ray worker runs it): does the capture diverge when replayed
+    with these knobs?"""
+    path, knobs, steps = task
+    return replay_capture(path, ReplayOptions(overrides=dict(knobs), steps=steps, force=True)).diverged

@@ -17,11 +17,17 @@ class Ddmin:
     """Runs ddmin and counts the tests it needed (each distinct subset is tested once).
 
     With `state`, every test result is also written to that JSON file as soon as it is known, and read back on
-    the next run: an interrupted bisect resumes where it stopped instead of re-executing everything."""
+    the next run: an interrupted bisect resumes where it stopped instead of re-executing everything.
+
+    With `many` (test a list of subsets at once, e.g. fanned out over processes or Ray), each round's candidate
+    subsets are tested together before the round's decisions are taken, from the same cached answers in the same
+    order: the result is the serial one, at the price of testing a round's later subsets too."""
 
     def __init__(self, test: Callable[[tuple], bool], log: Callable[[str], None] | None = None,
-                 state: str | os.PathLike | None = None):
+                 state: str | os.PathLike | None = None,
+                 many: Callable[[list[tuple]], list[bool]] | None = None):
         self._test = test
+        self._many = many
         self._cache: dict[frozenset, bool] = {}
         self.log = log or (lambda msg: None)
         self._state = Path(state) if state else None
@@ -59,6 +65,18 @@ class Ddmin:
             self.log(f"  test {len(self._cache)}: {len(subset)} item(s) -> {'changes it' if self._cache[key] else 'no change'}")
         return self._cache[key]
 
+    def prefetch(self, subsets: Sequence[Sequence[T]]) -> None:
+        """Test the uncached ones of `subsets` together (with `many`; without it, nothing happens here)."""
+        if self._many is None:
+            return
+        todo = list({frozenset(s): tuple(s) for s in subsets if frozenset(s) not in self._cache}.values())
+        if len(todo) < 2:
+            return
+        for subset, result in zip(todo, self._many(todo)):
+            self._cache[frozenset(subset)] = bool(result)
+            self.log(f"  test {len(self._cache)}: {len(subset)} item(s) -> {'changes it' if result else 'no change'}")
+        self._save()
+
     def minimize(self, items: Sequence[T]) -> list[T]:
         """A 1-minimal failing subset of `items` (which must fail as a whole)."""
         items = list(items)
@@ -66,11 +84,13 @@ class Ddmin:
         while len(items) >= 2:
             size = -(-len(items) // n)
             chunks = [items[i:i + size] for i in range(0, len(items), size)]
+            self.prefetch(chunks)
             for c in chunks:
                 if self.fails(c):
                     items, n = c, 2
                     break
             else:
+                self.prefetch([r for r in ([x for x in items if x not in c] for c in chunks) if r])
                 for c in chunks:
                     rest = [x for x in items if x not in c]
                     if rest and self.fails(rest):

@@ -14,6 +14,7 @@ import numpy as np
 from replay.contracts import SamplingParams
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
+from replay.replayer.fanout import FanOut, fan_out
 
 
 class Fork(msgspec.Struct):
@@ -84,38 +85,28 @@ def prompt_ids(model: str, prompt: str | None = None, prompt_token_ids: str | No
 
 def stress(prompt: list[int], config: EngineConfig, *, trials: int = 20, max_tokens: int = 24,
            neighbours: tuple[int, int] = (0, 12), seed: int = 0,
-           log: Callable[[str], None] | None = None) -> StressReport:
-    """Run the experiment; neighbours are random prompts (length 4-64, 4-32 output tokens) arriving at random steps."""
-    from replay.engine.engine import LLMEngine
+           log: Callable[[str], None] | None = None, how: FanOut = FanOut()) -> StressReport:
+    """Run the experiment; neighbours are random prompts (length 4-64, 4-32 output tokens) arriving at random steps.
+    Every trial's co-batching is drawn here from `seed`, so trials fanned out `how` (`--jobs`, `--ray`) give the
+    serial run's answer."""
+    from replay.engine.weights import load_model_config_for
 
     if trials < 2:
         raise UsageError("--trials must be at least 2")
     log = log or (lambda msg: None)
     rng = random.Random(seed)
-    engine = LLMEngine(config)
-    vocab = engine.model_config.vocab_size
-    runs = []
-    for trial in range(trials):
-        engine = LLMEngine(config) if trial else engine
-        watch = _Watch("", [], [], [])
-        engine.listeners.append(watch)
+    vocab = load_model_config_for(config.model).vocab_size
+    plans = []
+    for _ in range(trials):  # the draws in the order the serial loop always made them
         k = rng.randint(*neighbours)
         arrivals = sorted((rng.randint(0, 6), [rng.randrange(3, vocab) for _ in range(rng.randint(4, 64))],
                            rng.randint(4, 32)) for _ in range(k))
-        target_at = rng.randint(0, 4)
-        pending = arrivals + [(target_at, None, max_tokens)]
-        pending.sort(key=lambda a: a[0])
-        while pending or engine.has_unfinished_requests():
-            while pending and pending[0][0] <= engine.step_index:
-                _, p, n = pending.pop(0)
-                if p is None:
-                    watch.target = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1,
-                                                                             ignore_eos=True), "target")
-                else:
-                    engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-            engine.step()
-        runs.append(watch)
-        log(f"  trial {trial + 1}/{trials}: {k} neighbours, {len(set(b for b, _ in watch.batch))} batch sizes")
+        plans.append(_Trial(prompt, config, arrivals, rng.randint(0, 4), max_tokens))
+    runs: list[_Watch | None] = [None] * trials
+    for i, watch in fan_out(run_trial, plans, how):
+        runs[i] = watch
+        log(f"  trial {i + 1}/{trials}: {len(plans[i].arrivals)} neighbours, "
+            f"{len(set(b for b, _ in watch.batch))} batch sizes")
     completions = {tuple(r.tokens) for r in runs}
     sequences = {tuple(r.logprobs) for r in runs}
     fork = _first_fork(runs)
@@ -126,6 +117,40 @@ def stress(prompt: list[int], config: EngineConfig, *, trials: int = 20, max_tok
     if fork is not None:
         verdict += f"; they first fork at output position {fork.position} ({fork.kind}s differ)"
     return StressReport(trials, len(completions), len(sequences), fork, invariant, verdict)
+
+
+@dataclass(slots=True)
+class _Trial:
+    """One trial's plan: the target prompt, and the neighbours arriving at which steps."""
+
+    prompt: list[int]
+    config: EngineConfig
+    arrivals: list[tuple[int, list[int], int]]  # (arrival step, prompt ids, max tokens), in arrival order
+    target_at: int
+    max_tokens: int
+
+
+def run_trial(t: _Trial) -> _Watch:
+    """Run one trial on a fresh engine (in whichever process or Ray worker runs it): the target's tokens,
+    logprobs and batch shapes."""
+    from replay.engine.engine import LLMEngine
+
+    engine = LLMEngine(t.config)
+    watch = _Watch("", [], [], [])
+    engine.listeners.append(watch)
+    pending = t.arrivals + [(t.target_at, None, t.max_tokens)]
+    pending.sort(key=lambda a: a[0])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= engine.step_index:
+            _, p, n = pending.pop(0)
+            if p is None:
+                watch.target = engine.add_request(t.prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1,
+                                                                           ignore_eos=True), "target")
+            else:
+                engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.step()
+    engine.listeners.remove(watch)
+    return watch
 
 
 def _first_fork(runs: list[_Watch]) -> Fork | None:

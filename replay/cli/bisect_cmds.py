@@ -10,16 +10,20 @@ import typer
 from replay.cli.common import (
     AtolOpt,
     CaptureArg,
+    JobsOpt,
     JsonOpt,
     ModeOpt,
     PlantOpt,
     QuietOpt,
+    RayAddressOpt,
+    RayOpt,
     RtolOpt,
     SetOpt,
     StateOpt,
     StepsOpt,
     bisect_command,
     emit,
+    fan_out_options,
     progress_log,
     replay_options,
     step_range,
@@ -99,12 +103,17 @@ def bisect_config(
     bad: str = typer.Option(..., "--bad", help="Knobs that diverge, K=V,..."),
     steps: Optional[str] = StepsOpt,
     state: Optional[Path] = StateOpt,
+    jobs: int = JobsOpt,
+    ray: bool = RayOpt,
+    ray_address: Optional[str] = RayAddressOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
-    """The minimal set of knob changes (between --good and --bad) that makes the replay diverge (ddmin)."""
+    """The minimal set of knob changes (between --good and --bad) that makes the replay diverge (ddmin). With
+    --jobs or --ray each round of ddmin's subsets replays at once; the verdict is the serial one."""
     from replay.bisect.config import bisect_config as run_it
     from replay.cli.render_replay import render_bisect_config
 
-    res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state)
+    res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state,
+                 how=fan_out_options(jobs, ray, ray_address))
     emit(res, render_bisect_config, json=json)

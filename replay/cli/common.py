@@ -182,6 +182,19 @@ CaptureSetArg = typer.Argument(..., help="Capture file, or a directory or glob o
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 ModeOpt = typer.Option("forced", "--mode", help="forced: recorded tokens fed back each step (local diffs); free: the runner's own.")
 SetOpt = typer.Option(None, "--set", help="Override a knob for the replay: dtype, attention, threads, device, model, seed, runner (repeatable).")
+JobsOpt = typer.Option(1, "--jobs", "-j", min=1, help="Run N replays at once, in local processes.")
+RayOpt = typer.Option(False, "--ray", help="One Ray task per replay, on the cluster at RAY_ADDRESS (or --ray-address), "
+                      "else on a local single-node one.")
+RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to join (implies --ray).")
+
+
+def fan_out_options(jobs: int, ray: bool, ray_address: str | None):
+    """Where independent replays run, from --jobs / --ray / --ray-address."""
+    from replay.replayer.fanout import FanOut
+
+    return FanOut(jobs=jobs, ray=ray or ray_address is not None, ray_address=ray_address)
+
+
 RunnerOpt = typer.Option(None, "--runner", help="builtin (the reference runner) | vllm (vLLM's own model runner); same as --set runner=...")
 StepsOpt = typer.Option(None, "--steps", help="Diff only steps A-B (steps before A still run: state is rebuilt from step 0).")
 AtolOpt = typer.Option(0.0, "--atol", min=0, help="Absolute logprob tolerance (default: bitwise).")

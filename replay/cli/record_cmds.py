@@ -8,7 +8,18 @@ from typing import Optional
 
 import typer
 
-from replay.cli.common import JsonOpt, QuietOpt, command, emit, int_range, progress_log
+from replay.cli.common import (
+    JobsOpt,
+    JsonOpt,
+    QuietOpt,
+    RayAddressOpt,
+    RayOpt,
+    command,
+    emit,
+    fan_out_options,
+    int_range,
+    progress_log,
+)
 from replay.engine.config import RunnerConfig, SchedulerConfig
 
 # The builtin engine's defaults, for --help only: `replay.record.builtin_config` applies them, the CLI passes only
@@ -93,10 +104,14 @@ def stress(
     batch_invariant: Optional[bool] = typer.Option(None, "--batch-invariant", help="Run the builtin runner's batch-invariant mode."),
     threads: int = typer.Option(1, "--threads", min=1),
     seed: int = typer.Option(0, "--seed"),
+    jobs: int = JobsOpt,
+    ray: bool = RayOpt,
+    ray_address: Optional[str] = RayAddressOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
-    """The same prompt N times, greedy, under varied co-batching: how many unique completions and logprob sequences?"""
+    """The same prompt N times, greedy, under varied co-batching: how many unique completions and logprob sequences?
+    Trials run in parallel with --jobs or --ray (their co-batching is drawn up front: the answer is the serial one)."""
     from replay.bisect.stress import prompt_ids
     from replay.bisect.stress import stress as run_it
     from replay.cli.render_replay import render_stress
@@ -104,5 +119,6 @@ def stress(
 
     cfg = builtin_config(EngineOptions(model=model, dtype=dtype, threads=threads, batch_invariant=batch_invariant))
     res = run_it(prompt_ids(model, prompt, prompt_token_ids), cfg, trials=trials, max_tokens=max_tokens,
-                 neighbours=int_range(neighbours, "--neighbours"), seed=seed, log=progress_log(quiet))
+                 neighbours=int_range(neighbours, "--neighbours"), seed=seed, log=progress_log(quiet),
+                 how=fan_out_options(jobs, ray, ray_address))
     emit(res, render_stress, json=json)

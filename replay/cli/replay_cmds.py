@@ -12,9 +12,12 @@ from replay.cli.common import (
     AtolOpt,
     CaptureSetArg,
     ForceOpt,
+    JobsOpt,
     JsonOpt,
     ModeOpt,
     PlantOpt,
+    RayAddressOpt,
+    RayOpt,
     RtolOpt,
     RunnerOpt,
     SetOpt,
@@ -24,6 +27,7 @@ from replay.cli.common import (
     command,
     emit,
     err,
+    fan_out_options,
     replay_options,
 )
 from replay.errors import EXIT_DAMAGED, ReplayError
@@ -79,10 +83,9 @@ def check(
     rtol: float = RtolOpt,
     tolerance: Optional[str] = ToleranceOpt,
     force: bool = ForceOpt,
-    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Corpus: replay N captures at once, in local processes."),
-    ray: bool = typer.Option(False, "--ray", help="Corpus: one Ray task per capture, on the cluster at RAY_ADDRESS "
-                             "(or --ray-address), else on a local single-node one."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to join (implies --ray)."),
+    jobs: int = JobsOpt,
+    ray: bool = RayOpt,
+    ray_address: Optional[str] = RayAddressOpt,
     results: Optional[Path] = typer.Option(None, "--results", help="Corpus: append each row to this JSONL file as "
                                            "it finishes; rows already there for unchanged captures are reused."),
     json: bool = JsonOpt,
@@ -94,7 +97,6 @@ def check(
     from replay.cli.render_replay import render_check, render_corpus, render_corpus_row
     from replay.replayer import check_capture
     from replay.replayer.corpus import check_corpus, corpus_paths
-    from replay.replayer.fanout import FanOut
 
     try:
         opts = replay_options(mode, set_, None, atol, rtol, 0.05, 1, force, None, runner=runner, tolerance=tolerance)
@@ -106,7 +108,7 @@ def check(
         res = check_capture(capture, opts)
         emit(res, render_check, json=json, stderr=not json)
         raise typer.Exit(res.code)
-    how = FanOut(jobs=jobs, ray=ray or ray_address is not None, ray_address=ray_address)
+    how = fan_out_options(jobs, ray, ray_address)
     show = None if json or not sys.stderr.isatty() else (lambda row: print(render_corpus_row(row), file=sys.stderr))
     try:
         res = check_corpus(capture, opts, how=how, results=results, on_row=show)

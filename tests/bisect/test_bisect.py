@@ -112,6 +112,20 @@ def test_config_bisect_names_dtype(crowd):
     assert res.minimal_change == {"dtype": "bfloat16"}
 
 
+def test_config_bisect_fanned_out_gives_the_serial_verdict(crowd):
+    """Each ddmin round's subsets replay at once as Ray tasks (a local single-node cluster; local processes take
+    the same path, see test_corpus): the minimal change is the serial one."""
+    from replay.replayer.fanout import FanOut
+
+    path, _ = crowd
+    args = (path, "dtype=float32,seed=0,threads=1", "dtype=bfloat16,seed=5,threads=2")
+    serial = bisect_config(*args, steps=StepRange(0, 4))
+    assert serial.minimal_change == {"dtype": "bfloat16"}
+    pytest.importorskip("ray")
+    on_ray = bisect_config(*args, steps=StepRange(0, 4), how=FanOut(ray=True))
+    assert on_ray.minimal_change == serial.minimal_change and on_ray.verdict == serial.verdict
+
+
 def test_bisect_cli(crowd):
     path, steps = crowd
     step, reqs = steps[0]

@@ -28,6 +28,15 @@ def test_default_mode_gives_several_logprob_sequences_and_batch_invariant_exactl
     assert invariant.unique_logprob_sequences == 1 and invariant.unique_completions == 1 and invariant.first_fork is None
 
 
+def test_stress_trials_in_local_processes_give_the_serial_answer():
+    from replay.replayer.fanout import FanOut
+
+    cfg = EngineConfig(runner=RunnerConfig(num_threads=1))
+    serial = stress(PROMPT, cfg, trials=4, seed=3)
+    fanned = stress(PROMPT, cfg, trials=4, seed=3, how=FanOut(jobs=2))
+    assert fanned == serial  # every trial's co-batching is drawn up front, so the same trials run
+
+
 def test_batch_invariant_linear_gives_a_row_the_same_bits_whatever_the_batch():
     m, _, _ = tiny_model()
     enable(m)
