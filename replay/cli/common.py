@@ -23,6 +23,7 @@ from replay.errors import (
 if TYPE_CHECKING:
     from replay.capture import Damage
     from replay.replayer import ReplayOptions
+    from replay.replayer.fanout import FanOut
 
 app = typer.Typer(
     name="replay",
@@ -188,7 +189,7 @@ RayOpt = typer.Option(False, "--ray", help="One Ray task per replay, on the clus
 RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to join (implies --ray).")
 
 
-def fan_out_options(jobs: int, ray: bool, ray_address: str | None):
+def fan_out_options(jobs: int, ray: bool, ray_address: str | None) -> "FanOut":
     """Where independent replays run, from --jobs / --ray / --ray-address."""
     from replay.replayer.fanout import FanOut
 
