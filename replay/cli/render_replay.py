@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from replay.replayer.verdict import (
+    capture_diff_verdict,
+    crash_verdict,
+    divergence_verdict,
+    replay_verdict,
+)
+
 if TYPE_CHECKING:
     from replay.bisect.batch import BatchBisect
     from replay.bisect.config import ConfigBisect
@@ -47,7 +54,7 @@ def render_run(rep: ReplayReport) -> str:
     """`replay run` without --diff: how long the replay took, and whether a recorded crash repeated."""
     return "\n".join([f"replayed {rep.steps_replayed} steps in {rep.replay_s:.3f} s (the recording's runner took "
                       f"{rep.record_execute_s:.3f} s)" + (f"; {rep.run_to_run}" if rep.run_to_run else ""),
-                      *_prefix_lines(rep), *_crash_lines(rep)])
+                      *[f"ignored (--force): {f}" for f in rep.ignored], *_prefix_lines(rep), *_crash_lines(rep)])
 
 
 def _prefix_lines(rep: ReplayReport) -> list[str]:
@@ -96,6 +103,8 @@ def render_replay(rep: ReplayReport) -> str:
     lines = []
     for d in rep.environment_differences + (rep.host_differences if rep.diverged else []):
         lines.append(f"note: {d}")
+    for f in rep.ignored:
+        lines.append(f"ignored (--force): {f}")
     head = (f"replayed {rep.steps_replayed} steps of {rep.capture} ({rep.mode} mode, {tol_text}; a tie flip is a "
             f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
             f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
@@ -119,16 +128,13 @@ def render_replay(rep: ReplayReport) -> str:
     crash = rep.crash
     lines += _crash_lines(rep, reproduced_only=True)
     if not rep.diverged:
-        lines.append("MATCH: every replayed step equals the recording" + (" (data was lost: the readable prefix "
-                                                                          "matches)" if rep.data_lost else ""))
+        lines.append(replay_verdict(rep))
         return "\n".join(lines)
     if crash is not None and not crash.reproduced:
         lines += _crash_lines(rep)
         if rep.first_divergence is None:
             return "\n".join(lines)
-    tokens = sum(s.token_mismatches for s in rep.steps)
-    lines.append(f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "
-                 f"{rep.first_divergence.step}")
+    lines.append(divergence_verdict(rep))
     lines += render_divergence(rep.first_divergence)
     if rep.batch is not None:
         lines.append("  batch: " + _batch_line(rep.batch))
@@ -159,9 +165,7 @@ def _crash_lines(rep: ReplayReport, *, reproduced_only: bool = False) -> list[st
         return []
     if crash.reproduced:
         return [f"reproduced the recorded crash at step {crash.step}: {crash.recorded}"]
-    then = f"raised {crash.replayed}" if crash.replayed else "ran through without an error"
-    return [f"DIVERGED: the recording crashed at step {crash.step} ({crash.recorded}); the replay {then}",
-            f"  re-run: replay run {rep.capture} --diff --steps {crash.step}-{crash.step}"]
+    return [crash_verdict(rep), f"  re-run: replay run {rep.capture} --diff --steps {crash.step}-{crash.step}"]
 
 
 def render_capture_diff(res: CaptureDiff) -> str:
@@ -172,11 +176,9 @@ def render_capture_diff(res: CaptureDiff) -> str:
     if res.only_in_a or res.only_in_b:
         lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
     d = res.first_divergence
+    lines.append(capture_diff_verdict(res))
     if d is None:
-        lines.append("MATCH: every common request produced the same tokens and logprobs")
         return "\n".join(lines)
-    lines.append(f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, output position "
-                 f"{d.position}")
     if d.kind == "token":
         lines.append(f"  token {d.a_token} in A, {d.b_token} in B ({(d.flip or '').upper()} FLIP, top1-top2 margin "
                      f"{_fmt(d.margin, '.4g')}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)})")

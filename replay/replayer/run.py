@@ -23,6 +23,7 @@ from replay.diff import (
     compare_step,
 )
 from replay.errors import CaptureDamagedError, UsageError
+from replay.replayer.features import unreplayable
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, install
 from replay.replayer.runner import BuiltRunner, build_runner
@@ -82,6 +83,9 @@ class ReplayReport(msgspec.Struct):
     # parallel layout and compilation, then the other numerics knobs), e.g. "tensor_parallel_size: recorded 2,
     # replay 1"; "" when they compute alike
     suspect: str = ""
+    # with --force: the recorded features the runner could not honour and replayed without (LoRA adapters,
+    # speculative decoding, ...; see `features`), one line each
+    ignored: list[str] = []
 
 
 def recorded_draws(header: Header) -> str:
@@ -133,6 +137,7 @@ class _Pass:
     requests: set[str] = field(default_factory=set)  # requests with an output among the diffed steps
     tolerance: Tolerance = field(default_factory=Tolerance)
     tolerance_choice: str = ""
+    ignored: list[str] = field(default_factory=list)
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -141,6 +146,13 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
     with CaptureReader(path) as r:
         if opts.steps is not None:
             _check_range(path, opts.steps, r.step_span())
+        kind = opts.overrides.get("runner", "builtin")
+        missing = unreplayable(r, kind)
+        if missing and not opts.force:  # refused by name before anything runs, never a silent divergence
+            raise UsageError(f"{path}: the {kind} runner cannot replay what this capture records: "
+                             f"{'; '.join(u.describe() for u in missing)}; --force replays anyway and lists it as "
+                             "ignored")
+        out.ignored = [u.describe() for u in missing]
         built = build_runner(r.header, opts.overrides, force=opts.force, capture=path)
         out.tolerance = opts.tolerance
         if opts.auto_tolerance:
@@ -253,7 +265,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.data_lost, p.stopped, len(p.summaries),
                         len(p.requests),
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
-                        p.notes[0] if p.notes and (p.count or crash_diverged) else "")
+                        p.notes[0] if p.notes and (p.count or crash_diverged) else "", p.ignored)
 
 
 def _span(steps: int) -> str:

@@ -319,3 +319,33 @@ def test_a_real_vllm_crash_is_recorded_and_reproduced(vllm_capture, tmp_path):
     assert f"reproduced the recorded crash at step {step}" in alone.stdout
     builtin = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert builtin.diverged and builtin.crash.replayed is None
+
+
+NGRAM = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                          "prompt_lookup_min": 1})
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8}]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True), use_tqdm=False)
+""")
+
+
+def test_a_speculative_decoding_capture_is_refused_by_name_on_both_runners(vllm_capture, capsys):
+    """vLLM's ngram proposer schedules draft tokens that verification accepts or rejects; neither runner replays
+    that yet, so a replay refuses it before the first step, naming the feature and where it first appears."""
+    from replay.cli import main
+
+    capture = _record_script(vllm_capture[0].parent, "ngram", NGRAM)
+    info = capture_info(capture)
+    assert info.complete and info.header.engine_config.layout["speculative_config"] == "ngram x3"
+    for runner in ("builtin", "vllm"):
+        assert main(["run", str(capture), "--diff", "--runner", runner]) == 2
+        err = capsys.readouterr().err
+        assert f"the {runner} runner cannot replay what this capture records: speculative decoding: step" in err
+        assert "draft token(s) scheduled for verification" in err and len(err.strip().splitlines()) == 1
+    rep = replay_capture(capture, ReplayOptions(force=True, tolerance=Tolerance(atol=1e9), overrides={"runner": "vllm"}))
+    assert rep.ignored and rep.ignored[0].startswith("speculative decoding: step")
