@@ -50,3 +50,29 @@ def add_tokenizer(path: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                             pad_token="<pad>").save_pretrained(path)
     return path
+
+
+def lora_adapter(base: Path, path: Path, seed: int = 0, rank: int = 8) -> Path:
+    """A random LoRA adapter for `base` in peft's format (adapter_config.json + adapter_model.safetensors, r=`rank`,
+    lora_alpha 16, on q_proj and v_proj), written directly: what `peft`'s `save_pretrained` writes."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, out in (("q_proj", heads * hd), ("v_proj", kv * hd)):
+            p = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            tensors[p + ".lora_A.weight"] = torch.randn(rank, h, generator=g) * 0.1
+            tensors[p + ".lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.1
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": str(base)}))
+    return path

@@ -113,6 +113,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     reasoning_ended: bool | None = None
     reasoning_parser_kwargs: dict[str, Any] | None = None
     abort_immediately: bool = False
+    # ours, set by the vLLM tap: the fingerprint of `lora_request`'s adapter files when the request arrived, so a
+    # replay can tell the adapter it re-attaches is the recorded one ("" when not known)
+    lora_fingerprint: str = ""
 
     @property
     def params(self) -> SamplingParams | Opaque:

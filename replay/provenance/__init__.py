@@ -16,8 +16,12 @@ from replay.provenance.environment import (
 )
 from replay.provenance.hardware import current_hardware, hardware_summary
 from replay.provenance.header import make_header
-from replay.provenance.weights import Fingerprint, checkpoint_fingerprint
+from replay.provenance.weights import (
+    Fingerprint,
+    adapter_fingerprint,
+    checkpoint_fingerprint,
+)
 
 __all__ = ["HeaderDifference", "hardware_differences", "header_differences", "current_hardware", "hardware_summary", "is_suspect", "current_environment", "pin_threading", "relevant_env", "set_mkl_dynamic",
            "set_torch_threads",
-           "make_header", "Fingerprint", "checkpoint_fingerprint"]
+           "make_header", "Fingerprint", "adapter_fingerprint", "checkpoint_fingerprint"]

@@ -76,3 +76,23 @@ def checkpoint_fingerprint(path: str | Path) -> str:
             for name in st.keys():
                 fp.add(name, st.get_tensor(name))
     return fp.hexdigest()
+
+
+def adapter_fingerprint(path: str | Path) -> str:
+    """The fingerprint of a LoRA adapter directory in peft's format: its tensors (every `*.safetensors`, by name
+    and bytes) and its `adapter_config.json` (rank, alpha, target modules). UsageError when it cannot be read."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    d = Path(path)
+    config = d / "adapter_config.json"
+    files = sorted(d.glob("*.safetensors"))
+    if not config.is_file() or not files:
+        raise UsageError(f"{d}: not a LoRA adapter (peft format: adapter_config.json + *.safetensors)")
+    fp = Fingerprint()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                fp.add(name, st.get_tensor(name))
+    return hashlib.sha256(fp.hexdigest().encode() + config.read_bytes()).hexdigest()

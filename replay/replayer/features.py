@@ -5,17 +5,22 @@ Every feature here changes what the model computes or which tokens a step emits:
 compute without it), multimodal inputs and prompt embeddings (the capture keeps only a summary of the first, and no
 runner feeds the second back yet), a pooling request (no sampled tokens to compare), and speculative decoding
 (draft tokens scheduled for verification: a step emits several tokens per request). What each runner supports is
-listed in `SUPPORTED`; today neither runner replays any of them.
+listed in `SUPPORTED`: vLLM's runner re-attaches LoRA adapters (`adapter_problems` first checks that each one is
+where the recording found it, with the same files).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import NewRequestData, Opaque
+from replay.errors import UsageError
+from replay.integrations.vllm.convert import lora_fields
+from replay.provenance import adapter_fingerprint
 
-SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset(), "vllm": frozenset()}
+SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset(), "vllm": frozenset({"LoRA"})}
 FEATURES = ("LoRA", "multimodal inputs", "prompt embeddings", "pooling", "speculative decoding")
 
 
@@ -36,13 +41,42 @@ class Unreplayable:
         return f"{self.feature}: {who} ({self.detail}){more}"
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    """A LoRA adapter the recording's requests used."""
+
+    name: str
+    int_id: int
+    path: str
+    fingerprint: str  # when the request arrived (the tap hashes the adapter's files); "" when not recorded
+
+
 def lora_adapter(opaque: Opaque) -> str:
     """What a capture kept of a request's LoRARequest, for people: its name, id and path where they survived."""
-    if opaque.type.endswith("LoRARequest"):
+    fields = lora_fields(opaque)
+    if fields is None:
         return opaque.summary[:120]
-    # vLLM's LoRARequest is an array-like Struct: its image [name, id, path] fills an Opaque's three fields
-    name, int_id, path = opaque.type, opaque.size, opaque.summary
-    return f"adapter {name!r}" + (f" (id {int_id}" + (f", {path})" if path else ")") if int_id is not None else "")
+    name, int_id, path = fields
+    return f"adapter {name!r} (id {int_id}, {path})"
+
+
+def adapter_problems(adapters: list[LoRAAdapter]) -> list[str]:
+    """Why each recorded adapter cannot be re-attached as it was: not there, or its files changed. One line each,
+    naming the adapter."""
+    out = []
+    for a in adapters:
+        if not Path(a.path).is_dir():
+            out.append(f"LoRA adapter {a.name!r}: {a.path} is not there")
+            continue
+        try:
+            now = adapter_fingerprint(a.path)
+        except UsageError as e:
+            out.append(f"LoRA adapter {a.name!r}: {e}")
+            continue
+        if a.fingerprint and now != a.fingerprint:
+            out.append(f"LoRA adapter {a.name!r}: {a.path} changed since the recording (fingerprint "
+                       f"{a.fingerprint[:12]} recorded, {now[:12]} now)")
+    return out
 
 
 def _request_features(r: NewRequestData) -> list[tuple[str, str]]:
@@ -59,21 +93,31 @@ def _request_features(r: NewRequestData) -> list[tuple[str, str]]:
     return out
 
 
-def unreplayable(reader: CaptureReader, runner: str) -> list[Unreplayable]:
+def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable], list[LoRAAdapter]]:
     """Every feature of the capture `runner` ("builtin" | "vllm") cannot honour, with its first use, in the order
-    of FEATURES. Reads the steps once (a damaged tail ends the scan: the replay reports the damage itself)."""
-    supported = SUPPORTED.get(runner, frozenset())
+    of FEATURES; and the LoRA adapters it uses, by first use. Reads the steps once (a damaged tail ends the scan:
+    the replay reports the damage itself)."""
+    supported = set(SUPPORTED.get(runner, frozenset()))
+    ec = reader.header.engine_config
+    if ec is None or "max_lora_rank" not in ec.layout:  # recorded before the LoRA settings were: cannot rebuild
+        supported.discard("LoRA")
     first: dict[str, Unreplayable] = {}
     uses: dict[str, int] = {}
     external: dict[str, str] = {}
+    fingerprints: dict[str, str] = {}  # internal request id -> adapter fingerprint recorded at arrival
+    adapters: dict[tuple, LoRAAdapter] = {}
     try:
         for rec in reader.records():
             if isinstance(rec, RequestAdded):
                 external[rec.request.request_id] = rec.request.external_req_id or rec.request.request_id
+                fingerprints[rec.request.request_id] = rec.request.lora_fingerprint
             if not isinstance(rec, Step):
                 continue
             so = rec.scheduler_output
             for r in so.scheduled_new_reqs:
+                fields = lora_fields(r.lora_request) if r.lora_request is not None else None
+                if fields is not None and fields not in adapters:
+                    adapters[fields] = LoRAAdapter(*fields, fingerprints.get(r.req_id, ""))
                 for feature, detail in _request_features(r):
                     uses[feature] = uses.get(feature, 0) + 1
                     rid = external.get(r.req_id, r.req_id)
@@ -93,4 +137,4 @@ def unreplayable(reader: CaptureReader, runner: str) -> list[Unreplayable]:
         u = first.get(feature)
         if u is not None and feature not in supported:
             out.append(Unreplayable(u.feature, u.request, u.step, u.detail, uses[feature]))
-    return out
+    return out, list(adapters.values())

@@ -23,7 +23,7 @@ from replay.diff import (
     compare_step,
 )
 from replay.errors import CaptureDamagedError, UsageError
-from replay.replayer.features import unreplayable
+from replay.replayer.features import adapter_problems, unreplayable
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, install
 from replay.replayer.runner import BuiltRunner, build_runner
@@ -147,12 +147,16 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
         if opts.steps is not None:
             _check_range(path, opts.steps, r.step_span())
         kind = opts.overrides.get("runner", "builtin")
-        missing = unreplayable(r, kind)
+        missing, adapters = unreplayable(r, kind)
         if missing and not opts.force:  # refused by name before anything runs, never a silent divergence
             raise UsageError(f"{path}: the {kind} runner cannot replay what this capture records: "
                              f"{'; '.join(u.describe() for u in missing)}; --force replays anyway and lists it as "
                              "ignored")
+        changed = adapter_problems(adapters) if kind == "vllm" else []
+        if changed and not opts.force:
+            raise UsageError(f"{path}: {'; '.join(changed)}; --force replays anyway")
         out.ignored = [u.describe() for u in missing]
+        out.notes = changed  # with --force: a provenance difference, named first
         built = build_runner(r.header, opts.overrides, force=opts.force, capture=path)
         out.tolerance = opts.tolerance
         if opts.auto_tolerance:
@@ -169,7 +173,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
                  out: _Pass) -> None:
     """The replay and its diffs, on a built runner."""
     rng = opts.steps
-    out.notes, out.host_notes = built.notes, built.host_notes
+    out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     loop = StepLoop(path, built.runner, opts.mode)
     # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
     # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine

@@ -94,6 +94,7 @@ def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
     pc, mc, cc = vc.parallel_config, vc.model_config, vc.cache_config
     comp = getattr(vc, "compilation_config", None)
     spec = getattr(vc, "speculative_config", None)
+    lora = getattr(vc, "lora_config", None)
     out = {
         "tensor_parallel_size": getattr(pc, "tensor_parallel_size", 1),
         "pipeline_parallel_size": getattr(pc, "pipeline_parallel_size", 1),
@@ -107,6 +108,8 @@ def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
         "speculative_config": (f"{getattr(spec, 'method', '')} x{getattr(spec, 'num_speculative_tokens', '')}"
                                if spec is not None else ""),
         "attention_backend": attention_backend,
+        "max_lora_rank": getattr(lora, "max_lora_rank", "") if lora is not None else "",
+        "max_loras": getattr(lora, "max_loras", "") if lora is not None else "",
     }
     return {k: _name(v) for k, v in out.items() if v != ""}
 

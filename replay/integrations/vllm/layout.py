@@ -70,6 +70,9 @@ def engine_layout_kwargs(ec: EngineConfig, overrides: dict[str, str], engine: st
         out["compilation_config"] = compilation
     if layout.get("attention_backend"):
         out["attention_backend"] = layout["attention_backend"]
+    if layout.get("max_lora_rank"):  # recorded with LoRA enabled: adapters are re-attached per request
+        out.update(enable_lora=True, max_lora_rank=int(layout["max_lora_rank"]),
+                   max_loras=int(layout.get("max_loras") or 1))
     return out
 
 

@@ -17,7 +17,11 @@ from typing import Any
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
-from replay.integrations.vllm.convert import Converter, to_vllm_sampling_params
+from replay.integrations.vllm.convert import (
+    Converter,
+    to_vllm_lora_request,
+    to_vllm_sampling_params,
+)
 from replay.integrations.vllm.header import attention_backends, vllm_header
 from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
@@ -157,7 +161,7 @@ class VllmRunner:
             new.append(vo.NewRequestData(**_vllm_kwargs(vo.NewRequestData, dict(
                 req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, mm_features=[], sampling_params=sp,
                 pooling_params=None, block_ids=tuple(list(b) for b in r.block_ids),
-                num_computed_tokens=r.num_computed_tokens, lora_request=None))))
+                num_computed_tokens=r.num_computed_tokens, lora_request=to_vllm_lora_request(r.lora_request)))))
         cr = so.scheduled_cached_reqs
         cached = vo.CachedRequestData(**_vllm_kwargs(vo.CachedRequestData, dict(
             req_ids=list(cr.req_ids), resumed_req_ids=set(cr.resumed_req_ids), new_token_ids=list(cr.new_token_ids),

@@ -349,3 +349,40 @@ def test_a_speculative_decoding_capture_is_refused_by_name_on_both_runners(vllm_
         assert "draft token(s) scheduled for verification" in err and len(err.strip().splitlines()) == 1
     rep = replay_capture(capture, ReplayOptions(force=True, tolerance=Tolerance(atol=1e9), overrides={"runner": "vllm"}))
     assert rep.ignored and rep.ignored[0].startswith("speculative decoding: step")
+
+
+LORA = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
+    adapter = os.path.join(os.path.dirname(sys.argv[1]), "sql-lora")
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    lora = LoRARequest("sql", 1, adapter)
+    out = llm.generate(prompts, sp, lora_request=[lora, None, lora, None], use_tqdm=False)
+    plain = llm.generate(prompts[:1], sp, use_tqdm=False)
+    print("adapter changes the tokens:", list(out[0].outputs[0].token_ids) != list(plain[0].outputs[0].token_ids))
+""")
+
+
+def test_a_lora_capture_replays_bitwise_on_vllm_and_a_changed_adapter_is_refused_by_name(vllm_capture, capsys):
+    from replay.cli import main
+    from tests.vllm_checkpoints import lora_adapter
+
+    d = vllm_capture[0].parent
+    lora_adapter(d / "tiny-llama", d / "sql-lora")
+    capture = _record_script(d, "lora", LORA)
+    layout = capture_info(capture).header.engine_config.layout
+    assert layout["max_lora_rank"] == "8" and layout["max_loras"] == "2"
+    rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.tokens_compared == 40, rep.first_divergence  # the adapter re-attached
+    assert main(["run", str(capture), "--diff"]) == 2  # the builtin runner does not apply adapters: refused
+    assert "cannot replay what this capture records: LoRA: request 0 at step 0 (adapter 'sql'" in capsys.readouterr().err
+    lora_adapter(d / "tiny-llama", d / "sql-lora", seed=1)  # the same adapter name and path, other weights
+    assert main(["run", str(capture), "--diff", "--runner", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA adapter 'sql':" in err and "changed since the recording" in err and len(err.strip().splitlines()) == 1
