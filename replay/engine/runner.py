@@ -24,11 +24,14 @@ from replay.contracts import (
     LogprobsLists,
     LogprobsTensors,
     ModelRunnerOutput,
+    NewRequestData,
     SamplingParams,
     SchedulerOutput,
 )
+from replay.contracts.lora import lora_fields
 from replay.engine.attention import KVCache, PagedAttention, SeqSpan
 from replay.engine.grammar import apply_grammar_bitmask
+from replay.engine.lora import LoRAHooks
 from replay.engine.sampler import SampleRow, sample
 from replay.errors import UsageError
 
@@ -46,6 +49,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()
     prompt_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # chunks so far
+    lora: str | None = None  # the LoRA adapter (by name) its tokens go through, if any
 
     @property
     def num_tokens(self) -> int:
@@ -91,8 +95,24 @@ class ModelRunner:
         self.last_margins: dict[str, float] = {}  # top1 - top2 raw logprob per row of the last step
         self.current_spans: dict[str, tuple[int, int]] = {}  # rows of each request in the flat token batch
         self.current_rows: list[str] = []  # request of each logits row
+        self.lora: LoRAHooks | None = None  # adapters of the requests that name one (replaying a vLLM capture)
+        self.ignore_adapters: set[str] = set()  # adapters a forced replay goes without (not there any more)
 
     # -- state updates (vLLM _update_states) ----------------------------------------------------------------------
+
+    def _adapter(self, new: NewRequestData) -> str | None:
+        """The LoRA adapter a new request names (loaded and hooked on first use), or None."""
+        if new.lora_request is None:
+            return None
+        fields = lora_fields(new.lora_request)
+        if fields is None:
+            raise UsageError(f"request {new.req_id}: the capture keeps only a summary of its LoRA adapter")
+        if fields[0] in self.ignore_adapters:
+            return None
+        if self.lora is None:
+            self.lora = LoRAHooks(self.model)
+        self.lora.add(fields[0], fields[2])
+        return fields[0]
 
     def _update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None) -> None:
         for rid in so.finished_req_ids:
@@ -119,7 +139,7 @@ class ModelRunner:
             stops = tuple(sp.stop_token_ids or ()) + (() if eos is None or sp.ignore_eos else (eos,))
             self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
                                                            list(new.block_ids[0]), new.num_computed_tokens,
-                                                           stop_token_ids=stops)
+                                                           stop_token_ids=stops, lora=self._adapter(new))
             self._ensure_blocks(new.block_ids[0])
             self.batch.append(new.req_id)
             in_batch.add(new.req_id)
@@ -194,6 +214,12 @@ class ModelRunner:
             start += n
             last.append(start - 1)
         self.current_rows = rows  # logits row i belongs to rows[i] (hooks on lm_head need this)
+        if self.lora is not None:
+            by_adapter: dict[str, list[int]] = {}
+            for rid in rows:
+                if self.requests[rid].lora is not None:
+                    by_adapter.setdefault(self.requests[rid].lora, []).extend(range(*self.current_spans[rid]))
+            self.lora.set_rows(by_adapter, self.device)
         ctx = PagedAttention(self.kv, spans, self.attention_impl, self.model.cfg.sliding_window,
                              per_token=self.batch_invariant)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)

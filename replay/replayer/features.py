@@ -5,8 +5,9 @@ Every feature here changes what the model computes or which tokens a step emits:
 compute without it), multimodal inputs and prompt embeddings (the capture keeps only a summary of the first, and no
 runner feeds the second back yet), a pooling request (no sampled tokens to compare), and speculative decoding
 (draft tokens scheduled for verification: a step emits several tokens per request). What each runner supports is
-listed in `SUPPORTED`: vLLM's runner re-attaches LoRA adapters (`adapter_problems` first checks that each one is
-where the recording found it, with the same files).
+listed in `SUPPORTED`: vLLM's runner re-attaches LoRA adapters and the builtin runner applies them
+(`replay.engine.lora`); `adapter_problems` first checks that each one is where the recording found it, with the
+same files.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import NewRequestData, Opaque
+from replay.contracts.lora import lora_fields
 from replay.errors import UsageError
-from replay.integrations.vllm.convert import lora_fields
 from replay.provenance import adapter_fingerprint
 
-SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset(), "vllm": frozenset({"LoRA"})}
+SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset({"LoRA"}), "vllm": frozenset({"LoRA"})}
 FEATURES = ("LoRA", "multimodal inputs", "prompt embeddings", "pooling", "speculative decoding")
 
 
@@ -60,22 +61,22 @@ def lora_adapter(opaque: Opaque) -> str:
     return f"adapter {name!r} (id {int_id}, {path})"
 
 
-def adapter_problems(adapters: list[LoRAAdapter]) -> list[str]:
-    """Why each recorded adapter cannot be re-attached as it was: not there, or its files changed. One line each,
-    naming the adapter."""
+def adapter_problems(adapters: list[LoRAAdapter]) -> list[tuple[LoRAAdapter, str, bool]]:
+    """Why a recorded adapter cannot be re-attached as it was: (adapter, one line naming it, whether it can still be
+    attached as it is now). Not there or unreadable: it cannot; its files changed: it can, with other weights."""
     out = []
     for a in adapters:
         if not Path(a.path).is_dir():
-            out.append(f"LoRA adapter {a.name!r}: {a.path} is not there")
+            out.append((a, f"LoRA adapter {a.name!r}: {a.path} is not there", False))
             continue
         try:
             now = adapter_fingerprint(a.path)
         except UsageError as e:
-            out.append(f"LoRA adapter {a.name!r}: {e}")
+            out.append((a, f"LoRA adapter {a.name!r}: {e}", False))
             continue
         if a.fingerprint and now != a.fingerprint:
-            out.append(f"LoRA adapter {a.name!r}: {a.path} changed since the recording (fingerprint "
-                       f"{a.fingerprint[:12]} recorded, {now[:12]} now)")
+            out.append((a, f"LoRA adapter {a.name!r}: {a.path} changed since the recording (fingerprint "
+                           f"{a.fingerprint[:12]} recorded, {now[:12]} now)", True))
     return out
 
 
@@ -99,7 +100,7 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
     the replay reports the damage itself)."""
     supported = set(SUPPORTED.get(runner, frozenset()))
     ec = reader.header.engine_config
-    if ec is None or "max_lora_rank" not in ec.layout:  # recorded before the LoRA settings were: cannot rebuild
+    if runner == "vllm" and (ec is None or "max_lora_rank" not in ec.layout):  # recorded before the LoRA settings
         supported.discard("LoRA")
     first: dict[str, Unreplayable] = {}
     uses: dict[str, int] = {}
@@ -118,6 +119,8 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
                 fields = lora_fields(r.lora_request) if r.lora_request is not None else None
                 if fields is not None and fields not in adapters:
                     adapters[fields] = LoRAAdapter(*fields, fingerprints.get(r.req_id, ""))
+                elif r.lora_request is not None and fields is None:  # only a summary was kept: nothing to attach
+                    supported.discard("LoRA")
                 for feature, detail in _request_features(r):
                     uses[feature] = uses.get(feature, 0) + 1
                     rid = external.get(r.req_id, r.req_id)

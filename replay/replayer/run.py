@@ -152,12 +152,14 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
             raise UsageError(f"{path}: the {kind} runner cannot replay what this capture records: "
                              f"{'; '.join(u.describe() for u in missing)}; --force replays anyway and lists it as "
                              "ignored")
-        changed = adapter_problems(adapters) if kind == "vllm" else []
-        if changed and not opts.force:
-            raise UsageError(f"{path}: {'; '.join(changed)}; --force replays anyway")
-        out.ignored = [u.describe() for u in missing]
-        out.notes = changed  # with --force: a provenance difference, named first
+        problems = adapter_problems(adapters)
+        if problems and not opts.force:
+            raise UsageError(f"{path}: {'; '.join(p for _, p, _ in problems)}; --force replays anyway")
+        out.ignored = [u.describe() for u in missing] + [f"{p} (its requests replay without it)"
+                                                          for _, p, usable in problems if not usable]
+        out.notes = [p for _, p, usable in problems if usable]  # with --force: a provenance difference, named first
         built = build_runner(r.header, opts.overrides, force=opts.force, capture=path)
+        built.runner.ignore_adapters = {a.name for a, _, usable in problems if not usable}
         out.tolerance = opts.tolerance
         if opts.auto_tolerance:
             out.tolerance, out.tolerance_choice = auto_tolerance(r.header, built.differences,

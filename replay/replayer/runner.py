@@ -32,6 +32,8 @@ BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false
 class Runner(Protocol):
     """What a replay drives, in vLLM's two phases: the step's diff against the cached state, then the step."""
 
+    ignore_adapters: set[str]  # LoRA adapters (by name) a forced replay runs their requests without
+
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """Whether a random draw recorded by `recorded`'s sampler ("builtin" | "vllm") comes out the same here."""
 

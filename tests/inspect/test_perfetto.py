@@ -268,11 +268,11 @@ def test_overlapping_async_step_timings_stay_well_formed(builtin, tmp_path):
     return to update_from_output): step timings overlap."""
     path, _ = builtin
 
-    def overlap(rec, steps):  # execute until halfway through the next step
-        if isinstance(rec, Step) and rec.index + 1 < len(steps):
-            t = rec.timing
-            gap = steps[rec.index + 1].timing.start_ns - t.start_ns
-            return msgspec.structs.replace(rec, timing=StepTiming(t.start_ns, t.schedule_ns, gap + gap // 2, t.update_ns))
+    def overlap(rec, steps):  # a step every 10 ms, each 16 ms long: it overlaps the next one, never the one after
+        if isinstance(rec, Step):
+            t0 = steps[0].timing.start_ns
+            return msgspec.structs.replace(rec, timing=StepTiming(t0 + rec.index * 10_000_000, 1_000_000,
+                                                                  14_000_000, 1_000_000))
         return rec
 
     steps = _rewrite(path, tmp_path / "async.capture", overlap)

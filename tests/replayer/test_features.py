@@ -47,24 +47,23 @@ def _with(src, dst, *, lora_on: int | None = None, drafts_at: int | None = None)
     return dst
 
 
-def test_a_lora_request_is_refused_by_name_before_the_first_step(tiny_capture, tmp_path):
+def test_a_lora_adapter_that_is_not_there_is_refused_by_name_before_the_first_step(tiny_capture, tmp_path):
     cap = _with(tiny_capture, tmp_path / "lora.capture", lora_on=1)
-    with pytest.raises(UsageError, match=r"LoRA: request \S+ at step \d+ \(adapter 'sql-lora' \(id 1, "
-                                         r"/adapters/sql-lora\)\)"):
+    with pytest.raises(UsageError, match=r"LoRA adapter 'sql-lora': /adapters/sql-lora is not there; --force"):
         replay_capture(cap)
     res = check_capture(cap)
-    assert res.verdict == "cannot test" and "LoRA" in res.reason
+    assert res.verdict == "cannot test" and "LoRA adapter 'sql-lora'" in res.reason
 
 
 def test_force_replays_and_lists_what_it_ignored(tiny_capture, tmp_path, capsys):
     cap = _with(tiny_capture, tmp_path / "both.capture", lora_on=0, drafts_at=2)
     rep = replay_capture(cap, ReplayOptions(force=True))
-    assert [f.split(":")[0] for f in rep.ignored] == ["LoRA", "speculative decoding"]
-    assert "3 draft token(s) scheduled" in rep.ignored[1]
+    assert [f.split(":")[0] for f in rep.ignored] == ["speculative decoding", "LoRA adapter 'sql-lora'"]
+    assert "3 draft token(s) scheduled" in rep.ignored[0] and "its requests replay without it" in rep.ignored[1]
     assert main(["run", str(cap), "--diff"]) == 2
-    assert "cannot replay what this capture records: LoRA" in capsys.readouterr().err
+    assert "cannot replay what this capture records: speculative decoding: step 2" in capsys.readouterr().err
     main(["run", str(cap), "--diff", "--force"])
-    assert "ignored (--force): LoRA: request" in capsys.readouterr().out
+    assert "ignored (--force): speculative decoding: step 2" in capsys.readouterr().out
 
 
 def test_a_plain_capture_has_nothing_to_refuse(tiny_capture):

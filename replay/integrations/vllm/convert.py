@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from replay.contracts import Array, EngineCoreRequest, Opaque, SamplingParams
+from replay.contracts.lora import lora_fields
 from replay.contracts.tolerant import TolerantConverter
 
 
@@ -63,15 +64,6 @@ def to_vllm_sampling_params(ours: SamplingParams) -> Any:
         if value is not None:
             setattr(sp, "_" + private, set(value) if private == "all_stop_token_ids" else value)
     return sp
-
-
-def lora_fields(opaque: Opaque) -> tuple[str, int, str] | None:
-    """(lora_name, lora_int_id, lora_path) of a request's recorded LoRARequest. vLLM's LoRARequest is an array-like
-    Struct: its msgpack image [name, id, path, ...] lands in the three fields of our `Opaque`; a LoRARequest kept
-    as a summary (`Opaque.of`) names its type instead, and its fields are not known."""
-    if opaque.type.endswith("LoRARequest") or opaque.size is None or not opaque.summary:
-        return None
-    return opaque.type, int(opaque.size), opaque.summary
 
 
 def to_vllm_lora_request(opaque: Opaque | None) -> Any:

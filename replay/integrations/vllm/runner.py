@@ -76,6 +76,7 @@ class VllmRunner:
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
+        self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
 
     def _start(self, model: str, m, ec, overrides: dict[str, str], header: Header):
         try:
@@ -152,6 +153,10 @@ class VllmRunner:
         self.executor.collective_rpc(force_sampled_tokens, args=(sampled,))
 
 
+    def _lora(self, recorded):
+        lora = to_vllm_lora_request(recorded)
+        return None if lora is None or lora.lora_name in self.ignore_adapters else lora
+
     def _to_vllm(self, so: SchedulerOutput):
         from vllm.v1.core.sched import output as vo
 
@@ -161,7 +166,7 @@ class VllmRunner:
             new.append(vo.NewRequestData(**_vllm_kwargs(vo.NewRequestData, dict(
                 req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, mm_features=[], sampling_params=sp,
                 pooling_params=None, block_ids=tuple(list(b) for b in r.block_ids),
-                num_computed_tokens=r.num_computed_tokens, lora_request=to_vllm_lora_request(r.lora_request)))))
+                num_computed_tokens=r.num_computed_tokens, lora_request=self._lora(r.lora_request)))))
         cr = so.scheduled_cached_reqs
         cached = vo.CachedRequestData(**_vllm_kwargs(vo.CachedRequestData, dict(
             req_ids=list(cr.req_ids), resumed_req_ids=set(cr.resumed_req_ids), new_token_ids=list(cr.new_token_ids),
