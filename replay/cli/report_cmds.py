@@ -1,0 +1,75 @@
+"""`replay report`: one self-contained HTML file that shows a run and, when asked, a comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from replay.cli.common import (
+    AtolOpt,
+    CaptureArg,
+    ForceOpt,
+    JsonOpt,
+    ModeOpt,
+    RtolOpt,
+    RunnerOpt,
+    SetOpt,
+    TieOpt,
+    ToleranceOpt,
+    command,
+    emit,
+    replay_options,
+)
+from replay.errors import EXIT_DAMAGED, UsageError
+
+
+@command
+def report(
+    capture: Path = CaptureArg,
+    other: Optional[Path] = typer.Argument(None, help="A second capture of the same workload: report how the two "
+                                           "runs differ (as `replay diff A B`).", show_default=False),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The HTML file to write (default: "
+                                          "NAME.report.html beside the capture)."),
+    diff: bool = typer.Option(False, "--diff", help="Replay the capture and report where the replay diverges (as "
+                              "`replay run --diff`)."),
+    mode: str = ModeOpt,
+    set_: Optional[list[str]] = SetOpt,
+    runner: Optional[str] = RunnerOpt,
+    atol: float = AtolOpt,
+    rtol: float = RtolOpt,
+    tolerance: Optional[str] = ToleranceOpt,
+    tie_margin: float = TieOpt,
+    force: bool = ForceOpt,
+    bisect: Optional[Path] = typer.Option(None, "--bisect", help="Show a bisect's verdict too: the JSON that "
+                                          "`replay bisect ... --json` printed."),
+    json: bool = JsonOpt,
+) -> None:
+    """Write one self-contained HTML file (no network; opens from disk) showing the run: provenance, requests, a
+    step timeline. With --diff (and --set, --runner, tolerances) or a second capture it leads with the verdict the
+    terminal prints and shows where and how the runs part: a steps x requests heat map of |Δlogprob|, the first
+    divergence and token flip, |Δlogprob| against the top1-top2 margin, the batch, a sortable request table.
+
+    Exit 0: written (no divergence); 1: written, the comparison diverges; 2: bad input; 3: the capture is damaged."""
+    from replay.diff import Tolerance
+    from replay.report import write_report
+
+    replaying = [flag for flag, given in (("--set", set_), ("--runner", runner), ("--tolerance", tolerance),
+                                          ("--mode", mode != "forced"), ("--force", force)) if given]
+    if other is not None and (diff or replaying):
+        raise UsageError(f"{(replaying or ['--diff'])[0]} replays CAPTURE; a report of two captures compares them "
+                         "as recorded (drop it, or OTHER)")
+    if not diff and replaying:
+        raise UsageError(f"{replaying[0]} is an option of the replay: add --diff")
+    if other is None and not diff and (atol or rtol):
+        raise UsageError("--atol/--rtol set how a comparison judges logprobs: add --diff, or a second capture")
+    opts = replay_options(mode, set_, None, atol, rtol, tie_margin, 1, force, None, runner=runner,
+                          tolerance=tolerance) if diff else None
+    res = write_report(capture, output, replay=opts, other=other, bisect=bisect,
+                       tolerance=Tolerance(atol, rtol, tie_margin) if other is not None else None)
+    emit(res, lambda r: f"wrote {r.path} ({r.bytes / 1e3:,.0f} kB in {r.seconds:.1f} s)\n{r.verdict}", json=json)
+    if res.diverged:
+        raise typer.Exit(1)
+    if res.data_lost:
+        raise typer.Exit(EXIT_DAMAGED)

@@ -1,0 +1,46 @@
+"""The one-sentence verdicts of a comparison, written once: the terminal prints them (`replay run --diff`,
+`replay diff`) and the HTML report leads with them (`replay report`), so both say the same words."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replay.diff import CaptureDiff
+    from replay.replayer.run import ReplayReport
+
+
+def crash_verdict(rep: ReplayReport) -> str | None:
+    """The recording crashed at a step and the replay did not repeat that exception: the sentence that says so
+    (None when there was no recorded crash, or it was reproduced)."""
+    crash = rep.crash
+    if crash is None or crash.reproduced:
+        return None
+    then = f"raised {crash.replayed}" if crash.replayed else "ran through without an error"
+    return f"DIVERGED: the recording crashed at step {crash.step} ({crash.recorded}); the replay {then}"
+
+
+def divergence_verdict(rep: ReplayReport) -> str | None:
+    """How many divergences and token flips, and the step of the first (None when no step diverged)."""
+    if rep.first_divergence is None:
+        return None
+    tokens = sum(s.token_mismatches for s in rep.steps)
+    return (f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "
+            f"{rep.first_divergence.step}")
+
+
+def replay_verdict(rep: ReplayReport) -> str:
+    """The sentence a replay's report leads with: MATCH, else the unreproduced crash, else the divergences."""
+    if not rep.diverged:
+        return "MATCH: every replayed step equals the recording" + (
+            " (data was lost: the readable prefix matches)" if rep.data_lost else "")
+    return crash_verdict(rep) or divergence_verdict(rep) or "DIVERGED"
+
+
+def capture_diff_verdict(res: CaptureDiff) -> str:
+    """The sentence `replay diff A B` leads with."""
+    d = res.first_divergence
+    if d is None:
+        return "MATCH: every common request produced the same tokens and logprobs"
+    return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, output position "
+            f"{d.position}")
