@@ -388,3 +388,30 @@ def test_a_lora_capture_replays_on_both_runners_and_a_changed_adapter_is_refused
         assert main(["run", str(capture), "--diff", "--runner", runner]) == 2
         err = capsys.readouterr().err
         assert "LoRA adapter 'sql':" in err and "changed since the recording" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_perfetto_export_of_a_vllm_capture_follows_every_request(vllm_capture, tmp_path):
+    """`replay export --format perfetto` on the real vLLM capture: well-formed trace-event JSON, one engine slice per
+    step, and each request's track (by the client's id) waits, prefills, decodes and finishes, with exactly the
+    tokens the capture holds for it."""
+    import json
+
+    from replay.cli import main
+    from tests.inspect.test_perfetto import _assert_well_formed, _request_tracks, _truth
+
+    capture, outputs = vllm_capture
+    out = tmp_path / "vllm.trace.json"
+    assert main(["export", str(capture), "--format", "perfetto", "-o", str(out)]) == 0
+    trace = json.loads(out.read_text())
+    _assert_well_formed(trace)
+    steps, ext, sampled = _truth(capture)
+    assert trace["metadata"]["engine"] == "vllm" and trace["metadata"]["steps"] == len(steps)
+    assert sum(e.get("cat") == "step" for e in trace["traceEvents"]) == len(steps)
+    tracks = _request_tracks(trace)
+    assert set(tracks) == {ext[rid] for rid in sampled}
+    for rid, n in sampled.items():
+        phases = [e["name"] for e in tracks[ext[rid]]]
+        assert phases[0] == "waiting" and phases[-1] == "finished", phases
+        assert phases.index("prefill") < phases.index("decode") if "decode" in phases else "prefill" in phases
+        generated = sum(e["args"].get("generated_tokens", 0) for e in tracks[ext[rid]] if e["ph"] == "X")
+        assert generated == n == 16, (rid, generated)
