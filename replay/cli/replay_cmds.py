@@ -48,17 +48,25 @@ def run(
     repeat: int = typer.Option(1, "--repeat", min=1, help="Replay N times and report whether the runner is run-to-run deterministic."),
     force: bool = ForceOpt,
     plant: Optional[str] = PlantOpt,
+    jobs: int = JobsOpt,
+    ray: bool = RayOpt,
+    ray_address: Optional[str] = RayAddressOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Re-execute the recorded steps on a fresh runner; with --diff, report where and how the outputs part. A
     directory or glob replays each capture in it (one per data-parallel rank, say).
 
+    With --repeat, --jobs or --ray runs the 2nd..Nth replays in other processes (or Ray workers).
+
     Exit 0: matches within tolerance; 1: diverges; 2: bad input; 3: the readable prefix matches, data was lost."""
+    import dataclasses
+
     from replay.capture import capture_paths
     from replay.cli.render_replay import render_replay, render_run
     from replay.replayer import replay_capture
 
     opts = replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff, runner, tolerance)
+    opts = dataclasses.replace(opts, fan_out=fan_out_options(jobs, ray, ray_address))
     diverged = lost = False
     for i, path in enumerate(capture_paths(capture)):
         rep = replay_capture(path, opts)

@@ -3,6 +3,7 @@ recording (`replay run --diff`); `--repeat` replays it again and compares the re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shlex
@@ -23,6 +24,7 @@ from replay.diff import (
     compare_step,
 )
 from replay.errors import CaptureDamagedError, UsageError
+from replay.replayer.fanout import FanOut, fan_out
 from replay.replayer.features import adapter_problems, unreplayable
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, install
@@ -45,6 +47,7 @@ class ReplayOptions:
     diff: bool = True
     progress: Callable[[int | None], None] | None = None  # each replayed step's index, then None at the end
     max_divergences: int = 1000  # kept in the report (all are counted)
+    fan_out: FanOut = field(default_factory=FanOut)  # --jobs / --ray: where the 2nd..Nth --repeat replays run
 
 
 class ReplayReport(msgspec.Struct):
@@ -238,19 +241,37 @@ def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions
     return planted
 
 
+def replay_digests(task: tuple[str, ReplayOptions]) -> list[bytes]:
+    """One more replay of a capture (in whichever process or Ray worker runs it): the digest of every output."""
+    path, opts = task
+    return _one_pass(path, opts).digests
+
+
+def _repeat_digests(path: str | os.PathLike, opts: ReplayOptions) -> list[list[bytes]]:
+    """The 2nd..Nth replays' digests, in order: in this process, or fanned out (each in a fresh process or Ray
+    worker, which also checks that another process computes the same bits)."""
+    n = opts.repeat - 1
+    if opts.fan_out.jobs <= 1 and not opts.fan_out.ray:
+        return [_one_pass(path, opts).digests for _ in range(n)]
+    task = (str(path), dataclasses.replace(opts, progress=None, repeat=1, fan_out=FanOut()))
+    out: list[list[bytes]] = [[] for _ in range(n)]
+    for i, digests in fan_out(replay_digests, [task] * n, opts.fan_out):
+        out[i] = digests
+    return out
+
+
 def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> ReplayReport:
     """Replay `path` (`opts.repeat` times) and diff it against the recording."""
     opts = opts or ReplayOptions()
     check_mode(opts.mode)
     if opts.repeat < 1:
         raise UsageError("--repeat must be at least 1")
-    passes = [_one_pass(path, opts) for _ in range(opts.repeat)]
-    p = passes[0]
+    p = _one_pass(path, opts)
     run_to_run = None
     if opts.repeat > 1:
         run_to_run = f"deterministic: {opts.repeat} replays bitwise identical"
-        for k, other in enumerate(passes[1:], 2):
-            s = next((s for s, (a, b) in enumerate(zip(p.digests, other.digests)) if a != b), None)
+        for k, other in enumerate(_repeat_digests(path, opts), 2):
+            s = next((s for s, (a, b) in enumerate(zip(p.digests, other)) if a != b), None)
             if s is not None:
                 run_to_run = f"NOT deterministic: replay {k} differs from replay 1 at step {s}"
                 break

@@ -116,6 +116,14 @@ def test_repeat_reports_run_to_run_determinism(rich_capture):
     assert rep.run_to_run.startswith("deterministic")
 
 
+def test_repeats_fanned_out_to_other_processes_give_the_serial_answer(rich_capture):
+    from replay.replayer.fanout import FanOut
+
+    serial = replay_capture(rich_capture, ReplayOptions(repeat=3, steps=StepRange(0, 8)))
+    fanned = replay_capture(rich_capture, ReplayOptions(repeat=3, steps=StepRange(0, 8), fan_out=FanOut(jobs=2)))
+    assert fanned.run_to_run == serial.run_to_run == "deterministic: 3 replays bitwise identical"
+
+
 def test_check_exit_codes(rich_capture, tmp_path, small_capture):
     assert check_capture(rich_capture).code == 0
     assert check_capture(rich_capture, ReplayOptions(overrides={"dtype": "bfloat16"})).code == 1
