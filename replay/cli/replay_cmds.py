@@ -96,6 +96,8 @@ def check(
     ray_address: Optional[str] = RayAddressOpt,
     results: Optional[Path] = typer.Option(None, "--results", help="Corpus: append each row to this JSONL file as "
                                            "it finishes; rows already there for unchanged captures are reused."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Corpus: also write the answer as one HTML page "
+                                          "(`replay report RESULTS` writes it from a results file later)."),
     json: bool = JsonOpt,
 ) -> None:
     """Predicate for `git bisect run`: 0 replays within tolerance, 1 diverges, 125 cannot test. With
@@ -112,7 +114,7 @@ def check(
     except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
         err(str(e))
         raise typer.Exit(125) from None
-    if not many and not (ray or ray_address or results or jobs > 1):
+    if not many and not (ray or ray_address or results or report or jobs > 1):
         res = check_capture(capture, opts)
         emit(res, render_check, json=json, stderr=not json)
         raise typer.Exit(res.code)
@@ -124,6 +126,11 @@ def check(
         err(str(e))
         raise typer.Exit(125) from None
     emit(res, render_corpus, json=json)
+    if report is not None:
+        from replay.report.corpus import write_corpus_report
+
+        page = write_corpus_report(res, report)
+        err(f"wrote {page.path} ({page.bytes / 1e3:,.0f} kB)")
     if res.code == 125:  # nothing was tested: say why in one line (git bisect skips this commit)
         err(f"{capture}: none of its {len(res.rows)} capture(s) could be tested (first: {res.rows[0].reason})")
     raise typer.Exit(res.code)

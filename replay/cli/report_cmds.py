@@ -51,9 +51,23 @@ def report(
     terminal prints and shows where and how the runs part: a steps x requests heat map of |Δlogprob|, the first
     divergence and token flip, |Δlogprob| against the top1-top2 margin, the batch, a sortable request table.
 
+    CAPTURE may also be the results file of `replay check CORPUS --results FILE`: the page of that corpus check.
+
     Exit 0: written (no divergence); 1: written, the comparison diverges; 2: bad input; 3: the capture is damaged."""
     from replay.diff import Tolerance
     from replay.report import write_report
+    from replay.report.corpus import (
+        is_results_file,
+        read_results_file,
+        write_corpus_report,
+    )
+
+    if is_results_file(capture):
+        if other is not None or diff:
+            raise UsageError(f"{capture} is a corpus check's results file: it reports as it is (no --diff, no OTHER)")
+        page = write_corpus_report(read_results_file(capture), output or capture.with_suffix(".html"))
+        emit(page, lambda r: f"wrote {r.path} ({r.bytes / 1e3:,.0f} kB)\n{r.summary}", json=json)
+        raise typer.Exit(1 if page.bad else 0)
 
     replaying = [flag for flag, given in (("--set", set_), ("--runner", runner), ("--tolerance", tolerance),
                                           ("--mode", mode != "forced"), ("--force", force)) if given]

@@ -193,7 +193,8 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def _groups(rows: list[CorpusRow]) -> list[CorpusGroup]:
+def corpus_groups(rows: list[CorpusRow]) -> list[CorpusGroup]:
+    """The rows grouped by the differences their recordings have from this runner, the diverging groups first."""
     by: dict[tuple[str, ...], list[CorpusRow]] = defaultdict(list)
     for r in rows:
         by[tuple(sorted(r.differences))].append(r)
@@ -240,5 +241,5 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     bad = sum(r.code == EXIT_DIVERGED for r in ordered)
     cannot = len(ordered) - good - bad
     code = EXIT_DIVERGED if bad else EXIT_OK if good else EXIT_CANNOT_TEST
-    return CorpusResult(str(corpus), how.describe(), ordered, _groups(ordered), good, bad, cannot, resumed,
+    return CorpusResult(str(corpus), how.describe(), ordered, corpus_groups(ordered), good, bad, cannot, resumed,
                         round(time.perf_counter() - t, 3), code)
