@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ LEVEL_ENV = "REPLAY_ZSTD_LEVEL"  # 1-22; higher: smaller captures, more writer C
 DEFAULT_LEVEL = 3
 _state: dict = {}
 _UNSET = object()
-_executors: dict[int, Any] = {}  # id(vllm_config) -> its engine's executor, until a tap asks for it
+# id(vllm_config) -> its engine's executor, until a tap asks for it; weak, so an engine that is never recorded (or
+# whose tap was given its executor by `attach`) is not kept alive by this table
+_executors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 log = logging.getLogger("vllm.replay")  # under vLLM's logger, so it prints the way vLLM's own warnings do
 
 SEEDED_CHUNK_CRASH = (
@@ -127,7 +130,8 @@ def install() -> None:
     orig_init_kv = EngineCore._initialize_kv_caches
 
     def initialize_kv_caches(self, vllm_config, *args, **kwargs):
-        _executors[id(vllm_config)] = self.model_executor
+        with contextlib.suppress(TypeError):  # an executor that takes no weak reference: its backend goes unrecorded
+            _executors[id(vllm_config)] = self.model_executor
         return orig_init_kv(self, vllm_config, *args, **kwargs)
 
     EngineCore._initialize_kv_caches = initialize_kv_caches
@@ -192,7 +196,8 @@ class _Tap:
         # waits. REPLAY_ZSTD_LEVEL=17 makes captures about 6 % smaller for about 0.3 ms more writer CPU per
         # 64-request step (bench/vllm_bench.py).
         level = level or _int_env(LEVEL_ENV, DEFAULT_LEVEL)
-        executor = getattr(scheduler, "_replay_executor", None) or _executors.pop(id(scheduler.vllm_config), None)
+        known = _executors.pop(id(scheduler.vllm_config), None)
+        executor = getattr(scheduler, "_replay_executor", None) or known
         header = vllm_header(scheduler, attention_backends(executor))
         self.writer = ProcessCaptureWriter(path, header, overwrite=True, nice=19, level=level,
                                            images=True)

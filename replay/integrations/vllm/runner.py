@@ -152,8 +152,8 @@ class VllmRunner:
     def _force(self, sampled: dict[str, list[int]]) -> None:
         self.executor.collective_rpc(force_sampled_tokens, args=(sampled,))
 
-
     def _lora(self, recorded):
+        """vLLM's LoRARequest for a recorded one, or None (none recorded, or an adapter a forced replay goes without)."""
         lora = to_vllm_lora_request(recorded)
         return None if lora is None or lora.lora_name in self.ignore_adapters else lora
 
