@@ -76,3 +76,17 @@ def lora_adapter(base: Path, path: Path, seed: int = 0, rank: int = 8) -> Path:
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
         "bias": "none", "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": str(base)}))
     return path
+
+
+def tiny_mistral(path: Path, sliding_window: int = 32) -> Path:
+    """A 2-layer Mistral with a sliding attention window of `sliding_window` tokens (GQA 4/2, head_dim 32)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(2)
+    cfg = transformers.MistralConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
+                                     eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                                     sliding_window=sliding_window, max_position_embeddings=512)
+    transformers.MistralForCausalLM(cfg).save_pretrained(path)
+    return path

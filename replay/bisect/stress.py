@@ -60,9 +60,10 @@ class _Watch:
         if mro is None or self.target not in mro.req_id_to_index:
             return
         i = mro.req_id_to_index[self.target]
-        for t in mro.sampled_token_ids[i]:
+        first = mro.logprobs.first_row(i)
+        for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
             self.tokens.append(t)
-            self.logprobs.append(np.float32(mro.logprobs.logprobs.to_numpy()[i, 0]).tobytes())
+            self.logprobs.append(np.float32(mro.logprobs.logprobs.to_numpy()[first + k, 0]).tobytes())
             self.batch.append((len(so.num_scheduled_tokens), so.total_num_scheduled_tokens))
 
 

@@ -33,7 +33,10 @@ from replay.contracts import (
 )
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1  # 1.1: Crash records (a 1.0 reader skips them, and sees the crashed step as one with no output)
+# 1.1: Crash records (a 1.0 reader skips them, and sees the crashed step as one with no output)
+# 1.2: draft-token counts in the seek index (a 1.1 reader finds the index of a capture with drafts unreadable, says
+#      so, and reads the capture by linear scan; captures without drafts are unchanged)
+FORMAT_MINOR = 2
 
 PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
 INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
@@ -219,6 +222,9 @@ class ChunkInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     num_scheduled_tokens: int = 0
     num_generated_tokens: int = 0
     num_requests_added: int = 0
+    # speculative decoding; trailing and omitted when 0, so a capture without drafts is what earlier versions wrote
+    num_draft_tokens: int = 0  # draft tokens the chunk's steps scheduled for verification
+    num_accepted_draft_tokens: int = 0
 
 
 class Index(msgspec.Struct, array_like=True, omit_defaults=True):

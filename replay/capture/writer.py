@@ -24,7 +24,13 @@ import zstandard
 from replay.capture import format as fmt
 from replay.capture.frames import skippable_frame
 from replay.capture.stepcodec import IdTable, step_to_wire
-from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from replay.contracts import (
+    DraftCounts,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    draft_counts,
+)
 from replay.errors import CaptureError, UsageError
 
 _ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
@@ -148,7 +154,9 @@ class CaptureWriter(WriterContext):
         parts.append(self._encode(wire))
         mro = step.model_runner_output
         generated = sum(len(t) for t in mro.sampled_token_ids) if mro is not None else 0
-        self._append(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens, generated=generated)
+        drafts = draft_counts(step.scheduler_output, mro) if step.scheduler_output.scheduled_spec_decode_tokens else None
+        self._append(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens, generated=generated,
+                     drafts=drafts)
         self._last_step = step.index
         return sum(len(p) for p in parts)
 
@@ -241,7 +249,8 @@ class CaptureWriter(WriterContext):
         return data
 
     def _append(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
-                requests_added: int = 0, header: bool = False) -> None:
+                requests_added: int = 0, header: bool = False,
+                drafts: DraftCounts | None = None) -> None:
         self._check()
         if self._closed:
             raise UsageError(f"{self.path}: capture writer is closed")
@@ -262,6 +271,9 @@ class CaptureWriter(WriterContext):
                 info.num_steps += 1
                 info.num_scheduled_tokens += scheduled
                 info.num_generated_tokens += generated
+                if drafts is not None:
+                    info.num_draft_tokens += drafts.drafted
+                    info.num_accepted_draft_tokens += drafts.accepted
                 self._num_steps += 1
             info.num_requests_added += requests_added
             if c.raw >= self.chunk_bytes:

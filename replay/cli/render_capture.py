@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
+from replay.contracts import accepted_drafts
+
 if TYPE_CHECKING:
     from replay.capture import Crash, Damage, Step
     from replay.capture.recover import RecoverResult
@@ -72,6 +74,8 @@ def render_info(info: CaptureInfo) -> str:
         f"steps     {info.num_steps:,}{span} in {info.num_chunks} chunks",
         f"requests  {info.num_requests:,} scheduled, {info.num_requests_added:,} arrivals recorded",
         f"tokens    {info.num_scheduled_tokens:,} scheduled, {info.num_generated_tokens:,} generated",
+        *([f"drafts    {info.drafts.drafted:,} draft tokens verified, {info.drafts.accepted:,} accepted "
+           f"({info.drafts.acceptance_rate:.0%}; speculative decoding)"] if info.drafts.drafted else []),
     ]
     bpt = f", {info.bytes_per_generated_token} B per generated token" if info.bytes_per_generated_token else ""
     lines.append(f"size      {_mb(info.file_bytes)} on disk, {_mb(info.raw_bytes)} raw, ratio {info.compression_ratio:.2f}x{bpt}")
@@ -85,8 +89,10 @@ def render_info(info: CaptureInfo) -> str:
     return "\n".join(lines)
 
 
-def _lp_cells(step: Step, row: int) -> tuple[str, str, str]:
+def _lp_cells(step: Step, index: int) -> tuple[str, str, str]:
+    """Logprob, rank and top-k of the first token request `index` emitted this step."""
     lp = step.model_runner_output.logprobs if step.model_runner_output is not None else None
+    row = lp.first_row(index) if lp is not None else 0
     if lp is None or row >= lp.num_rows:
         return "", "", ""
     ids = lp.logprob_token_ids.to_numpy()[row]
@@ -103,7 +109,7 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
     new_ids = {r.req_id: r for r in so.scheduled_new_reqs}
     cr = so.scheduled_cached_reqs
     cached = {rid: i for i, rid in enumerate(cr.req_ids)}
-    prefill = sum(1 for rid, n in so.num_scheduled_tokens.items() if rid in new_ids or n > 1)
+    prefill = so.num_prefill_requests()
     decode = len(so.num_scheduled_tokens) - prefill
     head = (f"step {step.index}: {len(so.num_scheduled_tokens)} requests, {so.total_num_scheduled_tokens} tokens "
             f"({prefill} prefill, {decode} decode); {len(new_ids)} new, {len(cr.resumed_req_ids)} resumed, "
@@ -125,7 +131,12 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
         row = index.get(rid)
         sampled = str(mro.sampled_token_ids[row]) if mro is not None and row is not None and row < len(mro.sampled_token_ids) else "-"
         lpv, rank, topk = _lp_cells(step, row) if row is not None else ("", "", "")
-        rows.append(f"  {label:<44} {kind:<8} {computed:>8} {n:>6}  {sampled:<12} {lpv:>10} {rank:>5}  {topk}")
+        line = f"  {label:<44} {kind:<8} {computed:>8} {n:>6}  {sampled:<12} {lpv:>10} {rank:>5}  {topk}"
+        drafts = so.scheduled_spec_decode_tokens.get(rid)
+        if drafts:
+            emitted = mro.sampled(rid) if mro is not None else []
+            line += f"  drafts {drafts}: {accepted_drafts(drafts, emitted)} of {len(drafts)} accepted"
+        rows.append(line)
     if so.finished_req_ids and only is None:
         rows.append("  finished: " + ", ".join(sorted(so.finished_req_ids)))
     if crash is not None:

@@ -34,13 +34,30 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _drafts(d: Divergence) -> str:
+    if d.num_drafts is None:
+        return ""
+    who = "the replay" if (d.actual_accepted or 0) < (d.expected_accepted or 0) else "the recording"
+    rejected = (f": {who} rejected draft {d.rejected_draft} at output position {d.rejected_position}"
+                if d.rejected_draft is not None else "")
+    return (f"drafts accepted: {d.expected_accepted} of {d.num_drafts} recorded, {d.actual_accepted} of "
+            f"{d.num_drafts} replayed{rejected}")
+
+
 def render_divergence(d: Divergence) -> list[str]:
     """The lines that describe one divergence."""
     if d.kind == "token":
         margin = f"top1-top2 margin {_fmt(d.margin, '.4g')}" if d.margin is not None else "margin unknown (no top-2 logprobs)"
+        drafts = f", {_drafts(d)}" if d.num_drafts is not None else ""
         return [f"  step {d.step}, request {d.request_id}, output position {d.position}: token {d.expected_token} "
                 f"expected, {d.actual_token} replayed ({(d.flip or '').upper()} FLIP)",
-                f"  rank {d.expected_rank} -> {d.actual_rank}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}, {margin}"]
+                f"  rank {d.expected_rank} -> {d.actual_rank}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}, {margin}"
+                f"{drafts}"]
+    if d.kind == "drafts":
+        what = (f"token {d.expected_token} expected, none replayed" if d.actual_token is None else
+                f"no token expected, {d.actual_token} replayed")
+        return [f"  step {d.step}, request {d.request_id}, output position {d.position}: {what} "
+                f"({_drafts(d) or 'another number of tokens emitted'})"]
     if d.kind == "missing":
         return [f"  step {d.step}, request {d.request_id}: the replay did not run this request"]
     what = "prompt logprobs" if d.kind == "prompt_logprobs" else "logprobs"
@@ -145,7 +162,7 @@ def render_replay(rep: ReplayReport) -> str:
     if flip is not None and flip is not rep.first_divergence:
         lines.append("first token flip:")
         lines += render_divergence(flip)
-    bad = [s for s in rep.steps if s.token_mismatches or s.logprob_mismatches]
+    bad = [s for s in rep.steps if s.token_mismatches or s.logprob_mismatches or s.draft_mismatches]
     lines.append("")
     lines.append(f"{'step':>6} {'reqs':>5} {'tokens':>7} {'token flips':>12} {'logprob diffs':>14} {'max |Δlogprob|':>15} "
                  f"{'top-k changes':>14} {'rank changes':>13}")

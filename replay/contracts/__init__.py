@@ -38,6 +38,7 @@ from replay.contracts.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from replay.contracts.spec_decode import DraftCounts, accepted_drafts, draft_counts
 
 __all__ = [
     "DTYPES", "Array", "Opaque", "RID",
@@ -47,4 +48,5 @@ __all__ = [
     "ModelRunnerOutput", "EMPTY_MODEL_RUNNER_OUTPUT",
     "EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreEvent", "EngineCoreEventType",
     "FinishReason", "RequestStatus",
+    "DraftCounts", "accepted_drafts", "draft_counts",
 ]

@@ -21,12 +21,27 @@ class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     logprob_token_ids: Array  # [num_reqs x num_generated_tokens, max_num_logprobs + 1] int32
     logprobs: Array  # [num_reqs x num_generated_tokens, max_num_logprobs + 1] float32
     sampled_token_ranks: Array  # [num_reqs x num_generated_tokens] int64 (int32 from tolists())
-    cu_num_generated_tokens: list[int] | None = None  # [num_reqs]; only with spec decode (variable tokens/req)
+    # [num_reqs + 1] row offsets (0 first); only with spec decode, where a request emits a variable number of tokens
+    cu_num_generated_tokens: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
         """Rows = generated positions covered (one per request without spec decode)."""
         return self.logprob_token_ids.shape[0] if self.logprob_token_ids.shape else 0
+
+    def rows_of(self, req_index: int) -> range:
+        """Request `req_index`'s rows: one per token it generated this step, or one for a token the runner discarded
+        (a partial prefill chunk's), as vLLM's `parse_output` counts them; without spec decode, row `req_index`."""
+        cu = self.cu_num_generated_tokens
+        if cu is not None and req_index + 1 < len(cu):
+            return range(cu[req_index], cu[req_index + 1])
+        return range(req_index, req_index + 1) if req_index < self.num_rows else range(0)
+
+    def first_row(self, req_index: int) -> int:
+        """The row of request `req_index`'s first generated token this step (vLLM's `slice_request`): its index
+        without spec decode, its offset in `cu_num_generated_tokens` with it."""
+        cu = self.cu_num_generated_tokens
+        return cu[req_index] if cu is not None and req_index < len(cu) else req_index
 
 
 class LogprobsTensors(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -92,6 +92,36 @@ class SchedulerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaul
         """Ids of every request scheduled this step: new ones first, then cached, as the runner adds them."""
         return [r.req_id for r in self.scheduled_new_reqs] + list(self.scheduled_cached_reqs.req_ids)
 
+    def without(self, req_ids: set[RID] | frozenset) -> "SchedulerOutput[RID]":
+        """This step with the requests `req_ids` taken out (scheduled, drafts, finished), as if never scheduled:
+        a `--force` replay runs the rest of the batch. Structured-output bitmasks are the caller's to filter."""
+        if not req_ids or not any(r in req_ids for r in self.num_scheduled_tokens) and \
+                not (self.finished_req_ids & set(req_ids)):
+            return self
+        cr = self.scheduled_cached_reqs
+        keep = [i for i, r in enumerate(cr.req_ids) if r not in req_ids]
+        cached = CachedRequestData(
+            [cr.req_ids[i] for i in keep], {r for r in cr.resumed_req_ids if r not in req_ids},
+            [cr.new_token_ids[i] for i in keep] if cr.new_token_ids else [],
+            {r: t for r, t in cr.all_token_ids.items() if r not in req_ids},
+            [cr.new_block_ids[i] for i in keep], [cr.num_computed_tokens[i] for i in keep],
+            [cr.num_output_tokens[i] for i in keep] if cr.num_output_tokens else [])
+        scheduled = {r: n for r, n in self.num_scheduled_tokens.items() if r not in req_ids}
+        return msgspec.structs.replace(
+            self, scheduled_new_reqs=[n for n in self.scheduled_new_reqs if n.req_id not in req_ids],
+            scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_spec_decode_tokens={r: t for r, t in self.scheduled_spec_decode_tokens.items() if r not in req_ids},
+            scheduled_encoder_inputs={r: t for r, t in self.scheduled_encoder_inputs.items() if r not in req_ids},
+            finished_req_ids=self.finished_req_ids - set(req_ids))
+
+    def num_prefill_requests(self) -> int:
+        """Requests scheduling prompt (or recomputed) tokens: new ones, and those scheduling more than one token
+        beyond the draft tokens they verify (a decode with k drafts schedules 1 + k tokens)."""
+        new = {r.req_id for r in self.scheduled_new_reqs}
+        spec = self.scheduled_spec_decode_tokens
+        return sum(1 for rid, n in self.num_scheduled_tokens.items() if rid in new or n - len(spec.get(rid, ())) > 1)
+
 
 class GrammarOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults=True, gc=False):
     """Structured-output bitmasks the scheduler hands to `sample_tokens` (vLLM 0.32)."""
@@ -100,3 +130,22 @@ class GrammarOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults
     grammar_bitmask: Array  # [num_structured_reqs, ceil(vocab_size / 32)] int32, rows ordered like the ids
     # [num_structured_reqs]: leading drafts per request the bitmask constrained (spec decode); None: no draft valid
     num_acceptable_drafts: list[int] | None = None
+
+    def without(self, req_ids: set[RID] | frozenset, drafts: dict[RID, list[int]]) -> "GrammarOutput[RID] | None":
+        """These bitmasks with the rows of `req_ids` taken out (1 + its drafts rows per request, as vLLM lays them
+        out); None when no structured request is left."""
+        if not any(r in req_ids for r in self.structured_output_request_ids):
+            return self
+        rows, ids, acceptable, at = [], [], [], 0
+        for i, rid in enumerate(self.structured_output_request_ids):
+            n = 1 + len(drafts.get(rid, ()))
+            if rid not in req_ids:
+                rows.extend(range(at, at + n))
+                ids.append(rid)
+                if self.num_acceptable_drafts is not None:
+                    acceptable.append(self.num_acceptable_drafts[i])
+            at += n
+        if not ids:
+            return None
+        mask = self.grammar_bitmask.to_numpy()[rows]
+        return GrammarOutput(ids, Array.from_numpy(mask), acceptable if self.num_acceptable_drafts is not None else None)

@@ -100,8 +100,9 @@ def _read(path) -> _Side:
                 side.batches[rec.index] = batch_composition(rec.index, rec.scheduler_output,
                                                             {k: v.partition(':')[2] for k, v in names.items()})
                 for i, rid in enumerate(mro.req_ids):
-                    for t in mro.sampled_token_ids[i]:
-                        side.outputs[names[rid]].append((rec.index, t, row(mro.logprobs, i)))
+                    first = mro.logprobs.first_row(i) if mro.logprobs is not None else 0
+                    for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
+                        side.outputs[names[rid]].append((rec.index, t, row(mro.logprobs, first + k)))
     return side
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from replay.contracts import ModelRunnerOutput, SchedulerOutput
+from replay.contracts import ModelRunnerOutput, SchedulerOutput, accepted_drafts
 from replay.diff.rules import (
     Row,
     Tolerance,
@@ -24,7 +24,7 @@ class BatchComposition(msgspec.Struct):
     step: int
     num_requests: int
     num_tokens: int
-    num_prefill: int  # requests scheduling more than one token, or new
+    num_prefill: int  # new requests, or scheduling more than one token beyond their drafts
     num_decode: int
     request_ids: list[str]  # external ids of every scheduled request
     num_scheduled_tokens: dict[str, int]  # external id -> tokens this step
@@ -36,7 +36,7 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     step: int
     request_id: str  # external id
     position: int  # index of the output token within the request (0 = first generated token)
-    kind: str  # "token" | "logprobs" | "prompt_logprobs" | "missing"
+    kind: str  # "token" | "drafts" (one side emitted fewer tokens) | "logprobs" | "prompt_logprobs" | "missing"
     expected_token: int | None = None
     actual_token: int | None = None
     expected_rank: int | None = None
@@ -47,6 +47,13 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     flip: str | None = None  # "tie" | "confident" for a token flip
     topk_changed: bool = False
     internal_id: str = ""
+    # speculative decoding: how many of the step's scheduled drafts each side accepted (None: no drafts)
+    num_drafts: int | None = None
+    expected_accepted: int | None = None
+    actual_accepted: int | None = None
+    # the draft the side that accepted fewer rejected first, and its output position
+    rejected_draft: int | None = None
+    rejected_position: int | None = None
 
 
 class StepSummary(msgspec.Struct):
@@ -56,6 +63,7 @@ class StepSummary(msgspec.Struct):
     num_requests: int
     num_tokens: int
     token_mismatches: int = 0
+    draft_mismatches: int = 0  # requests that emitted another number of tokens, their common tokens equal
     logprob_mismatches: int = 0
     max_abs_logprob_diff: float = 0.0
     topk_set_changes: int = 0
@@ -66,8 +74,7 @@ class StepSummary(msgspec.Struct):
 
 def batch_composition(step: int, so: SchedulerOutput, ext: dict[str, str]) -> BatchComposition:
     """The batch a step ran, with external ids."""
-    new = {r.req_id for r in so.scheduled_new_reqs}
-    prefill = sum(1 for rid, n in so.num_scheduled_tokens.items() if rid in new or n > 1)
+    prefill = so.num_prefill_requests()
     ids = [ext.get(r, r) for r in so.num_scheduled_tokens]
     return BatchComposition(step, len(ids), so.total_num_scheduled_tokens, prefill, len(ids) - prefill, ids,
                             {ext.get(r, r): n for r, n in so.num_scheduled_tokens.items()})
@@ -76,14 +83,21 @@ def batch_composition(step: int, so: SchedulerOutput, ext: dict[str, str]) -> Ba
 def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRunnerOutput | None,
                  ext: dict[str, str], positions: dict[str, int], tol: Tolerance,
                  actual_margins: dict[str, float] | None = None, num_tokens: int = 0,
-                 foreign_draws: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
-    """Diff one step's outputs. `positions[rid]` = output tokens the request had before this step. Requests in
-    `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token (and its
-    logprob column and rank) is counted when it differs, not compared; their top-k logprobs are."""
+                 foreign_draws: set[str] | frozenset = frozenset(),
+                 drafts: dict[str, list[int]] | None = None,
+                 skip: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
+    """Diff one step's outputs (`drafts`: the draft tokens the step scheduled per request, if any; `skip`: requests
+    the replay left out, not compared). `positions[rid]` = output tokens the request had before this step. A request may
+    emit several tokens in one step (speculative decoding: accepted drafts plus the bonus token); they are compared
+    position by position, each with its own logprob row, and the first position that differs is the one reported.
+    Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
+    (and its logprob column and rank) is counted when it differs, not compared; their top-k logprobs are."""
     exp_ids = expected.req_ids if expected is not None else []
     summary = StepSummary(step, len(exp_ids), num_tokens)
     divs: list[Divergence] = []
     for i, rid in enumerate(exp_ids):
+        if rid in skip:
+            continue
         name = ext.get(rid, rid)
         pos = positions.get(rid, 0)
         j = actual.req_id_to_index.get(rid) if actual is not None else None
@@ -92,13 +106,53 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             summary.token_mismatches += 1
             continue
         et, at = expected.sampled_token_ids[i], actual.sampled_token_ids[j]
-        er, ar = row(expected.logprobs, i), row(actual.logprobs, j)
         summary.tokens_compared += len(et)
-        if rid in foreign_draws:
-            if et != at:
+        div = _compare_request(step, name, rid, pos, et, at, _rows(expected, i), _rows(actual, j),
+                               rid in foreign_draws, tol, summary, actual_margins)
+        if div is not None:
+            d = (drafts or {}).get(rid)
+            if d:
+                div.num_drafts, div.expected_accepted, div.actual_accepted = \
+                    len(d), accepted_drafts(d, et), accepted_drafts(d, at)
+                fewer = min(div.expected_accepted, div.actual_accepted)
+                if div.expected_accepted != div.actual_accepted and fewer < len(d):
+                    div.rejected_draft, div.rejected_position = d[fewer], pos + fewer
+            divs.append(div)
+        ep, ap = expected.prompt_logprobs_dict.get(rid), actual.prompt_logprobs_dict.get(rid)
+        if (ep is None) != (ap is None) or (ep is not None and not (
+                tol.equal(ep.logprobs.to_numpy(), ap.logprobs.to_numpy())
+                and ep.logprob_token_ids.to_numpy().tobytes() == ap.logprob_token_ids.to_numpy().tobytes())):
+            summary.logprob_mismatches += 1
+            d = 0.0
+            if ep is not None and ap is not None and ep.logprobs.shape == ap.logprobs.shape:
+                d = float(np.nanmax(np.abs(ep.logprobs.to_numpy() - ap.logprobs.to_numpy()), initial=0.0))
+            divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
+    return summary, divs
+
+
+def _rows(out: ModelRunnerOutput, index: int) -> list[Row | None]:
+    """The logprob rows of request `index` this step: one per generated token, or one for a discarded token (a
+    partial prefill chunk: compared too, they are what the runner computed); [] without logprobs."""
+    lp = out.logprobs
+    return [] if lp is None else [row(lp, k) for k in lp.rows_of(index)]
+
+
+def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at: list[int], ers: list[Row | None],
+                     ars: list[Row | None], foreign: bool, tol: Tolerance, summary: StepSummary,
+                     actual_margins: dict[str, float] | None) -> Divergence | None:
+    """One request's tokens of one step, position by position; the first position that differs, as a Divergence
+    (a token there, else its logprobs), and the step's counters updated."""
+    first_lp: Divergence | None = None
+    for k in range(max(len(et), len(at), len(ers), len(ars))):
+        e_tok = et[k] if k < len(et) else None
+        a_tok = at[k] if k < len(at) else None
+        er = ers[k] if k < len(ers) else None
+        ar = ars[k] if k < len(ars) else None
+        if foreign:  # column 0 is the draw's own logprob (a discarded row's too): take it as recorded
+            if e_tok is not None and a_tok is not None and e_tok != a_tok:
                 summary.foreign_draws_differ += 1
-                at = et
-            if er is not None and ar is not None:  # column 0 is the draw's own logprob: take it as recorded
+                a_tok = e_tok
+            if er is not None and ar is not None:
                 ar = Row(np.concatenate([er.ids[:1], ar.ids[1:]]), np.concatenate([er.values[:1], ar.values[1:]]),
                          er.rank)
         lp_diff, topk_changed, lp_equal = 0.0, False, True
@@ -110,27 +164,24 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
         elif (er is None) != (ar is None):
             lp_equal = False
         summary.max_abs_logprob_diff = max(summary.max_abs_logprob_diff, lp_diff)
-        sampled_diff = float(ar.values[0] - er.values[0]) if er is not None and ar is not None and et == at else None
-        if et != at:
+        if e_tok != a_tok:
+            # a different token here, or one side emitted fewer (another number of drafts accepted: "drafts"); what
+            # follows in this step was verified against different tokens, so this position is the divergence
+            if e_tok is None or a_tok is None:
+                summary.draft_mismatches += 1
+                return Divergence(step, name, pos + k, "drafts", e_tok, a_tok, er.rank if er else None,
+                                  ar.rank if ar else None, lp_diff, internal_id=rid)
             summary.token_mismatches += 1
             m = margin(er)
-            if m is None and actual_margins is not None:
+            if m is None and actual_margins is not None and k == 0:
                 m = actual_margins.get(rid)
-            divs.append(Divergence(step, name, pos, "token", et[0] if et else None, at[0] if at else None,
-                                   er.rank if er else None, ar.rank if ar else None, lp_diff, None, m,
-                                   classify(m, tol, lp_diff), topk_changed, rid))
-        elif not lp_equal:
-            summary.logprob_mismatches += 1
-            divs.append(Divergence(step, name, pos, "logprobs", et[0] if et else None, at[0] if at else None,
-                                   er.rank if er else None, ar.rank if ar else None, lp_diff, sampled_diff,
-                                   margin(er), None, topk_changed, rid))
-        ep, ap = expected.prompt_logprobs_dict.get(rid), actual.prompt_logprobs_dict.get(rid)
-        if (ep is None) != (ap is None) or (ep is not None and not (
-                tol.equal(ep.logprobs.to_numpy(), ap.logprobs.to_numpy())
-                and ep.logprob_token_ids.to_numpy().tobytes() == ap.logprob_token_ids.to_numpy().tobytes())):
-            summary.logprob_mismatches += 1
-            d = 0.0
-            if ep is not None and ap is not None and ep.logprobs.shape == ap.logprobs.shape:
-                d = float(np.nanmax(np.abs(ep.logprobs.to_numpy() - ap.logprobs.to_numpy()), initial=0.0))
-            divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
-    return summary, divs
+            return Divergence(step, name, pos + k, "token", e_tok, a_tok, er.rank if er else None,
+                              ar.rank if ar else None, lp_diff, None, m, classify(m, tol, lp_diff), topk_changed, rid)
+        if not lp_equal and first_lp is None:
+            sampled_diff = float(ar.values[0] - er.values[0]) if er is not None and ar is not None else None
+            first_lp = Divergence(step, name, pos + k, "logprobs", e_tok, a_tok, er.rank if er else None,
+                                  ar.rank if ar else None, lp_diff, sampled_diff, margin(er), None, topk_changed, rid)
+    if first_lp is not None:
+        summary.logprob_mismatches += 1
+    return first_lp
+

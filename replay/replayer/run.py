@@ -25,7 +25,7 @@ from replay.diff import (
 )
 from replay.errors import CaptureDamagedError, UsageError
 from replay.replayer.fanout import FanOut, fan_out
-from replay.replayer.features import adapter_problems, unreplayable
+from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, install
 from replay.replayer.runner import BuiltRunner, build_runner
@@ -141,6 +141,7 @@ class _Pass:
     tolerance: Tolerance = field(default_factory=Tolerance)
     tolerance_choice: str = ""
     ignored: list[str] = field(default_factory=list)
+    skip: set[str] = field(default_factory=set)  # requests --force leaves out (internal ids)
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -150,7 +151,7 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
         if opts.steps is not None:
             _check_range(path, opts.steps, r.step_span())
         kind = opts.overrides.get("runner", "builtin")
-        missing, adapters = unreplayable(r, kind)
+        missing, adapters, skip = unreplayable(r, kind)
         if missing and not opts.force:  # refused by name before anything runs, never a silent divergence
             raise UsageError(f"{path}: the {kind} runner cannot replay what this capture records: "
                              f"{'; '.join(u.describe() for u in missing)}; --force replays anyway and lists it as "
@@ -158,8 +159,10 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
         problems = adapter_problems(adapters)
         if problems and not opts.force:
             raise UsageError(f"{path}: {'; '.join(p for _, p, _ in problems)}; --force replays anyway")
-        out.ignored = [u.describe() for u in missing] + [f"{p} (its requests replay without it)"
-                                                          for _, p, usable in problems if not usable]
+        out.ignored = [u.describe() + (" (its requests are left out)" if u.feature in PER_REQUEST else "")
+                       for u in missing] + [f"{p} (its requests replay without it)" for _, p, usable in problems
+                                            if not usable]
+        out.skip = skip
         out.notes = [p for _, p, usable in problems if usable]  # with --force: a provenance difference, named first
         built = build_runner(r.header, opts.overrides, force=opts.force, capture=path)
         built.runner.ignore_adapters = {a.name for a, _, usable in problems if not usable}
@@ -180,6 +183,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     loop = StepLoop(path, built.runner, opts.mode)
+    loop.skip = out.skip
     # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
     # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine
     # with per-request torch generators and an exponential race. Only a runner of the recording's family
@@ -198,9 +202,9 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
         if opts.diff and (rng is None or rec.index >= rng.first):
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
-                                         foreign_random)
+                                         foreign_random, so.scheduled_spec_decode_tokens, out.skip)
             out.summaries.append(summary)
-            out.requests.update(expected.req_ids if expected is not None else ())
+            out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:
                 out.first_batch = batch_composition(rec.index, so, loop.external)
             out.count += len(divs)
@@ -282,7 +286,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
                          "at least one compared step")
-    divs = sorted(p.divergences, key=lambda d: (d.step, d.kind != "token"))
+    divs = sorted(p.divergences, key=lambda d: (d.step, d.kind not in ("token", "drafts")))
     first = divs[0] if divs else None
     return ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
                         _repro(str(path), first.step, opts) if first else None, p.tolerance, p.notes, p.steps,

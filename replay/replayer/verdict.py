@@ -25,7 +25,9 @@ def divergence_verdict(rep: ReplayReport) -> str | None:
     if rep.first_divergence is None:
         return None
     tokens = sum(s.token_mismatches for s in rep.steps)
-    return (f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s), first at step "
+    drafts = sum(s.draft_mismatches for s in rep.steps)
+    accepted = f", {drafts} with another number of drafts accepted" if drafts else ""
+    return (f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s){accepted}, first at step "
             f"{rep.first_divergence.step}")
 
 

@@ -200,7 +200,8 @@ def _g(x: float | None) -> str | None:
 def _divergence_card(id_: str, title: str, d: Divergence, sides: tuple[str, str] = ("recorded", "replayed")) -> Card:
     what = {"token": f"token flip ({d.flip})" if d.flip else "token flip", "logprobs": "same token, logprobs differ",
             "prompt_logprobs": "prompt logprobs differ", "missing": "the replay did not run this request",
-            "length": "one side generated more tokens"}.get(d.kind, d.kind)
+            "length": "one side generated more tokens",
+            "drafts": "another number of drafts accepted (one side emitted fewer tokens)"}.get(d.kind, d.kind)
     facts = [("step", d.step), ("request", d.request_id), ("output position", d.position), ("what", what),
              (f"token {sides[0]}", d.expected_token), (f"token {sides[1]}", d.actual_token),
              ("rank", None if d.expected_rank is None else f"{d.expected_rank} → {d.actual_rank}"),

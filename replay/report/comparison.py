@@ -45,7 +45,7 @@ def _points(run: RunFacts, divs: list[Divergence], order: dict[str, int]) -> _Po
     row = np.fromiter((order[d.internal_id or d.request_id] for d in keep), np.int64, len(keep))
     delta = np.fromiter((d.max_abs_logprob_diff for d in keep), np.float64, len(keep))
     margin = np.fromiter((math.nan if d.margin is None else d.margin for d in keep), np.float64, len(keep))
-    flip = np.fromiter((FLIP_CLASS.get(d.flip, 3) if d.kind in ("token", "missing", "length") else 0 for d in keep),
+    flip = np.fromiter((FLIP_CLASS.get(d.flip, 3) if d.kind in ("token", "missing", "length", "drafts") else 0 for d in keep),
                        np.int64, len(keep))
     return _Points(pos, row, np.nan_to_num(delta, nan=0.0), margin, flip)
 
@@ -152,7 +152,7 @@ def _per_request(n: int, p: _Points, divs: list[Divergence], order: dict[str, in
             continue
         if first_step[i] is None:
             first_step[i], first_pos[i] = d.step, d.position
-        if flip_class[i] is None and d.kind in ("token", "missing", "length"):
+        if flip_class[i] is None and d.kind in ("token", "missing", "length", "drafts"):
             flip_class[i] = d.flip or d.kind
     return {"divergences": count.tolist(), "flips": flips.tolist(), "first_step": first_step,
             "first_position": first_pos, "max_delta": [float(f"{x:.3g}") for x in worst.tolist()],

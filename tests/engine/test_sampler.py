@@ -82,3 +82,13 @@ def test_penalties_and_min_tokens():
     assert sample(logits, [row(SamplingParams(temperature=0.0, presence_penalty=1.0), output=(0,))], -1).tokens == [1]
     r = SampleRow(SamplingParams(temperature=0.0, min_tokens=2), None, [1], [], (0,), True)
     assert sample(logits, [r], -1).tokens == [1]  # the stop token 0 is masked until 2 outputs exist
+
+
+def test_bad_words_mask_a_words_last_token_after_the_rest_of_it_as_vllm_does():
+    logits = torch.tensor([[2.0, 1.9, 1.8, 0.0]])
+    one = SamplingParams(temperature=0.0, bad_words_token_ids=[[0]])  # a one-token word: always masked
+    assert sample(logits, [row(one)], -1).tokens == [1]
+    two = SamplingParams(temperature=0.0, bad_words_token_ids=[[3, 0], [1]])
+    assert sample(logits, [row(two, output=(3,))], -1).tokens == [2]  # "3 0" would complete the word; "1" is bad
+    assert sample(logits, [row(two, output=(2,))], -1).tokens == [0]  # after 2, token 0 completes no word
+    assert sample(logits, [row(two, prompt=(3,))], -1).tokens == [0]  # vLLM looks at the output only

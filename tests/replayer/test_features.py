@@ -1,7 +1,7 @@
 """Recorded features a runner cannot honour are refused by name before the first step; `--force` replays anyway
 and lists them as ignored. The builtin engine cannot record these features, so this test writes them into a copy
 of a real builtin capture (the LoRA request as vLLM's LoRARequest image leaves it: name, id, path); the same
-refusal on a real vLLM speculative-decoding capture is in tests/integrations/vllm/test_plugin.py."""
+replay of a real vLLM speculative-decoding capture, and a real refusal, are in tests/integrations/vllm/."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def tiny_capture(tmp_path_factory):
     return path
 
 
-def _with(src, dst, *, lora_on: int | None = None, drafts_at: int | None = None):
-    """A copy of `src` where the `lora_on`-th new request carries a LoRA adapter, and step `drafts_at` schedules
-    draft tokens for its first request."""
+def _with(src, dst, *, lora_on: int | None = None, encoder_at: int | None = None):
+    """A copy of `src` where the `lora_on`-th new request carries a LoRA adapter, and step `encoder_at` schedules
+    encoder inputs (a multimodal item) for its first request."""
     seen = 0
     with CaptureReader(src) as r, CaptureWriter(dst, r.header) as w:
         for rec in r.records():
@@ -38,10 +38,10 @@ def _with(src, dst, *, lora_on: int | None = None, drafts_at: int | None = None)
                         n = msgspec.structs.replace(n, lora_request=Opaque("sql-lora", 1, "/adapters/sql-lora"))
                     seen += 1
                     new.append(n)
-                spec = dict(so.scheduled_spec_decode_tokens)
-                if rec.index == drafts_at:
-                    spec[next(iter(so.num_scheduled_tokens))] = [5, 6, 7]
-                so = msgspec.structs.replace(so, scheduled_new_reqs=new, scheduled_spec_decode_tokens=spec)
+                enc = dict(so.scheduled_encoder_inputs)
+                if rec.index == encoder_at:
+                    enc[next(iter(so.num_scheduled_tokens))] = [0]
+                so = msgspec.structs.replace(so, scheduled_new_reqs=new, scheduled_encoder_inputs=enc)
                 rec = msgspec.structs.replace(rec, scheduler_output=so)
             w.write_record(rec)
     return dst
@@ -56,14 +56,14 @@ def test_a_lora_adapter_that_is_not_there_is_refused_by_name_before_the_first_st
 
 
 def test_force_replays_and_lists_what_it_ignored(tiny_capture, tmp_path, capsys):
-    cap = _with(tiny_capture, tmp_path / "both.capture", lora_on=0, drafts_at=2)
+    cap = _with(tiny_capture, tmp_path / "both.capture", lora_on=0, encoder_at=2)
     rep = replay_capture(cap, ReplayOptions(force=True))
-    assert [f.split(":")[0] for f in rep.ignored] == ["speculative decoding", "LoRA adapter 'sql-lora'"]
-    assert "3 draft token(s) scheduled" in rep.ignored[0] and "its requests replay without it" in rep.ignored[1]
+    assert [f.split(":")[0] for f in rep.ignored] == ["multimodal inputs", "LoRA adapter 'sql-lora'"]
+    assert "encoder inputs scheduled" in rep.ignored[0] and "its requests replay without it" in rep.ignored[1]
     assert main(["run", str(cap), "--diff"]) == 2
-    assert "cannot replay what this capture records: speculative decoding: step 2" in capsys.readouterr().err
+    assert "cannot replay what this capture records: multimodal inputs: step 2" in capsys.readouterr().err
     main(["run", str(cap), "--diff", "--force"])
-    assert "ignored (--force): speculative decoding: step 2" in capsys.readouterr().out
+    assert "ignored (--force): multimodal inputs: step 2" in capsys.readouterr().out
 
 
 def test_a_plain_capture_has_nothing_to_refuse(tiny_capture):

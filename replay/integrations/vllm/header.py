@@ -3,6 +3,7 @@ scheduler's `vllm_config`, plus the fields this vLLM's contract classes declare 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -88,6 +89,28 @@ def attention_backends(executor: Any) -> str:
     return ",".join(sorted({name for names in per_rank for name in names}))
 
 
+# SpeculativeConfig fields a user sets (vLLM's names) that decide which drafts are proposed and how they are
+# verified; what vLLM derives from them (draft model and parallel configs) it derives again on replay
+SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
+                      "draft_tensor_parallel_size", "quantization", "max_model_len", "revision",
+                      "disable_padded_drafter_batch", "parallel_drafting", "rejection_sample_method",
+                      "draft_sample_method", "enforce_eager")
+
+
+def speculative_args(spec: Any) -> str:
+    """The speculative config as the JSON object `LLM(speculative_config=...)` takes ("" without one): the fields
+    of `SPECULATIVE_FIELDS` this vLLM has, unset ones left out."""
+    if spec is None:
+        return ""
+    out = {}
+    for name in SPECULATIVE_FIELDS:
+        value = getattr(spec, name, None)
+        if value is None or (name == "model" and getattr(spec, "method", None) in ("ngram", "suffix")):
+            continue  # ngram and suffix decoding propose from the request's own tokens: no draft model
+        out[name] = value if isinstance(value, (bool, int, float)) else str(value)
+    return json.dumps(out, sort_keys=True)
+
+
 def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
     """The parallel layout, compilation and kernel-relevant settings of a vllm_config, by vLLM's names, and the
     attention backend the workers selected (`attention_backends`)."""
@@ -107,6 +130,7 @@ def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
         "quantization": getattr(mc, "quantization", None) or "",
         "speculative_config": (f"{getattr(spec, 'method', '')} x{getattr(spec, 'num_speculative_tokens', '')}"
                                if spec is not None else ""),
+        "speculative_args": speculative_args(spec),
         "attention_backend": attention_backend,
         "max_lora_rank": getattr(lora, "max_lora_rank", "") if lora is not None else "",
         "max_loras": getattr(lora, "max_loras", "") if lora is not None else "",

