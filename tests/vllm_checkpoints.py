@@ -90,3 +90,27 @@ def tiny_mistral(path: Path, sliding_window: int = 32) -> Path:
                                      sliding_window=sliding_window, max_position_embeddings=512)
     transformers.MistralForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+def tiny_eagle_head(base: Path, path: Path) -> Path:
+    """A random EAGLE draft head for `base` (a Llama), in the layout vLLM's `EagleLlamaForCausalLM` loads: one
+    decoder layer without its input norm, and `fc` ([hidden, 2 x hidden]: token embedding + target hidden state);
+    the embedding and LM head are shared with the target."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    torch.manual_seed(5)
+    keep = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "model_type", "dtype",
+                                                      "torch_dtype")}
+    layer = transformers.LlamaForCausalLM(transformers.LlamaConfig(**keep)).model.layers[0]
+    tensors = {f"layers.0.{k}": v.contiguous() for k, v in layer.state_dict().items() if "input_layernorm" not in k}
+    tensors["fc.weight"] = torch.randn(cfg["hidden_size"], 2 * cfg["hidden_size"]) * 0.05
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path

@@ -52,7 +52,9 @@ def render_divergence(d: Divergence) -> list[str]:
         return [f"  step {d.step}, request {d.request_id}, output position {d.position}: token {d.expected_token} "
                 f"expected, {d.actual_token} replayed ({(d.flip or '').upper()} FLIP)",
                 f"  rank {d.expected_rank} -> {d.actual_rank}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}, {margin}"
-                f"{drafts}"]
+                f"{drafts}"] + ([f"  a greedy request emitted a token that is not its argmax (rank {d.expected_rank} "
+                                 f"recorded, {d.actual_rank} replayed): the sampler decided it, not the numerics"]
+                                if d.flip == "not-argmax" else [])
     if d.kind == "drafts":
         what = (f"token {d.expected_token} expected, none replayed" if d.actual_token is None else
                 f"no token expected, {d.actual_token} replayed")

@@ -44,7 +44,9 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     max_abs_logprob_diff: float = 0.0  # over the tokens both top-k lists contain (and the sampled token)
     sampled_logprob_diff: float | None = None
     margin: float | None = None  # top1 - top2 raw logprob where the flip happened
-    flip: str | None = None  # "tie" | "confident" for a token flip
+    # a token flip: "tie" | "confident" | "not-argmax" (a greedy request emitted a token that is not its argmax on
+    # one side: the sampler, not the numerics, decided it)
+    flip: str | None = None
     topk_changed: bool = False
     internal_id: str = ""
     # speculative decoding: how many of the step's scheduled drafts each side accepted (None: no drafts)
@@ -85,9 +87,10 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
                  actual_margins: dict[str, float] | None = None, num_tokens: int = 0,
                  foreign_draws: set[str] | frozenset = frozenset(),
                  drafts: dict[str, list[int]] | None = None,
-                 skip: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
+                 skip: set[str] | frozenset = frozenset(),
+                 greedy: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
     """Diff one step's outputs (`drafts`: the draft tokens the step scheduled per request, if any; `skip`: requests
-    the replay left out, not compared). `positions[rid]` = output tokens the request had before this step. A request may
+    the replay left out, not compared; `greedy`: greedy requests, whose tokens must be their argmax). `positions[rid]` = output tokens the request had before this step. A request may
     emit several tokens in one step (speculative decoding: accepted drafts plus the bonus token); they are compared
     position by position, each with its own logprob row, and the first position that differs is the one reported.
     Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
@@ -108,7 +111,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
         et, at = expected.sampled_token_ids[i], actual.sampled_token_ids[j]
         summary.tokens_compared += len(et)
         div = _compare_request(step, name, rid, pos, et, at, _rows(expected, i), _rows(actual, j),
-                               rid in foreign_draws, tol, summary, actual_margins)
+                               rid in foreign_draws, tol, summary, actual_margins, rid in greedy)
         if div is not None:
             d = (drafts or {}).get(rid)
             if d:
@@ -139,7 +142,7 @@ def _rows(out: ModelRunnerOutput, index: int) -> list[Row | None]:
 
 def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at: list[int], ers: list[Row | None],
                      ars: list[Row | None], foreign: bool, tol: Tolerance, summary: StepSummary,
-                     actual_margins: dict[str, float] | None) -> Divergence | None:
+                     actual_margins: dict[str, float] | None, greedy: bool = False) -> Divergence | None:
     """One request's tokens of one step, position by position; the first position that differs, as a Divergence
     (a token there, else its logprobs), and the step's counters updated."""
     first_lp: Divergence | None = None
@@ -175,8 +178,11 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
             m = margin(er)
             if m is None and actual_margins is not None and k == 0:
                 m = actual_margins.get(rid)
+            flip = classify(m, tol, lp_diff)
+            if greedy and any(r is not None and r.rank != 1 for r in (er, ar)):
+                flip = "not-argmax"
             return Divergence(step, name, pos + k, "token", e_tok, a_tok, er.rank if er else None,
-                              ar.rank if ar else None, lp_diff, None, m, classify(m, tol, lp_diff), topk_changed, rid)
+                              ar.rank if ar else None, lp_diff, None, m, flip, topk_changed, rid)
         if not lp_equal and first_lp is None:
             sampled_diff = float(ar.values[0] - er.values[0]) if er is not None and ar is not None else None
             first_lp = Divergence(step, name, pos + k, "logprobs", e_tok, a_tok, er.rank if er else None,

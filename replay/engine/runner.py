@@ -185,14 +185,14 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
                       sampled_override: dict[str, list[int]] | None = None) -> None:
         """Apply a step's diff to the cached state (the first half of `execute_model`)."""
-        self._update_states(so, drawn_seeds)
         for rid, toks in (sampled_override or {}).items():
             # the recorded tokens replace the ones this runner emitted last step (another number of them when it
-            # accepted another number of drafts)
+            # accepted another number of drafts); before the diff, whose `num_output_tokens` counts the recorded ones
             st = self.requests.get(rid)
             emitted = self.last_emitted.get(rid, len(toks))
             if st is not None and toks and len(st.output_token_ids) >= emitted:
                 st.output_token_ids[len(st.output_token_ids) - emitted:] = toks
+        self._update_states(so, drawn_seeds)
 
     @torch.inference_mode()
     def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:

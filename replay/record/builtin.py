@@ -81,6 +81,12 @@ def record_builtin(opts: RecordOptions) -> RecordResult:
     if constrained is not None:
         raise UsageError(f"request {constrained.request_id or '?'}: structured_outputs needs a grammar backend, which "
                          "the builtin engine does not have (record it with --engine vllm; replay works on both)")
+    for i, r in enumerate(opts.requests):  # what only vLLM's front end does (fan-out, text stops, word tokens)
+        unsupported = [name for name, on in (("n > 1", r.params.n != 1), ("stop strings", bool(r.params.stop)),
+                                             ("bad_words", bool(r.params.bad_words))) if on]
+        if unsupported:
+            raise UsageError(f"request {r.request_id or i}: {', '.join(unsupported)}: the builtin engine has no "
+                             "front end for it (record it with --engine vllm; replay works on both)")
     engine = LLMEngine(opts.engine, listeners=list(opts.listeners))
     writer = tap = None
     if opts.tap:

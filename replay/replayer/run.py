@@ -191,18 +191,24 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     # logprobs still are), in either direction.
     out.recorded_draws = recorded_draws(r.header)
     foreign_random: set[str] = set()
+    greedy: set[str] = set()
+    # with speculative decoding every random draw goes through vLLM's rejection sampler, which only vLLM repeats
+    speculative = bool(r.header.engine_config and r.header.engine_config.layout.get("speculative_config"))
+    by_vllm = built.kind == "vllm"
     run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
     for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
         so, expected = rec.scheduler_output, rec.model_runner_output
-        foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params) and not
-                              built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None))
+        foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params) and (
+            not built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None)
+            or (speculative and not by_vllm)))
+        greedy.update(n.req_id for n in so.scheduled_new_reqs if not _random(n.sampling_params))
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
         out.digests.append(_digest(actual))
         if opts.diff and (rng is None or rec.index >= rng.first):
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
-                                         foreign_random, so.scheduled_spec_decode_tokens, out.skip)
+                                         foreign_random, so.scheduled_spec_decode_tokens, out.skip, greedy)
             out.summaries.append(summary)
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:

@@ -129,6 +129,7 @@ def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
     tol = rep.tolerance
     how = "bitwise" if tol.bitwise else f"atol {tol.atol:g}, rtol {tol.rtol:g}"
     notes = [f"note: {d}" for d in rep.environment_differences + (rep.host_differences if rep.diverged else [])]
+    notes += [f"ignored (--force): {what}" for what in rep.ignored]
     notes += [f"tolerance auto: {rep.tolerance_choice}"] * bool(rep.tolerance_choice)
     notes += [f"suspect: {rep.suspect} (the recording and the replay differ there)"] * bool(rep.suspect)
     notes += [f"capture damaged ({'; '.join(rep.data_lost[:3])})"] * bool(rep.data_lost)

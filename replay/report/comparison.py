@@ -23,7 +23,7 @@ from replay.report.run import RunFacts
 
 SCATTER_W, SCATTER_H = 360, 200  # scatter cells: about one per 2 x 2 CSS pixels
 MAX_MARKERS = 20_000  # token-flip markers drawn over the heat map (one per cell at most)
-FLIP_CLASS = {"tie": 1, "confident": 2}  # marker class; 3: missing output or another length, 0: no flip
+FLIP_CLASS = {"tie": 1, "confident": 2, "not-argmax": 2}  # marker class; 3: missing output or another length, 0: no flip
 MARGIN_FLOOR = -6  # log10 of the smallest margin the scatter tells apart from zero
 
 

@@ -20,11 +20,13 @@ def paths(tmp_path, small_capture):
     bad_jsonl.write_text('{"prompt": 5}\n')
     grammar = tmp_path / "grammar.jsonl"
     grammar.write_text('{"prompt_token_ids": [5, 6], "structured_outputs": {"regex": "[0-9]+"}}\n')
+    fanout = tmp_path / "fanout.jsonl"  # what only vLLM's front end does
+    fanout.write_text('{"prompt_token_ids": [5, 6], "n": 2, "stop": ["x"]}\n')
     golden = Path(__file__).resolve().parents[2] / "captures" / "tiny-mixed.capture"
     empty = tmp_path / "no-captures"
     empty.mkdir()
     return {"cap": str(small_capture), "golden": str(golden), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
-            "jsonl": str(bad_jsonl), "grammar": str(grammar), "out": str(tmp_path / "out.capture"),
+            "jsonl": str(bad_jsonl), "grammar": str(grammar), "fanout": str(fanout), "out": str(tmp_path / "out.capture"),
             "emptydir": str(empty)}
 
 
@@ -41,7 +43,7 @@ CASES = [
     ("record", "--model", "{missing}", "--out", "{out}"), ("record", "--model", "{dir}", "--out", "{out}"),
     ("record", "--engine", "sglang", "--out", "{out}"), ("record", "--engine", "vllm", "--out", "{out}"),
     ("record", "--engine", "vllm", "--attention", "sdpa", "--prompts", "{grammar}", "--model", "{dir}"),
-    ("record", "--prompts", "{grammar}", "--out", "{out}"),
+    ("record", "--prompts", "{grammar}", "--out", "{out}"), ("record", "--prompts", "{fanout}", "--out", "{out}"),
     ("run", "{cap}", "--repeat", "0"), ("run", "{cap}", "--atol", "-1"), ("run", "{cap}", "--mode", "sideways"),
     ("run", "{cap}", "--set", "nonsense"), ("recover", "{cap}", "-o", "{cap}"),
     # unreadable inputs

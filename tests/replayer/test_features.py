@@ -5,6 +5,8 @@ replay of a real vLLM speculative-decoding capture, and a real refusal, are in t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -14,6 +16,7 @@ from replay.contracts import Opaque
 from replay.errors import UsageError
 from replay.record import EngineOptions, SyntheticWorkload, record, synthetic
 from replay.replayer import ReplayOptions, check_capture, replay_capture
+from replay.report import write_report
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +67,8 @@ def test_force_replays_and_lists_what_it_ignored(tiny_capture, tmp_path, capsys)
     assert "cannot replay what this capture records: multimodal inputs: step 2" in capsys.readouterr().err
     main(["run", str(cap), "--diff", "--force"])
     assert "ignored (--force): multimodal inputs: step 2" in capsys.readouterr().out
+    page = Path(write_report(cap, tmp_path / "report.html", replay=ReplayOptions(force=True)).path).read_text()
+    assert "ignored (--force): multimodal inputs: step 2" in page  # the HTML report lists it too
 
 
 def test_a_plain_capture_has_nothing_to_refuse(tiny_capture):

