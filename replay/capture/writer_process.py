@@ -73,8 +73,11 @@ class ProcessCaptureWriter(WriterContext):
         self._num_steps = 0
         self._last_step = -1
         self._closed = False
+        self.cpu_s = 0.0  # the writer process's CPU time (user + system), known once it closed the capture
+        self.startup_cpu_s = 0.0  # of which its start-up, before the first record
         self._send(b"H", _ENCODER.encode(header))
-        self._answer()  # the child reports whether it could create the file before we go on
+        # the child reports whether it could create the file before we go on
+        self.startup_cpu_s = float(self._answer().get("cpu_s", 0.0))
 
     # -- the CaptureWriter API ------------------------------------------------------------------------------------
 
@@ -163,6 +166,7 @@ class ProcessCaptureWriter(WriterContext):
         answer = self._answer()
         self._proc.wait()
         self._num_records = answer.get("records", 0)
+        self.cpu_s = float(answer.get("cpu_s", 0.0))
         return self.path
 
     def abandon(self) -> None:
@@ -300,11 +304,25 @@ def stopped_status(last_step: int, pending: dict | None = None, cut: bool = Fals
            f"here{unfinished}{lost}"
 
 
-def _detach() -> None:
+def _cpu_s() -> float:
+    """This process's CPU time so far (user + system), at microsecond resolution where the OS gives it."""
+    try:
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    except ImportError:
+        t = os.times()
+        return t.user + t.system
+
+
+def _detach() -> float:
     """Outlive the engine long enough to seal. vLLM's shutdown SIGKILLs every descendant of the EngineCore it finds
     (psutil's children, recursively), so the writer must not be one: it forks once more and the engine's own child
     exits at once, leaving the writer to init. Then a session of its own (a Ctrl-C or a kill of the engine's process
-    group does not reach it) and no default handlers for the stop signals. The end of the pipe is what ends it."""
+    group does not reach it) and no default handlers for the stop signals. The end of the pipe is what ends it.
+    Returns the CPU time spent before the fork (imports), which the forked process's own count starts without."""
+    before = _cpu_s()
     if hasattr(os, "fork") and os.fork() > 0:
         os._exit(0)
     try:
@@ -313,6 +331,7 @@ def _detach() -> None:
         pass
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    return before if hasattr(os, "fork") else 0.0
 
 
 def _child(options: dict) -> int:
@@ -340,7 +359,7 @@ def _child(options: dict) -> int:
         payload = stdin.read(n)
         return (kind, payload) if len(payload) == n else (None, None)
 
-    _detach()
+    before_fork = _detach()
     writer = None
     images = _Images()
     try:
@@ -351,7 +370,7 @@ def _child(options: dict) -> int:
                                level=options["level"])
         if options.get("images"):
             images.warm()  # one-time work before "ready", not on the engine's first steps
-        say({"ok": "ready"})
+        say({"ok": "ready", "cpu_s": before_fork + _cpu_s()})  # its start-up CPU (imports, converters): for bench/
         while True:
             kind, payload = read_frame()
             if kind is None:  # the engine went away without closing: seal what it sent
@@ -364,7 +383,8 @@ def _child(options: dict) -> int:
             if kind == b"C":
                 status = payload.decode()
                 writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
-                say({"ok": "closed", "records": writer.num_records})
+                # its CPU (it is no child of the engine's, see _detach: the engine's rusage never counts it)
+                say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + _cpu_s()})
                 return 0
             if kind == b"F":
                 writer.flush()

@@ -27,6 +27,7 @@ def _write(writer_cls, path):
             else:
                 w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
         w.abort_request("gone", 30)
+    return w
 
 
 def _records(path):
@@ -36,8 +37,10 @@ def _records(path):
 
 def test_same_records_as_the_in_process_writer(tmp_path):
     _write(CaptureWriter, tmp_path / "thread.capture")
-    _write(ProcessCaptureWriter, tmp_path / "process.capture")
+    w = _write(ProcessCaptureWriter, tmp_path / "process.capture")
     assert _records(tmp_path / "thread.capture") == _records(tmp_path / "process.capture")
+    # the writer process says what it cost (it is no child of ours: its CPU is not in our rusage), for bench/
+    assert 0 < w.startup_cpu_s < w.cpu_s
 
 
 def test_errors_surface_in_the_engine_process(tmp_path, small_capture):
