@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import msgspec
 
 from replay.capture import format as fmt
+from replay.capture.process import cpu_s, detach, grow_pipe
 from replay.capture.writer import WriterContext
 from replay.contracts import (
     EngineCoreRequest,
@@ -69,7 +69,7 @@ class ProcessCaptureWriter(WriterContext):
         self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writer_process", json.dumps(options)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._fd = self._proc.stdin.fileno()
-        _grow_pipe(self._fd)
+        grow_pipe(self._fd)
         self._num_steps = 0
         self._last_step = -1
         self._closed = False
@@ -275,19 +275,6 @@ class _Images:
             timing=None if timing is None else fmt.StepTiming(*timing)))
 
 
-def _grow_pipe(fd: int) -> None:
-    """A deeper pipe (Linux: up to pipe-max-size, 1 MiB by default) so that a burst of steps never makes the engine
-    wait for the writer process; the writer only has to keep up on average."""
-    try:
-        import fcntl
-
-        with open("/proc/sys/fs/pipe-max-size") as f:
-            size = min(int(f.read()), 1 << 20)
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
-    except (OSError, ValueError, ImportError):
-        pass  # another OS, or a lower limit: the default pipe works, it only waits sooner
-
-
 _IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"E")
 
 
@@ -302,36 +289,6 @@ def stopped_status(last_step: int, pending: dict | None = None, cut: bool = Fals
     lost = "; the record it was sending when it went away was cut short and dropped" if cut else ""
     return f"engine stopped: the engine went away {where} without closing the capture; every record it sent is " \
            f"here{unfinished}{lost}"
-
-
-def _cpu_s() -> float:
-    """This process's CPU time so far (user + system), at microsecond resolution where the OS gives it."""
-    try:
-        import resource
-
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-    except ImportError:
-        t = os.times()
-        return t.user + t.system
-
-
-def _detach() -> float:
-    """Outlive the engine long enough to seal. vLLM's shutdown SIGKILLs every descendant of the EngineCore it finds
-    (psutil's children, recursively), so the writer must not be one: it forks once more and the engine's own child
-    exits at once, leaving the writer to init. Then a session of its own (a Ctrl-C or a kill of the engine's process
-    group does not reach it) and no default handlers for the stop signals. The end of the pipe is what ends it.
-    Returns the CPU time spent before the fork (imports), which the forked process's own count starts without."""
-    before = _cpu_s()
-    if hasattr(os, "fork") and os.fork() > 0:
-        os._exit(0)
-    try:
-        os.setsid()
-    except OSError:  # already a session leader
-        pass
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    return before if hasattr(os, "fork") else 0.0
 
 
 def _child(options: dict) -> int:
@@ -359,7 +316,7 @@ def _child(options: dict) -> int:
         payload = stdin.read(n)
         return (kind, payload) if len(payload) == n else (None, None)
 
-    before_fork = _detach()
+    before_fork = detach()
     writer = None
     images = _Images()
     try:
@@ -370,7 +327,7 @@ def _child(options: dict) -> int:
                                level=options["level"])
         if options.get("images"):
             images.warm()  # one-time work before "ready", not on the engine's first steps
-        say({"ok": "ready", "cpu_s": before_fork + _cpu_s()})  # its start-up CPU (imports, converters): for bench/
+        say({"ok": "ready", "cpu_s": before_fork + cpu_s()})  # its start-up CPU (imports, converters): for bench/
         while True:
             kind, payload = read_frame()
             if kind is None:  # the engine went away without closing: seal what it sent
@@ -383,8 +340,8 @@ def _child(options: dict) -> int:
             if kind == b"C":
                 status = payload.decode()
                 writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
-                # its CPU (it is no child of the engine's, see _detach: the engine's rusage never counts it)
-                say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + _cpu_s()})
+                # its CPU (it is no child of the engine's, see `process.detach`: the engine's rusage never counts it)
+                say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})
                 return 0
             if kind == b"F":
                 writer.flush()
