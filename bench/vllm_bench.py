@@ -142,11 +142,13 @@ def sizes(ours: Path, ours17: Path, naive: Path, generated: int) -> dict:
             "naive_gzip6_b_per_tok": len(gzip.compress(raw, compresslevel=6)) / generated}
 
 
-def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 3) -> dict:
+def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
     """CPU cost per step of each tap, measured on the very objects of a run (unpickled from the naive stream), so
-    engine noise does not enter: the engine thread's share (ours: two msgspec encodes and two pipe writes to a
-    live writer process; naive: one pickle.dump), and ours' background share (what the writer process does:
-    convert, intern, compress, write), timed in-process."""
+    engine noise does not enter. CPU time, not wall time: a stall of this shared machine does not count. The engine
+    thread's share (ours: the plugin's path, a msgspec encode and a pipe write at schedule() and again at
+    update_from_output(), to a live writer process; naive: one pickle.dump), and ours' background share (what the
+    writer process does with those frames: store the images, move logprobs into columns, compress, write, close),
+    timed in-process as process CPU (its compression thread included). Min, median and max over `repeats`."""
     from replay.capture.writer import CaptureWriter
     from replay.capture.writer_process import ProcessCaptureWriter, _Images
     from replay.integrations.vllm.convert import ENCODER
@@ -161,29 +163,32 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 3) -> dict:
                 break
     ours, naive, background = [], [], []
     for r in range(repeats):
-        images = []
+        frames = []
         with ProcessCaptureWriter(tmp / f"cost-{r}.capture", make_header("bench"), overwrite=True, nice=19,
                                   images=True) as w:
-            t = time.perf_counter_ns()
+            t = time.thread_time_ns()
             for i, (so, mro) in enumerate(steps):
-                a, b = ENCODER.encode(so), ENCODER.encode(mro)
-                w.write_step_image(i, a, b)
-                images.append(msgspec_encode([i, msgspec.Raw(a), msgspec.Raw(b), None, None]))
-            ours.append((time.perf_counter_ns() - t) / len(steps) / 1e3)
+                a = ENCODER.encode(so)
+                w.scheduled_image(i, a, 0, 0)
+                b = ENCODER.encode(mro)
+                w.output_image(i, b, 0, 0)
+                frames += [(b"P", msgspec_encode([i, msgspec.Raw(a), 0, 0])), (b"O", msgspec_encode([i, msgspec.Raw(b), 0, 0]))]
+            ours.append((time.thread_time_ns() - t) / len(steps) / 1e3)
         with open(tmp / f"cost-{r}.pkl", "wb") as f:
-            t = time.perf_counter_ns()
+            t = time.thread_time_ns()
             for pair in steps:
                 pickle.dump(pair, f, protocol=pickle.HIGHEST_PROTOCOL)
-            naive.append((time.perf_counter_ns() - t) / len(steps) / 1e3)
+            naive.append((time.thread_time_ns() - t) / len(steps) / 1e3)
         cw = CaptureWriter(tmp / f"cost-bg-{r}.capture", make_header("bench"), overwrite=True)
         conv = _Images()
+        conv.warm()  # the writer process does this before it says "ready"
         t = time.process_time_ns()
-        for payload in images:
-            conv.write(cw, b"V", payload)
+        for kind, payload in frames:
+            conv.write(cw, kind, payload)
         cw.close()
         background.append((time.process_time_ns() - t) / len(steps) / 1e3)
-    return {"ours_engine_us": statistics.median(ours), "naive_engine_us": statistics.median(naive),
-            "ours_background_us": statistics.median(background), "steps": len(steps)}
+    return {"ours_engine_us": spread(ours), "naive_engine_us": spread(naive), "ours_background_us": spread(background),
+            "steps": len(steps)}
 
 
 def main() -> None:
@@ -233,6 +238,9 @@ def main() -> None:
     over = {k: {v: per_step[k][v]["median"] - per_step[k]["none"]["median"] for v in variants}
             for k in ("cpu_s", "thread_s")}
     tap_cpu = over["cpu_s"]["ours"] + per_step["writer_cpu_s"]["ours"]["median"]
+    c = costs
+    own_total = c["ours_engine_us"]["median"] + c["ours_background_us"]["median"]  # the tap's own CPU, precise
+    naive_own = c["naive_engine_us"]["median"]
     size_ratio = size["ours_b_per_tok"] / size["naive_zstd3_b_per_tok"]
     size_ratio17 = size["ours_z17_b_per_tok"] / size["naive_zstd3_b_per_tok"]
     out = {
@@ -247,18 +255,20 @@ def main() -> None:
         "replay": {"bitwise": not rep.diverged, "steps": rep.steps_replayed, "step_s": rep.replay_s,
                    "wall_s": replay_wall, "vs_record": rep.replay_s / med["ours"]},
         "targets": [
+            {"target": "vLLM tap wall time vs the naive tap's, medians of the interleaved rounds (goal <= 1x)",
+             "measured": round(med["ours"] / med["naive"], 3), "pass": med["ours"] <= med["naive"]},
             {"target": "vLLM tap wall time vs no tap (64 req x 64 tok, top-5 logprobs; goal <= 1.02x)",
              "measured": round(ratio, 3), "pass": ratio <= 1.02},
             {"target": "vLLM capture size vs naive pickle stream + zstd-3 (goal <= 0.8x)",
              "measured": round(size_ratio, 3), "pass": size_ratio <= 0.8},
             {"target": "the same with REPLAY_ZSTD_LEVEL=17 (goal <= 0.8x)",
              "measured": round(size_ratio17, 3), "pass": size_ratio17 <= 0.8},
-            {"target": "tap CPU per step, engine process over no tap + writer process, vs the naive tap's (goal <= 1x)",
-             "measured": round(tap_cpu / max(over["cpu_s"]["naive"], 1e-9), 3),
-             "pass": tap_cpu <= over["cpu_s"]["naive"]},
-            {"target": "engine-thread CPU per step over no tap, ours vs naive (goal <= 0.5x)",
-             "measured": round(over["thread_s"]["ours"] / max(over["thread_s"]["naive"], 1e-9), 3),
-             "pass": over["thread_s"]["ours"] <= 0.5 * over["thread_s"]["naive"]},
+            {"target": "tap CPU per step, engine thread + writer process, vs the naive tap's in-thread CPU (on the run's "
+                       "objects, medians; goal <= 1x)",
+             "measured": round(own_total / naive_own, 3), "pass": own_total <= naive_own},
+            {"target": "engine-thread CPU per step, ours vs the naive tap's (on the run's objects, medians; goal <= 0.5x)",
+             "measured": round(c["ours_engine_us"]["median"] / naive_own, 3),
+             "pass": c["ours_engine_us"]["median"] <= 0.5 * naive_own},
             {"target": "vLLM-runner replay: bitwise, step time vs the recorded run (x)",
              "measured": round(rep.replay_s / med["ours"], 3), "pass": not rep.diverged},
         ],
@@ -284,10 +294,11 @@ def main() -> None:
           f"| naive pickle raw "
           f"{size['naive_raw_b_per_tok']:.1f}, zstd-3 {size['naive_zstd3_b_per_tok']:.1f}, gzip-6 "
           f"{size['naive_gzip6_b_per_tok']:.1f}  (ours / naive zstd-3 = {size_ratio:.3f}, z17 {size_ratio17:.3f})")
-    c = costs
-    print(f"tap CPU per step ({c['steps']} steps of this run, medians of 3): engine thread: ours "
-          f"{c['ours_engine_us']:.0f} us, naive {c['naive_engine_us']:.0f} us; ours in the writer process "
-          f"{c['ours_background_us']:.0f} us (vLLM's own step: {med['none'] / c['steps'] * 1e6:.0f} us)")
+    mmm = lambda d: f"{d['min']:.0f} / {d['median']:.0f} / {d['max']:.0f}"  # noqa: E731
+    print(f"the taps' own CPU per step on this run's objects ({c['steps']} steps, min / median / max of 5, us): "
+          f"engine thread: ours {mmm(c['ours_engine_us'])}, naive {mmm(c['naive_engine_us'])}; ours in the writer "
+          f"process {mmm(c['ours_background_us'])}; ours in all {own_total:.0f} = {own_total / naive_own:.2f}x the "
+          f"naive tap's (vLLM's own step: {med['none'] / c['steps'] * 1e6:.0f} us)")
     r = out["replay"]
     print(f"replay on vLLM's runner: {'bitwise' if r['bitwise'] else 'DIVERGED'}, {r['steps']} steps in "
           f"{r['step_s']:.3f} s ({r['vs_record']:.2f}x the recorded run's generate; {r['wall_s']:.1f} s with engine "

@@ -6,7 +6,8 @@ Layout of a capture file, every piece a zstd frame so that `zstd -dc FILE` print
     [zstd frame: chunk 0]  a msgpack array of records: the Header first
     [zstd frame: chunk 1]  ... each chunk independent, with its content checksum and content size
     ...
-    [skippable frame  magic 0x184D2A5F]  msgpack(Index) + u32 crc32(index bytes) + u64 frame offset + b"RPLYIDX1"
+    [skippable frame  magic 0x184D2A5F]  zstd(msgpack(Index)) + u32 crc32(index bytes) + u64 frame offset + b"RPLYIDX2"
+                                         (1.0-1.2: msgpack(Index) uncompressed, b"RPLYIDX1")
 
 A crash leaves the file without the index (and named `NAME.partial`): the reader then scans frames linearly, and
 `recover` rewrites it. Each chunk decompresses to one msgpack array whose items are records, so `zstd -dc` gives a
@@ -36,12 +37,16 @@ FORMAT_MAJOR = 1
 # 1.1: Crash records (a 1.0 reader skips them, and sees the crashed step as one with no output)
 # 1.2: draft-token counts in the seek index (a 1.1 reader finds the index of a capture with drafts unreadable, says
 #      so, and reads the capture by linear scan; captures without drafts are unchanged)
-FORMAT_MINOR = 2
+# 1.3: logprob columns: a chunk's logprob matrices in one `LogprobColumns` record first in the chunk, the steps'
+#      arrays marked `chunk-column:G:ROW` (a 1.2 reader skips the record and finds those steps' logprobs unreadable);
+#      `StepImage` records: another engine's step as its own objects' msgpack images (a 1.2 reader skips them)
+FORMAT_MINOR = 3
 
 PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
 INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
 PROLOGUE_ID = b"RPLYCAP\0"
-INDEX_TRAILER_ID = b"RPLYIDX1"
+INDEX_TRAILER_ID = b"RPLYIDX1"  # the index body is msgpack(Index) (formats 1.0-1.2)
+INDEX_TRAILER_ZSTD = b"RPLYIDX2"  # 1.3: the body is one zstd frame of msgpack(Index) (request ids are most of it)
 
 # Limits that bound memory on hostile input: a frame that claims (or expands to) more is refused before any
 # allocation of that size. Both are far above anything our writer produces (chunks are ~1 MiB).
@@ -168,6 +173,33 @@ class Step(msgspec.Struct, Generic[RID], tag="step", array_like=True, omit_defau
     grammar_output: GrammarOutput[RID] | None = None  # structured-output bitmask given to sample_tokens
 
 
+class StepImage(msgspec.Struct, tag="step_image", array_like=True, omit_defaults=True):
+    """Format 1.3: one step of another engine (vLLM) as that engine's objects, msgpack-encoded by its tap (maps of
+    their fields, tensors as `Array`s, the rest as `Opaque`s): the writer stores them as they come, lossless and
+    cheap, and the reader converts them into the contracts (`replay.contracts.image_decoder`). Only the logprob
+    matrices move, into the chunk's `LogprobColumns` (the output's `logprobs` then holds the markers)."""
+
+    index: int
+    scheduler_output: msgspec.Raw  # the SchedulerOutput image
+    model_runner_output: msgspec.Raw  # the ModelRunnerOutput image, or nil: the step ran nothing
+    grammar_output: msgspec.Raw = msgspec.Raw(b"\xc0")  # the GrammarOutput image, or nil
+    timing: StepTiming | None = None
+
+
+class ColumnGroup(msgspec.Struct, array_like=True):
+    """Logprob matrices of one kind (dtypes, number of columns) of a chunk's steps, rows in step order."""
+
+    token_ids: Array  # [rows, k + 1]: column 0 the sampled token, 1.. the top-k (`replay.capture.columns` filters)
+    logprobs: Array  # [rows, k + 1]
+    ranks: Array  # [rows]: the sampled token's rank
+
+
+class LogprobColumns(msgspec.Struct, tag="logprob_columns", array_like=True):
+    """Format 1.3: the logprobs of every step of the chunk, stored column by column; first record of its chunk."""
+
+    groups: list[ColumnGroup]
+
+
 class Crash(msgspec.Struct, tag="crash", array_like=True, omit_defaults=True):
     """The engine raised while executing step `step`. Written just before that step's `Step` record, which holds what
     was scheduled (and the grammar bitmask) and no output: replay re-executes it and compares what it raises."""
@@ -202,11 +234,13 @@ class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
     status: str = "ok"
 
 
-# Records as stored (request ids in steps are int handles). `Ids` never leaves the reader.
-WireRecord = Header | RequestAdded | RequestAborted | Ids | Step[int] | Crash | Footer
+# Records as stored (request ids in steps are int handles). `Ids` and `LogprobColumns` never leave the reader.
+WireRecord = Header | RequestAdded | RequestAborted | Ids | LogprobColumns | Step[int] | StepImage | Crash | Footer
 # Records as the reader yields them (ids resolved to vLLM's strings).
 Record = Header | RequestAdded | RequestAborted | Step[str] | Crash | Footer
-RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "step", "crash", "footer"})
+RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "logprob_columns", "step", "step_image",
+                         "crash", "footer"})
+STEP_TAGS = ("step", "step_image")
 
 
 class ChunkInfo(msgspec.Struct, array_like=True, omit_defaults=True):

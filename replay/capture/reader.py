@@ -20,6 +20,7 @@ import msgspec
 import zstandard
 
 from replay.capture import format as fmt
+from replay.capture.columns import ColumnSource
 from replay.capture.damage import Damage
 from replay.capture.frames import (
     SKIPPABLE_BASE,
@@ -30,6 +31,7 @@ from replay.capture.frames import (
     parse_frame,
 )
 from replay.capture.peek import is_unknown_tag, peek
+from replay.capture.step_image import step_from_image
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
 from replay.errors import (
     CaptureDamagedError,
@@ -65,6 +67,7 @@ class CaptureReader:
         self.damage: list[Damage] = []
         self.unknown_records = 0  # records with tags this version does not know (skipped)
         self.footer: fmt.Footer | None = None
+        self._images = None  # ImageDecoder for StepImage records
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max(1 << 20, max_frame_bytes))
         self._file = None
         self._buf: mmap.mmap | bytes = b""
@@ -119,7 +122,8 @@ class CaptureReader:
     def _load_index(self) -> fmt.Index | None:
         buf, n = self._buf, self.file_size
         tlen = 4 + 8 + len(fmt.INDEX_TRAILER_ID)
-        if n < self._prologue_end + 8 + tlen or bytes(buf[n - 8:n]) != fmt.INDEX_TRAILER_ID:
+        trailer = bytes(buf[n - 8:n]) if n >= 8 else b""
+        if n < self._prologue_end + 8 + tlen or trailer not in (fmt.INDEX_TRAILER_ID, fmt.INDEX_TRAILER_ZSTD):
             return None  # no index: an unfinished capture (crash), read by linear scan
         crc, offset = struct.unpack_from("<IQ", buf, n - tlen)
         try:
@@ -133,6 +137,8 @@ class CaptureReader:
                 raise ValueError("index larger than the limit")
             if zlib.crc32(body) != crc:
                 raise ValueError("index checksum mismatch")
+            if trailer == fmt.INDEX_TRAILER_ZSTD:  # format 1.3: compressed
+                body = self._dctx.decompress(bytes(body), max_output_size=fmt.MAX_INDEX_BYTES)
             index = fmt.INDEX_DECODER.decode(body)
             prev_end = self._prologue_end
             for c in index.chunks:  # chunks must tile the file from the prologue to the index
@@ -141,7 +147,7 @@ class CaptureReader:
                 prev_end = c.offset + c.length
             if prev_end != offset:
                 raise ValueError("index chunk table does not reach the index")
-        except (ValueError, FrameError, msgspec.DecodeError) as e:
+        except (ValueError, FrameError, msgspec.DecodeError, zstandard.ZstdError) as e:
             self.damage.append(Damage("index", f"seek index unreadable ({e}); read by linear scan", offset=int(offset)))
             return None
         self._index_offset = offset
@@ -274,7 +280,7 @@ class CaptureReader:
                                          "limit", chunk=ref.number, offset=ref.offset)
             if self.index is not None:  # handles come from the index: skip the in-band declarations
                 tag, index = peek(raw)
-                if tag == "ids" or (keep_step is not None and tag == "step" and index is not None
+                if tag == "ids" or (keep_step is not None and tag in fmt.STEP_TAGS and index is not None
                                     and not keep_step(index)):
                     continue
             try:
@@ -303,12 +309,16 @@ class CaptureReader:
             except (_ChunkUnreadable, LimitExceededError) as e:
                 self._add_damage(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(e, "reason", str(e))))
                 continue
+            columns = None  # a chunk's steps refer to their own chunk's logprob columns only
             for rec in recs:
                 if isinstance(rec, fmt.Ids):
                     table.declare(rec)
-                elif isinstance(rec, fmt.Step):
+                elif isinstance(rec, fmt.LogprobColumns):
+                    columns = ColumnSource(rec)
+                elif isinstance(rec, (fmt.Step, fmt.StepImage)):
                     try:
-                        yield step_from_wire(rec, table)
+                        yield (step_from_wire(rec, table, columns) if isinstance(rec, fmt.Step) else
+                               step_from_image(rec, self._image_decoder(), columns))
                     except Exception as e:  # noqa: BLE001 - any inconsistency in stored data is damage, not a crash
                         why = ("refers to request ids declared in a lost chunk" if isinstance(e, UnknownHandleError)
                                else f"has inconsistent contents ({type(e).__name__}: {e})")
@@ -322,6 +332,14 @@ class CaptureReader:
         if chunks is None and not saw_footer and self.index is None:
             self._add_damage(Damage("unfinished", "capture was not closed (the recording stopped): records of its "
                                     "last open chunk are lost; `replay recover` rewrites it with an index"))
+
+    def _image_decoder(self):
+        """The converter of this capture's image steps (made on first use: most captures have none)."""
+        if self._images is None:
+            from replay.contracts.image_decoder import ImageDecoder
+
+            self._images = ImageDecoder()
+        return self._images
 
     def steps(self, first: int | None = None, last: int | None = None) -> Iterator[fmt.Step]:
         """Steps with `first <= index <= last` (either bound optional), reading only the chunks that hold them

@@ -4,7 +4,9 @@ Two lossless transforms, both undone exactly on read:
 - request ids become int handles (`IdTable`), each id string stored once per capture in an `Ids` record;
 - logprob matrices are byte-shuffled, and column 0 of `logprob_token_ids` (the sampled token, which repeats
   `sampled_token_ids`) is stored as its difference from the sampled token, so it compresses to almost nothing
-  (measurements §2: 40.4 -> 34.8 B per generated token with top-5 logprobs).
+  (measurements §2: 40.4 -> 34.8 B per generated token with top-5 logprobs). Since format 1.3 the writer hands
+  a step's logprob matrices to its chunk's columns instead (`replay.capture.columns`) and the step keeps markers;
+  the per-step transforms remain for what the columns do not take and for earlier captures.
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ from typing import Callable, TypeVar
 import numpy as np
 from msgspec.structs import replace
 
+from replay.capture.columns import (
+    FILTER_COL0_XOR,
+    ColumnSink,
+    ColumnSource,
+    is_marker,
+    small_ids,
+    xor_col0_inplace,
+)
+from replay.capture.columns import plain as _plain
 from replay.capture.format import Ids, Step
 from replay.contracts import (
     Array,
@@ -31,8 +42,7 @@ B = TypeVar("B")
 FILTER_COL0 = "col0-minus-sampled"  # ids: column 0 holds (id - the row's sampled token)
 # values: column 0 holds (bits XOR the bits of the first column j >= 1 with the same token id). The sampled token
 # is usually also among the top-k (always the top-1 under greedy), and then both columns hold the very same
-# log-softmax value, so the stored column becomes zeros.
-FILTER_COL0_XOR = "col0-xor-same-token"
+# log-softmax value, so the stored column becomes zeros. (Logprob columns use it too: `replay.capture.columns`.)
 
 
 class UnknownHandleError(KeyError):
@@ -161,53 +171,19 @@ def _predicted_col0(n_rows: int, sampled: list[list[int]]) -> np.ndarray | None:
     return None
 
 
-def _plain(a: Array) -> np.ndarray:
-    """A read-only numpy view of an unfiltered array (no copy), else a decoded copy."""
-    if a.filters:
-        return a.to_numpy()
-    a.validate()
-    return np.frombuffer(a.data, dtype=np.dtype(_np_dtype(a.dtype))).reshape(a.shape)
-
-
-def _np_dtype(name: str) -> str:
-    from replay.contracts.arrays import _NUMPY_DTYPES
-
-    return _NUMPY_DTYPES[name]
-
-
-def _same_token_column(ids: np.ndarray) -> np.ndarray:
-    """Per row, the first column j >= 1 whose id equals column 0's, or 0 when there is none."""
-    match = ids[:, 1:] == ids[:, :1]
-    return np.where(match.any(axis=1), match.argmax(axis=1) + 1, 0)
-
-
-def _xor_col0_inplace(values: np.ndarray, ids: np.ndarray) -> None:
-    """XOR column 0's bits with those of its same-token column: an involution, so it both packs and unpacks."""
-    bits = values.view(np.dtype(f"<u{values.dtype.itemsize}"))
-    j = _same_token_column(ids)
-    rows = np.nonzero(j)[0]
-    bits[rows, 0] ^= bits[rows, j[rows]]
-
-
-def _small_ids(ids: np.ndarray) -> bool:
-    """Byte-shuffle token ids only when they all fit in 16 bits: then the high byte planes are all zeros and
-    vanish (vocabularies up to 64k: -6 % on a 1k-vocab vLLM capture); with larger vocabularies the interleaved
-    layout compresses better (+4 % if shuffled, capture_bench's 128k vocabulary)."""
-    return ids.size > 0 and ids.dtype.itemsize > 2 and int(ids.min()) >= 0 and int(ids.max()) < 1 << 16
-
-
 def _with(a: Array, extra: str) -> Array:
     return replace(a, filters=a.filters + (extra,))
 
 
 def _pack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
+    """One step's logprobs packed on their own (a step written outside a chunk's columns)."""
     ids = _plain(lp.logprob_token_ids)
     vals = _plain(lp.logprobs)
     two_d = ids.ndim == 2 and ids.shape[1] >= 1
     xor_ok = two_d and vals.shape == ids.shape and ids.shape[1] >= 2 and vals.dtype.itemsize >= 2
     if xor_ok:
         vals = vals.copy()
-        _xor_col0_inplace(vals, ids)  # before column 0 of ids changes
+        xor_col0_inplace(vals, ids)  # before column 0 of ids changes
     out_vals = Array.from_numpy(vals, shuffle=True, transpose=True)
     if xor_ok:
         out_vals = _with(out_vals, FILTER_COL0_XOR)
@@ -215,9 +191,9 @@ def _pack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
     if pred is not None:
         ids = ids.copy()
         ids[:, 0] = (ids[:, 0].astype(np.int64) - pred).astype(ids.dtype)  # wraps like C ints: reversible
-        out_ids = _with(Array.from_numpy(ids, transpose=True, shuffle=_small_ids(ids)), FILTER_COL0)
+        out_ids = _with(Array.from_numpy(ids, transpose=True, shuffle=small_ids(ids)), FILTER_COL0)
     else:
-        out_ids = Array.from_numpy(ids, transpose=True, shuffle=_small_ids(ids))
+        out_ids = Array.from_numpy(ids, transpose=True, shuffle=small_ids(ids))
     return replace(lp, logprob_token_ids=out_ids, logprobs=out_vals,
                    sampled_token_ranks=Array.from_numpy(_plain(lp.sampled_token_ranks), shuffle=True))
 
@@ -228,7 +204,11 @@ def _without(a: Array, name: str) -> tuple[Array, bool]:
     return replace(a, filters=tuple(x for x in a.filters if x != name)), True
 
 
-def _unpack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
+def _unpack_lp(lp: LogprobsLists, sampled: list[list[int]], columns: ColumnSource | None = None) -> LogprobsLists:
+    if is_marker(lp.logprob_token_ids):
+        if columns is None:
+            raise ValueError("the step's logprobs are in logprob columns its chunk does not have")
+        return columns.fill(lp)
     ids_a, col0 = _without(lp.logprob_token_ids, FILTER_COL0)
     ids = ids_a.to_numpy()
     if col0:
@@ -241,7 +221,7 @@ def _unpack_lp(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
     if xor:
         if vals.shape != ids.shape or ids.ndim != 2:
             raise ValueError("stored logprob values do not line up with their token ids")
-        _xor_col0_inplace(vals, ids)
+        xor_col0_inplace(vals, ids)
     return replace(lp, logprob_token_ids=Array.from_numpy(ids), logprobs=Array.from_numpy(vals),
                    sampled_token_ranks=_unpack_array(lp.sampled_token_ranks))
 
@@ -279,11 +259,25 @@ def _map_step(step: Step, f: Callable, lp: Callable, plp: Callable) -> Step:
     )
 
 
-def step_to_wire(step: Step[str], table: IdTable) -> Step[int]:
-    """The stored form of a step; new ids are assigned handles in `table` (collect them with `take_new`)."""
-    return _map_step(step, table.handle, _pack_lp, _pack_plp)
+def map_request_ids(step: Step[A], f: Callable[[A], B]) -> Step[B]:
+    """The step with every request id mapped through `f`, arrays as they are."""
+    return _map_step(step, f, lambda lp, sampled: lp, lambda t: t)
 
 
-def step_from_wire(step: Step[int], table: IdTable) -> Step[str]:
-    """The in-memory form of a stored step. Raises UnknownHandleError, or ValueError on inconsistent arrays."""
-    return _map_step(step, table.resolve, _unpack_lp, _unpack_plp)
+def step_to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> Step[int]:
+    """The stored form of a step; new ids are assigned handles in `table` (collect them with `take_new`). With
+    `columns` (the open chunk's), its logprob matrices go there and the step keeps markers to them."""
+    if columns is None:
+        return _map_step(step, table.handle, _pack_lp, _pack_plp)
+
+    def pack(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
+        return columns.add(lp) or _pack_lp(lp, sampled)
+    return _map_step(step, table.handle, pack, _pack_plp)
+
+
+def step_from_wire(step: Step[int], table: IdTable, columns: ColumnSource | None = None) -> Step[str]:
+    """The in-memory form of a stored step (`columns`: its chunk's logprob columns, if it has them). Raises
+    UnknownHandleError, or ValueError on inconsistent arrays."""
+    if columns is None:
+        return _map_step(step, table.resolve, _unpack_lp, _unpack_plp)
+    return _map_step(step, table.resolve, lambda lp, sampled: _unpack_lp(lp, sampled, columns), _unpack_plp)

@@ -22,7 +22,9 @@ import msgspec
 import zstandard
 
 from replay.capture import format as fmt
+from replay.capture.columns import ColumnSink
 from replay.capture.frames import skippable_frame
+from replay.capture.step_image import store_step_image
 from replay.capture.stepcodec import IdTable, step_to_wire
 from replay.contracts import (
     DraftCounts,
@@ -37,15 +39,26 @@ _ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records
 
 
 class _Chunk:
-    """Encoded records waiting to be compressed, plus the stats the index keeps for them."""
+    """Encoded records waiting to be compressed, plus the stats the index keeps for them, and the logprob matrices
+    of its steps (`columns`), which become its first record when it is sealed."""
 
-    __slots__ = ("parts", "raw", "info", "born")
+    __slots__ = ("parts", "raw", "info", "born", "columns")
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
         self.raw = 0
         self.info = fmt.ChunkInfo(0, 0, 0, 0)
         self.born = time.monotonic()
+        self.columns = ColumnSink()
+
+    def seal(self) -> None:
+        """Put the chunk's logprob columns first (format 1.3): a reader meets them before the steps that use them."""
+        record = self.columns.seal()
+        if record is not None:
+            data = fmt.WIRE_ENCODER.encode(record)
+            self.parts.insert(0, data)
+            self.raw += len(data)
+            self.info.num_records += 1
 
 
 class WriterContext:
@@ -97,6 +110,7 @@ class CaptureWriter(WriterContext):
         self._fsync = fsync
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
         self._ids = IdTable()
+        self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = _Chunk()
         self._chunks: list[fmt.ChunkInfo] = []
@@ -122,8 +136,13 @@ class CaptureWriter(WriterContext):
     # -- public API ---------------------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest, step: int) -> None:
-        """Record a request arrival; `step` is the index of the next step to run."""
-        self._append([self._encode(fmt.RequestAdded(step, request))], requests_added=1)
+        """Record a request arrival; `step` is the index of the next step to run. Its id joins the seek index's id
+        table (steps stored as images name requests by id, not by handle); the `Ids` record that declares it in
+        band comes with the first step that uses its handle, as ever."""
+        data = self._encode(fmt.RequestAdded(step, request))
+        with self._lock:
+            self._ids.handle(request.request_id)
+        self._append([data], requests_added=1)
 
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
@@ -147,18 +166,45 @@ class CaptureWriter(WriterContext):
         """Record an already built `Step` (in-memory form, string ids)."""
         if step.index <= self._last_step:
             raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
-        with self._lock:  # interning mutates the shared id table
-            wire = step_to_wire(step, self._ids)
-            new_ids = self._ids.take_new()
-        parts = [self._encode(new_ids)] if new_ids is not None else []
-        parts.append(self._encode(wire))
         mro = step.model_runner_output
-        generated = sum(len(t) for t in mro.sampled_token_ids) if mro is not None else 0
+        generated = sum(map(len, mro.sampled_token_ids)) if mro is not None else 0
         drafts = draft_counts(step.scheduler_output, mro) if step.scheduler_output.scheduled_spec_decode_tokens else None
-        self._append(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens, generated=generated,
-                     drafts=drafts)
+        self._check()
+        with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
+            self._seal_if_old_locked()
+            wire = step_to_wire(step, self._ids, self._chunk.columns)
+            new_ids = self._ids.take_new()
+            parts = [self._encode(new_ids)] if new_ids is not None else []
+            parts.append(self._encode(wire))
+            self._append_locked(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens,
+                                generated=generated, drafts=drafts)
         self._last_step = step.index
         return sum(len(p) for p in parts)
+
+    def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | None,
+                         grammar_output: bytes | None = None, timing: fmt.StepTiming | None = None) -> int:
+        """Record one step of another engine given as its objects' msgpack images (`StepImage`, format 1.3):
+        stored as they are, logprob matrices into the chunk's columns; readers convert them. Returns the bytes
+        stored. Raises UsageError when an image is not msgpack."""
+        if index <= self._last_step:
+            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+        if self.image_decoder is None:
+            from replay.contracts.image_decoder import ImageDecoder
+
+            self.image_decoder = ImageDecoder()
+        self._check()
+        with self._lock:  # the step and its logprob rows join one chunk
+            self._seal_if_old_locked()
+            try:
+                rec, stats = store_step_image(index, scheduler_output, model_runner_output, grammar_output, timing,
+                                              self._chunk.columns, self.image_decoder)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
+            data = self._encode(rec)
+            self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
+                                drafts=stats.drafts)
+        self._last_step = index
+        return len(data)
 
     def write_crash(self, crash: fmt.Crash) -> None:
         """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,
@@ -201,9 +247,9 @@ class CaptureWriter(WriterContext):
         self._check()
         try:
             index = fmt.Index(list(self._chunks), list(self._ids.ids), self._num_steps, status)  # type: ignore[arg-type]
-            body = fmt.WIRE_ENCODER.encode(index)
+            body = self._cctx.compress(fmt.WIRE_ENCODER.encode(index))
             offset = self.bytes_written
-            trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ID
+            trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ZSTD
             self._write_bytes(skippable_frame(fmt.INDEX_MAGIC, body + trailer))
             self._f.flush()
             os.fsync(self._f.fileno())
@@ -252,38 +298,47 @@ class CaptureWriter(WriterContext):
                 requests_added: int = 0, header: bool = False,
                 drafts: DraftCounts | None = None) -> None:
         self._check()
+        with self._lock:
+            self._seal_if_old_locked()
+            self._append_locked(parts, step=step, scheduled=scheduled, generated=generated,
+                                requests_added=requests_added, drafts=drafts)
+
+    def _seal_if_old_locked(self) -> None:
+        c = self._chunk
+        if c.raw and time.monotonic() - c.born >= self.flush_interval:
+            self._seal_locked()
+
+    def _append_locked(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
+                       requests_added: int = 0, drafts: DraftCounts | None = None) -> None:
         if self._closed:
             raise UsageError(f"{self.path}: capture writer is closed")
-        with self._lock:
-            c = self._chunk
-            if c.raw and time.monotonic() - c.born >= self.flush_interval:
-                self._seal_locked()
-                c = self._chunk
-            c.parts.extend(parts)
-            c.raw += sum(len(p) for p in parts)
-            info = c.info
-            info.num_records += len(parts)
-            self._num_records += len(parts)
-            if step is not None:
-                if info.first_step < 0:
-                    info.first_step = step
-                info.last_step = step
-                info.num_steps += 1
-                info.num_scheduled_tokens += scheduled
-                info.num_generated_tokens += generated
-                if drafts is not None:
-                    info.num_draft_tokens += drafts.drafted
-                    info.num_accepted_draft_tokens += drafts.accepted
-                self._num_steps += 1
-            info.num_requests_added += requests_added
-            if c.raw >= self.chunk_bytes:
-                self._seal_locked()
+        c = self._chunk
+        c.parts.extend(parts)
+        c.raw += sum(len(p) for p in parts)
+        info = c.info
+        info.num_records += len(parts)
+        self._num_records += len(parts)
+        if step is not None:
+            if info.first_step < 0:
+                info.first_step = step
+            info.last_step = step
+            info.num_steps += 1
+            info.num_scheduled_tokens += scheduled
+            info.num_generated_tokens += generated
+            if drafts is not None:
+                info.num_draft_tokens += drafts.drafted
+                info.num_accepted_draft_tokens += drafts.accepted
+            self._num_steps += 1
+        info.num_requests_added += requests_added
+        if c.raw + c.columns.nbytes >= self.chunk_bytes:
+            self._seal_locked()
 
     def _seal_locked(self) -> None:
         c = self._chunk
         if not c.parts:
             return
         self._chunk = _Chunk()
+        c.seal()
         self._queue.put(c)  # blocks when the writer thread is 8 chunks behind: back-pressure, not unbounded memory
 
     def _run(self) -> None:
@@ -300,6 +355,7 @@ class CaptureWriter(WriterContext):
                     if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
                         continue
                     self._chunk = _Chunk()
+                    c.seal()
                 finally:
                     self._lock.release()
             if c is None:

@@ -14,8 +14,9 @@ sealed; it exits as soon as it has.
 Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
 added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with string ids), `F` flush, `C` close
 (payload: the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts
-(its objects msgpack-encoded as they are, which is all the engine thread pays for); the child converts them into
-contracts field by field (`replay.contracts.tolerant`): `R` an arrival `[step, request]`; a step in the order the
+(its objects msgpack-encoded as they are, which is all the engine thread pays for); the child stores a step's
+images as they are (`StepImage`, format 1.3: readers convert them) and converts arrivals into contracts
+(`replay.contracts.image_decoder`): `R` an arrival `[step, request]`; a step in the order the
 engine lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output,
 start_ns, schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index,
 model_runner_output, execute_ns, update_ns]` (the step is written then), `E` the exception that ended it `[index,
@@ -216,11 +217,23 @@ class ProcessCaptureWriter(WriterContext):
         return answer
 
 
+_RAW = msgspec.Raw
+# Image frames decoded as far as their envelope: the images stay raw bytes for `ImageDecoder`
+_P = msgspec.msgpack.Decoder(tuple[int, _RAW, int, int])  # index, SchedulerOutput, start_ns, schedule_ns
+_G = msgspec.msgpack.Decoder(tuple[int, _RAW])  # index, GrammarOutput
+_O = msgspec.msgpack.Decoder(tuple[int, _RAW, int, int])  # index, ModelRunnerOutput (or nil), execute_ns, update_ns
+_E = msgspec.msgpack.Decoder(tuple[int, str, str, str])  # index, error type, message, traceback
+_V = msgspec.msgpack.Decoder(tuple[int, _RAW, _RAW, _RAW, list[int] | None])  # output and grammar may be nil
+
+_R = msgspec.msgpack.Decoder(tuple[int, _RAW])  # step, request
+
+
 class _Images:
-    """The child's side of image frames: images -> contracts -> the writer."""
+    """The child's side of image frames: steps stored as the images they are (`StepImage`), arrivals converted
+    into contracts (`ImageDecoder`: typed, else tolerant)."""
 
     def __init__(self):
-        self.conv = None
+        self.dec = None
         self.pending: dict[int, list] = {}  # index -> [scheduler_output image, grammar image, start, schedule_ns]
         self.crash: fmt.Crash | None = None
 
@@ -229,50 +242,44 @@ class _Images:
         return self.crash.status() if self.crash else ""
 
     def warm(self) -> None:
-        """Import and compile the converters now, before the engine's first step rather than during it."""
-        from replay.contracts.tolerant import TolerantConverter
+        """Import and compile the decoders now, before the engine's first step rather than during it."""
+        from replay.contracts.image_decoder import ImageDecoder
 
-        if self.conv is None:
-            self.conv = TolerantConverter()
-            self.conv.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
+        if self.dec is None:
+            self.dec = ImageDecoder()
+            self.dec.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
 
     def write(self, writer, kind: bytes, payload: bytes) -> None:
-        """Convert one image frame and hand what it completes to `writer`."""
+        """Hand what one image frame completes to `writer`."""
         self.warm()
-        c = self.conv
+        writer.image_decoder = self.dec
         if kind == b"R":
-            step, request = msgspec.msgpack.decode(payload)
-            writer.add_request(c.convert(request, EngineCoreRequest), step)
+            step, request = _R.decode(payload)
+            writer.add_request(self.dec.decode(request, EngineCoreRequest), step)
             return
         if kind == b"P":
-            index, so, start, schedule_ns = msgspec.msgpack.decode(payload)
+            index, so, start, schedule_ns = _P.decode(payload)
             self.pending[index] = [so, None, start, schedule_ns]
             return
         if kind == b"G":
-            index, go = msgspec.msgpack.decode(payload)
+            index, go = _G.decode(payload)
             if index in self.pending:
                 self.pending[index][1] = go
             return
         if kind in (b"O", b"E"):
-            index, *rest = msgspec.msgpack.decode(payload)
+            head = _O.decode(payload) if kind == b"O" else _E.decode(payload)
+            index = head[0]
             so, go, start, schedule_ns = self.pending.pop(index)
-            grammar = None if go is None else c.convert(go, GrammarOutput[str])
-            if kind == b"E":
-                self.crash = fmt.Crash(index, *rest)
+            if kind == b"E":  # the step raised: a Crash record, then the step as scheduled, with no output
+                self.crash = fmt.Crash(*head)
                 writer.write_crash(self.crash)
-                writer.write_step_record(fmt.Step(index, c.convert(so, SchedulerOutput[str]), None,
-                                                  grammar_output=grammar, timing=fmt.StepTiming(start, schedule_ns)))
+                writer.write_step_image(index, so, None, go, fmt.StepTiming(start, schedule_ns))
                 return
-            mro, execute_ns, update_ns = rest
-            writer.write_step_record(fmt.Step(
-                index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
-                grammar_output=grammar, timing=fmt.StepTiming(start, schedule_ns, execute_ns, update_ns)))
+            _, mro, execute_ns, update_ns = head
+            writer.write_step_image(index, so, mro, go, fmt.StepTiming(start, schedule_ns, execute_ns, update_ns))
             return
-        index, so, mro, go, timing = msgspec.msgpack.decode(payload)
-        writer.write_step_record(fmt.Step(
-            index, c.convert(so, SchedulerOutput[str]), None if mro is None else c.convert(mro, ModelRunnerOutput[str]),
-            grammar_output=None if go is None else c.convert(go, GrammarOutput[str]),
-            timing=None if timing is None else fmt.StepTiming(*timing)))
+        index, so, mro, go, timing = _V.decode(payload)
+        writer.write_step_image(index, so, mro, go, None if timing is None else fmt.StepTiming(*timing))
 
 
 _IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"E")

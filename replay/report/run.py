@@ -22,7 +22,15 @@ import numpy as np
 from replay.capture import CaptureReader, Damage, Header
 from replay.capture import format as fmt
 from replay.capture.peek import is_unknown_tag
-from replay.contracts import NewRequestData, SamplingParams
+from replay.capture.step_image import is_nil
+from replay.capture.stepcodec import map_request_ids
+from replay.contracts import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+from replay.contracts.image_decoder import ImageDecoder
 from replay.errors import CaptureDamagedError, LimitExceededError
 from replay.inspect.step_summary import StepSummarizer, prefill_tokens
 
@@ -79,8 +87,24 @@ class _StepHead(msgspec.Struct, tag="step", array_like=True):
     timing: fmt.StepTiming | None = None
 
 
-_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead
-                                   | fmt.Crash | fmt.Footer)
+class _Columns(msgspec.Struct, tag="logprob_columns", array_like=True):
+    """A chunk's logprob columns (format 1.3), skipped: the report never reads logprobs."""
+
+
+_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead | _Columns
+                                   | fmt.StepImage | fmt.Crash | fmt.Footer)
+_HEAD = msgspec.msgpack.Decoder(_StepHead)
+
+
+def _image_head(rec: fmt.StepImage, decoder: ImageDecoder, handle) -> _StepHead:
+    """A step stored as another engine's images (format 1.3), as far as `_StepHead` reads a stored step: converted,
+    ids given handles (`handle`), logprobs left out."""
+    so = decoder.decode(rec.scheduler_output, SchedulerOutput[str])
+    mro = None
+    if not is_nil(rec.model_runner_output):
+        mro = msgspec.structs.replace(decoder.decode(rec.model_runner_output, ModelRunnerOutput[str]), logprobs=None)
+    step = map_request_ids(fmt.Step(rec.index, so, mro, timing=rec.timing), handle)
+    return _HEAD.decode(fmt.WIRE_ENCODER.encode(step))
 
 
 @dataclass(slots=True)
@@ -124,6 +148,7 @@ class _Scan:
 
     def __init__(self, ids: list[str]) -> None:
         self.ids = list(ids)  # handle -> internal id
+        self._handles: dict[str, int] | None = None  # internal id -> handle, for steps stored as images
         self.cols: dict[str, list[int]] = {name: [] for name in SERIES}
         self.index: list[int] = []
         self.timed = 0
@@ -151,12 +176,25 @@ class _Scan:
             new[:len(old)] = old
             setattr(self, name, new)
 
+    def handle(self, req_id: str) -> int:
+        """The handle of an internal id (steps stored as images name requests by id): the index's, else a new one."""
+        if self._handles is None:
+            self._handles = {s: h for h, s in enumerate(self.ids) if s}
+        h = self._handles.get(req_id)
+        if h is None:
+            h = self._handles[req_id] = len(self.ids)
+            self.ids.append(req_id)
+            self.grow(len(self.ids))
+        return h
+
     def declare(self, rec: fmt.Ids) -> None:
         """Handles `rec.first...` name these internal ids (in-band; the same as the index's)."""
         end = rec.first + len(rec.ids)
         if end > len(self.ids):
             self.ids += [""] * (end - len(self.ids))
         self.ids[rec.first:end] = rec.ids
+        if self._handles is not None:
+            self._handles.update((s, h) for h, s in enumerate(rec.ids, rec.first))
         self.grow(end)
 
     def step(self, rec: _StepHead) -> None:
@@ -296,6 +334,7 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
     saw_footer = False
     with CaptureReader(path) as r:
         scan = _Scan(r.index.ids if r.index is not None else [])
+        images = ImageDecoder()
         damage: list[Damage] = []
         for ref in r.iter_chunks():
             try:
@@ -317,10 +356,18 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
                         damage.append(Damage("record", f"step {rec.index} refers to what a lost chunk held ({e})",
                                              chunk=ref.number, offset=ref.offset, first_step=rec.index,
                                              last_step=rec.index))
+                elif isinstance(rec, fmt.StepImage):
+                    try:
+                        scan.step(_image_head(rec, images, scan.handle))
+                    except (ValueError, msgspec.MsgspecError) as e:
+                        damage.append(Damage("record", f"step {rec.index} has inconsistent contents ({e})",
+                                             chunk=ref.number, offset=ref.offset, first_step=rec.index,
+                                             last_step=rec.index))
                 elif isinstance(rec, fmt.Ids):
                     scan.declare(rec)
                 elif isinstance(rec, fmt.RequestAdded):
                     scan.added.setdefault(rec.request.request_id, rec)
+                    scan.handle(rec.request.request_id)  # the writer gives handles in arrival order too
                 elif isinstance(rec, fmt.RequestAborted):
                     scan.aborted.append(rec.request_id)
                 elif isinstance(rec, fmt.Crash):

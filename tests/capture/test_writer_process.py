@@ -88,10 +88,12 @@ def test_an_engine_killed_without_closing_leaves_a_sealed_capture_of_every_recor
 
 def _as_map(x):
     """A contract object as another engine's image would look: Structs as maps (Arrays stay as they encode)."""
-    from replay.contracts import Array, Opaque
+    from replay.contracts import Array, LogprobsLists, LogprobsTensors, Opaque
 
     if isinstance(x, (Array, Opaque)):
         return x
+    if isinstance(x, (LogprobsLists, LogprobsTensors)):  # NamedTuples in vLLM: positional
+        return [_as_map(getattr(x, f)) for f in x.__struct_fields__]
     if isinstance(x, msgspec.Struct):
         return {f: _as_map(getattr(x, f)) for f in x.__struct_fields__}
     if isinstance(x, (list, tuple, set)):

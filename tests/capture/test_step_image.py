@@ -1,0 +1,64 @@
+"""StepImage records (format 1.3): steps stored as another engine's images read back as the steps they stand for."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from replay.capture import CaptureReader, CaptureWriter
+from replay.capture import format as fmt
+from replay.errors import UsageError
+from replay.inspect import capture_info
+from replay.provenance import make_header
+from replay.record.synth import SynthShape, synth_events
+from replay.report.run import run_facts
+from tests.contracts.test_image_decoder import _as_map
+
+WL = SynthShape(steps=40, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=4)
+ENC = msgspec.msgpack.Encoder()
+
+
+def _write(path, *, images: bool, chunk_bytes: int = 3000):
+    with CaptureWriter(path, make_header("test"), chunk_bytes=chunk_bytes) as w:
+        for ev in synth_events(WL):
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            elif images:
+                w.write_step_image(ev.step, ENC.encode(_as_map(ev.scheduler_output)),
+                                   ENC.encode(_as_map(ev.model_runner_output)), None, fmt.StepTiming(1, 2, 3, 4))
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output, timing=fmt.StepTiming(1, 2, 3, 4))
+
+
+def test_image_steps_read_back_as_the_steps_the_contract_route_stores(tmp_path):
+    _write(tmp_path / "c.capture", images=False)
+    _write(tmp_path / "i.capture", images=True)
+    with CaptureReader(tmp_path / "c.capture") as a, CaptureReader(tmp_path / "i.capture") as b:
+        expected, got = list(a.records()), list(b.records())
+        assert got[1:-1] == expected[1:-1] and not b.damage  # the header's creation time differs
+        for k in (0, 21, WL.steps - 1):  # random access decodes one chunk, one image
+            assert b.step(k) == a.step(k)
+        stored = [fmt.WIRE_DECODER.decode(x) for ref in b.iter_chunks()
+                  for x in fmt.CHUNK_DECODER.decode(b.read_chunk_bytes(ref))]
+    assert sum(isinstance(x, fmt.StepImage) for x in stored) == WL.steps
+    assert sum(isinstance(x, fmt.LogprobColumns) for x in stored) > 1  # one per chunk that has logprobs
+    assert (tmp_path / "i.capture").read_bytes().endswith(fmt.INDEX_TRAILER_ZSTD)  # 1.3: the index is compressed
+    ci, ii = capture_info(tmp_path / "c.capture"), capture_info(tmp_path / "i.capture")
+    assert (ii.num_steps, ii.num_generated_tokens, ii.num_scheduled_tokens) == \
+        (ci.num_steps, ci.num_generated_tokens, ci.num_scheduled_tokens)
+
+
+def test_the_report_reads_image_steps_as_it_reads_stored_steps(tmp_path):
+    _write(tmp_path / "c.capture", images=False)
+    _write(tmp_path / "i.capture", images=True)
+    a, b = run_facts(tmp_path / "c.capture"), run_facts(tmp_path / "i.capture")
+    assert not b.damage and np.array_equal(a.index, b.index)
+    assert {k: v.tolist() for k, v in a.series.items()} == {k: v.tolist() for k, v in b.series.items()}
+    assert a.requests == b.requests and a.timed == b.timed == WL.steps
+
+
+def test_an_image_that_is_not_msgpack_is_refused_by_name(tmp_path):
+    with CaptureWriter(tmp_path / "x.capture", make_header("test")) as w:
+        with pytest.raises(UsageError, match="cannot record step 0"):
+            w.write_step_image(0, b"\xc1not msgpack", None)
