@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from replay.capture import format as fmt
-from replay.capture.process import cpu_s, detach, grow_pipe
+from replay.capture.process import FrameReader, cpu_s, detach, grow_pipe
 from replay.capture.writer import WriterContext
 from replay.contracts import (
     EngineCoreRequest,
@@ -306,7 +306,7 @@ def _child(options: dict) -> int:
     if options.get("nice"):
         os.nice(options["nice"])  # the engine's threads come first; the deep pipe absorbs what waits
     out = sys.stdout
-    stdin = sys.stdin.buffer
+    frames = FrameReader(sys.stdin.fileno())  # never read through sys.stdin: frames would hide in its buffer
     decoders = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
                 b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
 
@@ -314,20 +314,11 @@ def _child(options: dict) -> int:
         out.write(json.dumps(obj) + "\n")
         out.flush()
 
-    def read_frame():
-        """(kind, payload); (None, b"") at the end of the pipe, (None, None) when it ends inside a frame."""
-        head = stdin.read(_FRAME.size)
-        if len(head) < _FRAME.size:
-            return None, (b"" if not head else None)
-        kind, n = _FRAME.unpack(head)
-        payload = stdin.read(n)
-        return (kind, payload) if len(payload) == n else (None, None)
-
     before_fork = detach()
     writer = None
     images = _Images()
     try:
-        kind, payload = read_frame()
+        kind, payload = frames.next()
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
         writer = CaptureWriter(options["path"], header, overwrite=options["overwrite"],
                                chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
@@ -336,7 +327,7 @@ def _child(options: dict) -> int:
             images.warm()  # one-time work before "ready", not on the engine's first steps
         say({"ok": "ready", "cpu_s": before_fork + cpu_s()})  # its start-up CPU (imports, converters): for bench/
         while True:
-            kind, payload = read_frame()
+            kind, payload = frames.next()
             if kind is None:  # the engine went away without closing: seal what it sent
                 writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
                                                                              cut=payload is None))

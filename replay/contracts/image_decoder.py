@@ -136,4 +136,4 @@ def _default(f: mi.Field) -> Any:
         return f.default
     if f.default_factory is not mi.NODEFAULT:
         return msgspec.field(default_factory=f.default_factory)
-    return msgspec.NODEFAULT
+    return None  # a required field the image lacks is None, as the tolerant walk makes it (or refused, if not optional)
