@@ -21,8 +21,9 @@ import numpy as np
 
 from replay.capture import CaptureReader, Damage, Header
 from replay.capture import format as fmt
+from replay.capture.columns import ColumnSource
 from replay.capture.peek import is_unknown_tag
-from replay.capture.step_image import is_nil
+from replay.capture.step_image import is_nil, restore_output
 from replay.capture.stepcodec import map_request_ids
 from replay.contracts import (
     ModelRunnerOutput,
@@ -87,22 +88,19 @@ class _StepHead(msgspec.Struct, tag="step", array_like=True):
     timing: fmt.StepTiming | None = None
 
 
-class _Columns(msgspec.Struct, tag="logprob_columns", array_like=True):
-    """A chunk's logprob columns (format 1.3), skipped: the report never reads logprobs."""
-
-
-_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead | _Columns
-                                   | fmt.StepImage | fmt.Crash | fmt.Footer)
+_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead
+                                   | fmt.LogprobColumns | fmt.StepImage | fmt.Crash | fmt.Footer)
 _HEAD = msgspec.msgpack.Decoder(_StepHead)
 
 
-def _image_head(rec: fmt.StepImage, decoder: ImageDecoder, handle) -> _StepHead:
-    """A step stored as another engine's images (format 1.3), as far as `_StepHead` reads a stored step: converted,
-    ids given handles (`handle`), logprobs left out."""
+def _image_head(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSource | None, handle) -> _StepHead:
+    """A step stored as another engine's images (format 1.3), as far as `_StepHead` reads a stored step: converted
+    (its sampled tokens may live in the chunk's logprob `columns`), ids given handles (`handle`), logprobs left out."""
     so = decoder.decode(rec.scheduler_output, SchedulerOutput[str])
     mro = None
     if not is_nil(rec.model_runner_output):
-        mro = msgspec.structs.replace(decoder.decode(rec.model_runner_output, ModelRunnerOutput[str]), logprobs=None)
+        image, _ = restore_output(rec.model_runner_output, columns)
+        mro = msgspec.structs.replace(decoder.decode(image, ModelRunnerOutput[str]), logprobs=None)
     step = map_request_ids(fmt.Step(rec.index, so, mro, timing=rec.timing), handle)
     return _HEAD.decode(fmt.WIRE_ENCODER.encode(step))
 
@@ -342,6 +340,7 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
             except (CaptureDamagedError, LimitExceededError, msgspec.DecodeError) as e:
                 damage.append(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(e, "reason", str(e))))
                 continue
+            columns = None  # the chunk's logprob columns: image steps' sampled tokens may be there
             for raw in raws:
                 try:
                     rec = _DECODER.decode(raw)
@@ -356,9 +355,11 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
                         damage.append(Damage("record", f"step {rec.index} refers to what a lost chunk held ({e})",
                                              chunk=ref.number, offset=ref.offset, first_step=rec.index,
                                              last_step=rec.index))
+                elif isinstance(rec, fmt.LogprobColumns):
+                    columns = ColumnSource(rec)
                 elif isinstance(rec, fmt.StepImage):
                     try:
-                        scan.step(_image_head(rec, images, scan.handle))
+                        scan.step(_image_head(rec, images, columns, scan.handle))
                     except (ValueError, msgspec.MsgspecError) as e:
                         damage.append(Damage("record", f"step {rec.index} has inconsistent contents ({e})",
                                              chunk=ref.number, offset=ref.offset, first_step=rec.index,

@@ -8,6 +8,7 @@ import pytest
 
 from replay.capture import CaptureReader, CaptureWriter
 from replay.capture import format as fmt
+from replay.contracts import ModelRunnerOutput
 from replay.errors import UsageError
 from replay.inspect import capture_info
 from replay.provenance import make_header
@@ -62,3 +63,34 @@ def test_an_image_that_is_not_msgpack_is_refused_by_name(tmp_path):
     with CaptureWriter(tmp_path / "x.capture", make_header("test")) as w:
         with pytest.raises(UsageError, match="cannot record step 0"):
             w.write_step_image(0, b"\xc1not msgpack", None)
+
+
+@pytest.mark.parametrize("case", ["one row per token", "a partial prefill's row", "not the sampled token"])
+def test_sampled_tokens_are_read_from_the_logprob_rows_only_when_those_hold_them(tmp_path, case):
+    """vLLM puts the sampled token in logprob column 0: then the image keeps only where to find them."""
+    from replay.capture.columns import ColumnSink, ColumnSource
+    from replay.capture.step_image import restore_output
+    from replay.contracts import Array, LogprobsLists
+    from replay.contracts.image_decoder import ImageDecoder
+
+    ids = np.array([[7, 7, 3], [9, 1, 9], [4, 4, 8]], np.int32)
+    sampled = {"one row per token": [[7], [9], [4]], "a partial prefill's row": [[7], [], [4]],
+               "not the sampled token": [[7], [9], [5]]}[case]
+    lp = LogprobsLists(Array.from_numpy(ids), Array.from_numpy(-np.ones((3, 3), np.float32)),
+                       Array.from_numpy(np.ones(3, np.int64)))
+    image = ENC.encode({"req_ids": ["a", "b", "c"], "sampled_token_ids": sampled, "logprobs": lp})
+    sink = ColumnSink()
+    rec, stats = _store(image, sink)
+    stored = msgspec.msgpack.decode(rec.model_runner_output)["sampled_token_ids"]
+    assert isinstance(stored, dict) == (case != "not the sampled token")
+    restored, lists = restore_output(rec.model_runner_output, ColumnSource(sink.seal()))
+    assert msgspec.msgpack.decode(restored)["sampled_token_ids"] == sampled and lists == lp
+    assert stats.generated == sum(map(len, sampled))
+    assert ImageDecoder().decode(restored, ModelRunnerOutput[str]).sampled_token_ids == sampled
+
+
+def _store(mro_image: bytes, sink):
+    from replay.capture.step_image import store_step_image
+    from replay.contracts.image_decoder import ImageDecoder
+
+    return store_step_image(0, ENC.encode({"total_num_scheduled_tokens": 3}), mro_image, None, None, sink, ImageDecoder())
