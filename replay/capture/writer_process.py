@@ -112,7 +112,7 @@ class ProcessCaptureWriter(WriterContext):
 
     def scheduled_image(self, index: int, scheduler_output: bytes, start_ns: int, schedule_ns: int) -> None:
         """Step `index` was scheduled: its SchedulerOutput image, kept by the writer process until the step ends."""
-        self._send(b"P", _ENCODER.encode([index, msgspec.Raw(scheduler_output), start_ns, schedule_ns]))
+        self._send_array(b"P", index, scheduler_output, start_ns, schedule_ns)
 
     def grammar_image(self, index: int, grammar_output: bytes) -> None:
         """Step `index`'s structured-output bitmask (GrammarOutput image), built before the model runs."""
@@ -121,7 +121,7 @@ class ProcessCaptureWriter(WriterContext):
     def output_image(self, index: int, model_runner_output: bytes, execute_ns: int, update_ns: int) -> None:
         """Step `index` ended with this ModelRunnerOutput image: the writer process writes the step now."""
         self._check_order(index)
-        self._send(b"O", _ENCODER.encode([index, msgspec.Raw(model_runner_output), execute_ns, update_ns]))
+        self._send_array(b"O", index, model_runner_output, execute_ns, update_ns)
         self._sent_step(index)
 
     def crash_image(self, index: int, error_type: str, message: str, traceback: str) -> None:
@@ -194,13 +194,23 @@ class ProcessCaptureWriter(WriterContext):
 
     # -- plumbing -------------------------------------------------------------------------------------------------
 
-    def _send(self, kind: bytes, payload: bytes) -> None:
+    def _send_array(self, kind: bytes, first: int, image: bytes, *rest: int) -> None:
+        """A frame whose payload is the msgpack array [first, image, *rest], the image written as it is (no copy):
+        the engine thread's share of a step is two of these (vllm_bench)."""
+        head = _ENCODER.encode([first])  # a fixarray header, then the int
+        head = bytes([head[0] + len(rest) + 1]) + head[1:]
+        self._send(kind, head, image, b"".join(map(_ENCODER.encode, rest)))
+
+    def _send(self, kind: bytes, *parts: bytes) -> None:
         try:
             # one unbuffered write per record: nothing waits in our buffer if the engine crashes
-            data = _FRAME.pack(kind, len(payload)) + payload
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            size = sum(map(len, parts))
+            frame = [_FRAME.pack(kind, size), *parts]
+            done = os.writev(self._fd, frame) if hasattr(os, "writev") else 0
+            if done < size + _FRAME.size:  # (rare: a write cut short by a signal; or no writev)
+                view = memoryview(b"".join(frame))[done:]
+                while view:
+                    view = view[os.write(self._fd, view):]
         except (BrokenPipeError, OSError, ValueError):
             answer = self._answer()
             raise CaptureError(self.partial_path, answer.get("error", "capture writer process died")) from None

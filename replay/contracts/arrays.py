@@ -79,7 +79,8 @@ class Array(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         only) and byte-plane shuffled (`shuffle`)."""
         arr = np.asarray(arr)
         name = _dtype_name(arr.dtype)
-        le = np.ascontiguousarray(arr, dtype=np.dtype(_NUMPY_DTYPES[name]))
+        le = arr if arr.flags.c_contiguous and arr.dtype.str == _NUMPY_DTYPES[name] else \
+            np.ascontiguousarray(arr, dtype=np.dtype(_NUMPY_DTYPES[name]))  # (the tap's common case needs no copy)
         filters: tuple[str, ...] = ()
         if transpose and le.ndim == 2:
             le = np.ascontiguousarray(le.T)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from replay.contracts import Array, EngineCoreRequest, Opaque, SamplingParams
 from replay.contracts.lora import lora_fields
@@ -26,6 +27,8 @@ class Converter(TolerantConverter):
 
 def _enc_hook(x: Any) -> Any:
     """What msgspec cannot encode natively: tensors and arrays bit for bit, numpy scalars, else a summary."""
+    if type(x) is np.ndarray:  # the logprob matrices of every step: straight to the packer
+        return Array.from_numpy(x)
     if hasattr(x, "__array__") and hasattr(x, "dtype") and hasattr(x, "shape"):
         return Array.from_any(x)
     if hasattr(x, "item") and hasattr(x, "dtype"):  # a numpy scalar
