@@ -24,6 +24,7 @@ from msgspec.structs import replace
 
 from replay.capture.format import ColumnGroup, LogprobColumns
 from replay.contracts import Array, LogprobsLists
+from replay.contracts.arrays import NUMPY_DTYPES
 
 FILTER = "chunk-column"  # marker: f"chunk-column:{group}:{first_row}"
 FILTER_COL0_REF = "col0-ref"
@@ -32,17 +33,21 @@ FILTER_ROW_DELTA = "row-delta"
 
 
 def plain(a: Array) -> np.ndarray:
-    """A read-only numpy view of an unfiltered array (no copy), else a decoded copy."""
+    """A read-only numpy view of an unfiltered array (no copy), else a decoded copy. ValueError when dtype, shape
+    and bytes disagree (frombuffer and reshape check them: this runs three times per step in the writer)."""
     if a.filters:
         return a.to_numpy()
-    a.validate()
-    return np.frombuffer(a.data, dtype=_np_dtype(a.dtype)).reshape(a.shape)
+    dt = _DTYPES.get(a.dtype)
+    if dt is None or any(d < 0 for d in a.shape):
+        a.validate()  # says what is wrong
+    return np.frombuffer(a.data, dtype=dt).reshape(a.shape)
 
 
 def _np_dtype(name: str) -> np.dtype:
-    from replay.contracts.arrays import _NUMPY_DTYPES
+    return _DTYPES[name]
 
-    return np.dtype(_NUMPY_DTYPES[name])
+
+_DTYPES = {name: np.dtype(layout) for name, layout in NUMPY_DTYPES.items()}
 
 
 def same_token_column(ids: np.ndarray) -> np.ndarray:

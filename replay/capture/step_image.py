@@ -115,7 +115,7 @@ def _tokens_in_column_0(tokens: list[list[int]] | None, lp: LogprobsLists) -> di
     if tokens is None or len(ids.shape) != 2 or not ids.shape[1] or ids.filters:
         return None
     col0 = plain(ids)[:, 0].tolist()
-    counts = [len(t) for t in tokens]
+    counts = list(map(len, tokens))
     if sum(counts) == len(col0) and [t for ts in tokens for t in ts] == col0:
         return {_DERIVED: "tokens", "counts": counts}
     if len(tokens) == len(col0) and all(c <= 1 for c in counts) and all(not t or t[0] == c0 for t, c0 in zip(tokens, col0)):

@@ -314,7 +314,7 @@ class CaptureWriter(WriterContext):
             raise UsageError(f"{self.path}: capture writer is closed")
         c = self._chunk
         c.parts.extend(parts)
-        c.raw += sum(len(p) for p in parts)
+        c.raw += sum(map(len, parts))
         info = c.info
         info.num_records += len(parts)
         self._num_records += len(parts)

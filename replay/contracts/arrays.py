@@ -28,6 +28,7 @@ _NUMPY_DTYPES: dict[str, str] = {
     "float64": "<f8",
 }
 DTYPES = frozenset(_NUMPY_DTYPES)
+NUMPY_DTYPES = _NUMPY_DTYPES  # dtype name -> the little-endian numpy layout its bytes are stored in
 
 # Byte-plane shuffle: all first bytes, then all second bytes, ... Random float mantissas do not compress, but
 # their exponent bytes and the high bytes of small ints do, once they sit next to each other (measurements §2:
@@ -82,6 +83,11 @@ class Array(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         le = arr if arr.flags.c_contiguous and arr.dtype.str == _NUMPY_DTYPES[name] else \
             np.ascontiguousarray(arr, dtype=np.dtype(_NUMPY_DTYPES[name]))  # (the tap's common case needs no copy)
         filters: tuple[str, ...] = ()
+        if transpose and shuffle and le.ndim == 2 and le.dtype.itemsize > 1 and le.size:
+            # both in one strided copy (byte plane, column, row), not two: the writer packs every chunk's logprob
+            # columns this way
+            planes = le.view(np.uint8).reshape(le.shape[0], le.shape[1], le.dtype.itemsize).transpose(2, 1, 0)
+            return cls(name, tuple(arr.shape), np.ascontiguousarray(planes).tobytes(), (FILTER_TRANSPOSE, FILTER_SHUFFLE))
         if transpose and le.ndim == 2:
             le = np.ascontiguousarray(le.T)
             filters += (FILTER_TRANSPOSE,)
