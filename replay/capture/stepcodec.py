@@ -12,6 +12,7 @@ Two lossless transforms, both undone exactly on read:
 from __future__ import annotations
 
 from itertools import chain
+from operator import add, sub
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -26,7 +27,7 @@ from replay.capture.columns import (
     xor_col0_inplace,
 )
 from replay.capture.columns import plain as _plain
-from replay.capture.format import Ids, Step
+from replay.capture.format import Ids, PackedStep, Step
 from replay.contracts import (
     Array,
     LogprobsLists,
@@ -264,20 +265,47 @@ def map_request_ids(step: Step[A], f: Callable[[A], B]) -> Step[B]:
     return _map_step(step, f, lambda lp, sampled: lp, lambda t: t)
 
 
+def _packed(step: Step[int]) -> Step[int]:
+    """A `PackedStep` when the computed-token counts can be stored against the output-token counts, else `step`."""
+    cr = step.scheduler_output.scheduled_cached_reqs
+    done, out = cr.num_computed_tokens, cr.num_output_tokens
+    if not done or len(done) != len(out):
+        return step
+    so = replace(step.scheduler_output, scheduled_cached_reqs=replace(cr, num_computed_tokens=list(map(sub, done, out))))
+    return PackedStep(*(getattr(step, f) for f in _STEP_FIELDS[:1]), so,
+                      *(getattr(step, f) for f in _STEP_FIELDS[2:]))
+
+
+def _unpacked(step: Step[int]) -> Step[int]:
+    if not isinstance(step, PackedStep):
+        return step
+    cr = step.scheduler_output.scheduled_cached_reqs
+    if len(cr.num_computed_tokens) != len(cr.num_output_tokens):
+        raise ValueError("a packed step's computed- and output-token counts differ in length")
+    so = replace(step.scheduler_output, scheduled_cached_reqs=replace(
+        cr, num_computed_tokens=list(map(add, cr.num_computed_tokens, cr.num_output_tokens))))
+    return Step(*(getattr(step, f) for f in _STEP_FIELDS[:1]), so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
+
+
+_STEP_FIELDS = Step.__struct_fields__  # index, scheduler_output, then the rest
+
+
 def step_to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> Step[int]:
-    """The stored form of a step; new ids are assigned handles in `table` (collect them with `take_new`). With
-    `columns` (the open chunk's), its logprob matrices go there and the step keeps markers to them."""
+    """The stored form of a step (a `PackedStep` where it can be); new ids are assigned handles in `table` (collect
+    them with `take_new`). With `columns` (the open chunk's), its logprob matrices go there and the step keeps
+    markers to them."""
     if columns is None:
-        return _map_step(step, table.handle, _pack_lp, _pack_plp)
+        return _packed(_map_step(step, table.handle, _pack_lp, _pack_plp))
 
     def pack(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
         return columns.add(lp) or _pack_lp(lp, sampled)
-    return _map_step(step, table.handle, pack, _pack_plp)
+    return _packed(_map_step(step, table.handle, pack, _pack_plp))
 
 
 def step_from_wire(step: Step[int], table: IdTable, columns: ColumnSource | None = None) -> Step[str]:
     """The in-memory form of a stored step (`columns`: its chunk's logprob columns, if it has them). Raises
     UnknownHandleError, or ValueError on inconsistent arrays."""
+    step = _unpacked(step)
     if columns is None:
         return _map_step(step, table.resolve, _unpack_lp, _unpack_plp)
     return _map_step(step, table.resolve, lambda lp, sampled: _unpack_lp(lp, sampled, columns), _unpack_plp)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from operator import add
 
 import msgspec
 import numpy as np
@@ -88,7 +89,18 @@ class _StepHead(msgspec.Struct, tag="step", array_like=True):
     timing: fmt.StepTiming | None = None
 
 
-_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead
+class _PackedStepHead(_StepHead, tag="packed_step"):
+    """A `PackedStep` (format 1.3) as far as its timing: its computed-token counts are stored against its
+    output-token counts (`unpack` restores them)."""
+
+    def unpack(self) -> _StepHead:
+        """The head as a `_StepHead`, its computed-token counts restored."""
+        c = self.scheduler_output.scheduled_cached_reqs
+        c.num_computed_tokens = list(map(add, c.num_computed_tokens, c.num_output_tokens))
+        return self
+
+
+_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead | _PackedStepHead
                                    | fmt.LogprobColumns | fmt.StepImage | fmt.Crash | fmt.Footer)
 _HEAD = msgspec.msgpack.Decoder(_StepHead)
 
@@ -350,7 +362,7 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
                     continue
                 if isinstance(rec, _StepHead):
                     try:
-                        scan.step(rec)
+                        scan.step(rec.unpack() if isinstance(rec, _PackedStepHead) else rec)
                     except (IndexError, KeyError) as e:  # handles declared in a lost chunk
                         damage.append(Damage("record", f"step {rec.index} refers to what a lost chunk held ({e})",
                                              chunk=ref.number, offset=ref.offset, first_step=rec.index,
