@@ -1,6 +1,7 @@
 """Builtin-engine benchmark: our `ModelRunner` against `transformers` eager, and the capture tap's overhead.
 
-Part 1, runner vs transformers (CPU, float32, measured at 1 and at 2 torch threads):
+Part 1, runner vs transformers (CPU, float32, measured at 1 and at 2 torch threads; "ours" is the runner's default
+mode, `batched` attention):
 
   checkpoint  a random `LlamaForCausalLM` made by transformers after `torch.manual_seed(0)` (hidden 256,
               intermediate 768, 4 layers, 4 heads / 2 KV heads, head_dim 64, vocab 32000, untied head; the model of
@@ -22,6 +23,11 @@ Part 1, runner vs transformers (CPU, float32, measured at 1 and at 2 torch threa
               num_output_tokens=1 (the runner truncates its cached outputs, vLLM's diff semantics; the block tables
               already hold the blocks), transformers with `DynamicCache.crop` back to 256 positions.
               tokens/s = 32 * S / seconds.
+  modes       the same prefill and decode on our runner in its other attention modes, timed in the same
+              alternation: `attention_impl="sdpa"` (one attention call per request, batch-invariant attention; the
+              golden captures' mode) and the batch-invariant mode (`batch_invariant=True`: tiled linears and
+              per-token attention, on a second copy of the model, since the mode patches the model's linears).
+              Reported as their tok/s over the default's (`batched`); `--no-modes` skips them.
   sanity      max |logit difference| between ours and transformers (1 thread) for the last position of the 512-token
               prefill, and over the 32 rows of the batched prefill and of the first decode step (transformers is fed
               the tokens our runner sampled, so both see the same inputs). Our logits are read with a forward hook
@@ -43,7 +49,7 @@ Timings are medians (min alongside) because the reference machine is a noisy, sh
 runs sometimes stall for seconds; sizes and logit differences do not depend on load.
 
 Usage (from the repository root):
-    .venv/bin/python -m bench.engine_bench [--quick] [--json]
+    .venv/bin/python -m bench.engine_bench [--quick] [--json] [--no-modes] [--no-tap]
 """
 
 from __future__ import annotations
@@ -168,10 +174,10 @@ class LogitTap:
 class OurDecode:
     """32 requests prefilled in our runner, then decoded one token per request per step, rewindable to context 256."""
 
-    def __init__(self, model, prompts: torch.Tensor, max_steps: int):
+    def __init__(self, model, prompts: torch.Tensor, max_steps: int, **runner_kw):
         b, ctx = prompts.shape
         per_req = -(-(ctx + max_steps + 1) // BLOCK)
-        self.runner = ModelRunner(model, num_blocks=b * per_req + 1, block_size=BLOCK)
+        self.runner = ModelRunner(model, num_blocks=b * per_req + 1, block_size=BLOCK, **runner_kw)
         self.ids = [f"d{i}" for i in range(b)]
         self.ctx = ctx
         self.next_free = 0
@@ -243,9 +249,10 @@ class HFDecode:
             return time.perf_counter() - t
 
 
-def time_our_prefill(model, prompt: list[int]) -> float:
-    """Seconds of one `execute_model` prefilling `prompt` in a fresh runner (built untimed)."""
-    runner = ModelRunner(model, num_blocks=-(-len(prompt) // BLOCK) + 1, block_size=BLOCK)
+def time_our_prefill(model, prompt: list[int], **runner_kw) -> float:
+    """Seconds of one `execute_model` prefilling `prompt` in a fresh runner (built untimed; `runner_kw`: its
+    attention mode)."""
+    runner = ModelRunner(model, num_blocks=-(-len(prompt) // BLOCK) + 1, block_size=BLOCK, **runner_kw)
     so = sched([new_request("p", prompt, list(range(-(-len(prompt) // BLOCK))))], tokens={"p": len(prompt)})
     t = time.perf_counter()
     runner.execute_model(so)
@@ -289,8 +296,9 @@ def med_min(xs: list[float]) -> dict:
 
 
 def bench_threads(threads: int, ours, hf, prompt: torch.Tensor, dec: OurDecode, hdec: HFDecode, repeats: int,
-                  steps: int) -> dict:
-    """Prefill and decode timings of both sides at `threads` torch threads, sides alternating within each repeat."""
+                  steps: int, modes: dict | None = None) -> dict:
+    """Prefill and decode timings of both sides at `threads` torch threads, sides alternating within each repeat.
+    `modes` ({"ours_sdpa" | "ours_invariant": (model, runner kwargs, OurDecode)}) adds our other attention modes."""
     set_torch_threads(threads)
     plist = prompt.tolist()
     ids = prompt[None]
@@ -300,6 +308,9 @@ def bench_threads(threads: int, ours, hf, prompt: torch.Tensor, dec: OurDecode, 
         "hf_all_logits": lambda: time_hf_prefill(hf, ids, last_only=False),
     }
     decode = {"ours": lambda: dec.run(steps), "hf": lambda: hdec.run(steps)}
+    for name, (model, kw, mdec) in (modes or {}).items():
+        prefill[name] = (lambda m, k: lambda: time_our_prefill(m, plist, **k))(model, kw)
+        decode[name] = (lambda d: lambda: d.run(steps))(mdec)
     res: dict = {"threads": threads}
     for kind, fns in (("prefill", prefill), ("decode", decode)):
         for fn in fns.values():  # warm-up
@@ -318,8 +329,9 @@ def bench_threads(threads: int, ours, hf, prompt: torch.Tensor, dec: OurDecode, 
     return res
 
 
-def bench_models(tmp: Path, repeats: int, steps: int) -> dict:
-    """Part 1: build the checkpoint, load it both ways, check logits, time at 1 and 2 threads."""
+def bench_models(tmp: Path, repeats: int, steps: int, with_modes: bool = True) -> dict:
+    """Part 1: build the checkpoint, load it both ways, check logits, time at 1 and 2 threads (and our other
+    attention modes with `with_modes`)."""
     ckpt = tmp / "llama-tiny-32k"
     set_torch_threads(1)
     t = time.perf_counter()
@@ -336,7 +348,13 @@ def bench_models(tmp: Path, repeats: int, steps: int) -> dict:
     hdec = HFDecode(hf, prompts, dec.first_tokens)
     checks = logit_checks(ours, hf, prompt, dec, hdec, tap)
     checks["prefill_b32_last"] = (ours_b32 - hdec.prefill_logits).abs().max().item()
-    results = [bench_threads(n, ours, hf, prompt, dec, hdec, repeats, steps) for n in (1, 2)]
+    modes = {}
+    if with_modes:
+        invariant, _, _ = load_checkpoint(ckpt, torch.float32, "cpu")  # its own copy: the mode patches its linears
+        for name, model, kw in (("ours_sdpa", ours, {"attention_impl": "sdpa"}),
+                                ("ours_invariant", invariant, {"batch_invariant": True})):
+            modes[name] = (model, kw, OurDecode(model, prompts, steps, **kw))
+    results = [bench_threads(n, ours, hf, prompt, dec, hdec, repeats, steps, modes) for n in (1, 2)]
     return {"setup_s": setup_s, "repeats": repeats, "decode_steps": steps, "logit_max_abs_diff": checks,
             "threads": results}
 
@@ -431,8 +449,9 @@ def render(m: dict, models: dict, taps: list[dict], tg: list[dict]) -> str:
     lines = [f"machine: python {m['python']}, torch {m['torch']} ({m['cpu_capability']}), transformers "
              f"{m['transformers']}, torch default threads {m['torch_default_threads']}, {m['cpu_count']} CPUs, "
              f"load {la[0]} {la[1]} {la[2]}, {m['platform']}",
-             f"timings: median of {models['repeats']} repeats (runner/transformers) and of {taps[0]['repeats']} / "
-             f"{taps[-1]['repeats']} runs (tap), min alongside; shared noisy 2-core machine, 2-thread runs may stall",
+             f"timings: median of {models['repeats']} repeats (runner/transformers)"
+             + (f" and of {taps[0]['repeats']} / {taps[-1]['repeats']} runs (tap)" if taps else "")
+             + ", min alongside; shared noisy 2-core machine, 2-thread runs may stall",
              ""]
     row = "{:<34} {:<38} {:>14} {:>14} {:>9}"
     lines += [row.format("", "metric", "A", "B", "A/B"), "-" * 113]
@@ -459,6 +478,10 @@ def render(m: dict, models: dict, taps: list[dict], tg: list[dict]) -> str:
                           ratio=False))
         lines.append(pair("decode step ms, min", d["ours"]["step_ms_min"], d["hf"]["step_ms_min"], "{:.1f}",
                           ratio=False))
+        for mode, what in (("ours_sdpa", "sdpa per request"), ("ours_invariant", "batch-invariant")):
+            if mode in p:  # A = ours in that mode, B = ours in the default mode (batched attention)
+                lines.append(pair(f"  {what}: prefill tok/s", p[mode]["tok_s"], p["ours"]["tok_s"]))
+                lines.append(pair(f"  {what}: decode tok/s", d[mode]["tok_s"], d["ours"]["tok_s"]))
     c = models["logit_max_abs_diff"]
     lines.append(row.format("  check (1 thread)", "max|Δlogit| prefill 512, last pos", f"{c['prefill_512_last']:.2e}",
                             "-", "-"))
@@ -485,6 +508,8 @@ def render(m: dict, models: dict, taps: list[dict], tg: list[dict]) -> str:
     lines.append("")
     lines.append(f"A/B: ours/transformers (above 1 = ours faster) for tok/s; tap on/off (below 1.03 = target) for walls. "
                  f"decode: {S} steps per repeat from context {CONTEXT}. B prefill uses logits_to_keep=1 like generate()")
+    lines.append("mode rows (sdpa per request, batch-invariant): A = ours in that mode, B = ours by default (batched "
+                 "attention); below 1 = the mode's cost")
     lines += ["", "targets:"]
     for t in tg:
         v = t["measured"]
@@ -498,15 +523,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="5 repeats, 8 decode steps, 7 tap runs per workload")
     ap.add_argument("--json", action="store_true", help="print the same numbers as JSON")
+    ap.add_argument("--no-modes", action="store_true", help="skip our sdpa and batch-invariant attention modes")
+    ap.add_argument("--no-tap", action="store_true", help="skip part 2 (tap overhead)")
     args = ap.parse_args()
     s = SETTINGS["quick" if args.quick else "full"]
     m = machine()
     with tempfile.TemporaryDirectory(prefix="engine_bench-") as d:
         tmp = Path(d)
         print("[runner vs transformers] ...", file=sys.stderr, flush=True)
-        models = bench_models(tmp, s["repeats"], s["decode_steps"])
+        models = bench_models(tmp, s["repeats"], s["decode_steps"], not args.no_modes)
         taps = []
-        for (name, w), n in zip(TAP_WORKLOADS, s["tap_repeats"]):
+        for (name, w), n in zip(TAP_WORKLOADS, s["tap_repeats"]) if not args.no_tap else ():
             print(f"[tap overhead: {name}] ...", file=sys.stderr, flush=True)
             taps.append(bench_tap(tmp, name, w, n))
     tg = targets(models, taps)

@@ -1,8 +1,9 @@
 """Regenerate the golden captures and their expected outputs: `.venv/bin/python -m captures.regenerate`.
 
-Each golden capture is recorded by the builtin engine on `tiny` (float32, one thread, sdpa attention) with a small
-KV pool and token budget, so that one short run exercises chunked prefill, prefix caching, preemption and resume,
-greedy, seeded and unseeded sampling, top-k logprobs and prompt logprobs. Beside each `NAME.capture` lies
+Each golden capture is recorded by the builtin engine on `tiny` (float32, one thread, sdpa attention: pinned, not
+the default `batched`, so that this script still records the committed captures) with a small KV pool and token
+budget, so that one short run exercises chunked prefill, prefix caching, preemption and resume, greedy, seeded
+and unseeded sampling, top-k logprobs and prompt logprobs. Beside each `NAME.capture` lies
 `NAME.json`: every request's output tokens and every step's sampled tokens and top-k logprobs. The tests record
 the same workload again and check that the engine still produces exactly these tokens.
 """
@@ -24,7 +25,7 @@ GOLDEN = {
         EngineConfig(model="tiny",
                      scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=40, max_num_seqs=6,
                                                max_num_batched_tokens=32, enable_prefix_caching=True),
-                     runner=RunnerConfig(num_threads=1, seed=1)),
+                     runner=RunnerConfig(attention_impl="sdpa", num_threads=1, seed=1)),
         SyntheticWorkload(num_requests=10, prompt_len=(6, 40), output_len=(6, 20), arrival_rate=1.5,
                           shared_prefix_fraction=0.4, sampling="mixed", num_logprobs=3, seed=11),
     ),
@@ -32,7 +33,7 @@ GOLDEN = {
         EngineConfig(model="tiny",
                      scheduler=SchedulerConfig(block_size=8, num_gpu_blocks=64, max_num_seqs=4,
                                                max_num_batched_tokens=24),
-                     runner=RunnerConfig(num_threads=1, seed=2)),
+                     runner=RunnerConfig(attention_impl="sdpa", num_threads=1, seed=2)),
         SyntheticWorkload(num_requests=4, prompt_len=(10, 30), output_len=(4, 8), arrival_rate=0, sampling="greedy",
                           num_logprobs=2, seed=5, defaults={"prompt_logprobs": 2}),
     ),

@@ -34,7 +34,7 @@ def record(
     model: str = typer.Option("tiny", "--model", "-m", help="'tiny' (builtin, generated from a fixed seed) or a local HF checkpoint directory."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help=f"{_RC.dtype} (default) | bfloat16 | float16 | float64 (builtin)."),
     device: Optional[str] = typer.Option(None, "--device", help=f"Builtin engine: {_RC.device} (default), cuda, cuda:1, ..."),
-    attention: Optional[str] = typer.Option(None, "--attention", help=f"Builtin engine: sdpa | reference (default {_RC.attention_impl})."),
+    attention: Optional[str] = typer.Option(None, "--attention", help=f"Builtin engine: batched | sdpa | reference (default {_RC.attention_impl}; sdpa attends per request)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Builtin engine: torch intra-op threads."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", min=1, help=f"Default {_SC.max_num_seqs} (builtin) or vLLM's."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", min=1, help=f"Default {_SC.max_num_batched_tokens} (builtin) or vLLM's."),

@@ -4,9 +4,11 @@ On this CPU a float32 GEMM gives a row different bits for M = 1, M = 2-3 and M >
 the usual batched forward is batch-variant even though every op is "row-wise". In this mode:
 - every linear layer runs on fixed tiles of exactly `TILE` rows (the last tile zero-padded): a row's dot products
   are computed by the same kernel, with the same blocking, whatever else is in the batch;
-- attention runs one query token at a time against its own context (the decode path), so neither the batch nor the
-  way a prefill was chunked changes a token's attention.
-RMSNorm, RoPE, SiLU and the sampler are row-wise already. The cost: about 2-4x slower steps (bench/engine_bench.py).
+- attention runs one query token at a time against its own context (the decode path), whatever the attention
+  implementation (`batched` included), so neither the batch nor the way a prefill was chunked changes a token's
+  attention.
+RMSNorm, RoPE, SiLU and the sampler are row-wise already. The cost, against the default mode (batched attention):
+2.3-2.4x slower decode steps and ~3x slower prefill at one thread, 3x and ~5x at two (bench/engine_bench.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ from typing import Any
 from replay.errors import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: the "which side is closer to the truth" re-run
-ATTENTION_IMPLS = ("sdpa", "reference")  # sdpa (fast) | reference (plain math, float64 softmax)
+# batched (one call per layer for the short requests; the default) | sdpa (one call per request: batch-invariant,
+# the golden captures' choice) | reference (plain math per request, float64 softmax); engine/attention.py
+ATTENTION_IMPLS = ("batched", "sdpa", "reference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,7 @@ class RunnerConfig:
 
     dtype: str = "float32"  # one of DTYPES
     device: str = "cpu"
-    attention_impl: str = "sdpa"  # one of ATTENTION_IMPLS
+    attention_impl: str = "batched"  # one of ATTENTION_IMPLS (the batch-invariant mode attends per token whatever)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     batch_invariant: bool = False
     seed: int = 0  # engine seed: draws the seeds of unseeded requests

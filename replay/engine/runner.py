@@ -66,7 +66,7 @@ class CachedRequestState:
 class ModelRunner:
     """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "sdpa", seed: int = 0,
+    def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "batched", seed: int = 0,
                  eos_token_id: int | None = None, batch_invariant: bool = False, vllm_cpu_draws: bool = False):
         from replay.engine.config import ATTENTION_IMPLS
 

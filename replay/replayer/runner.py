@@ -160,8 +160,9 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
 
     m, ec, env = header.model, header.engine_config, header.environment
     model_ref = overrides.get("model") or m.path or m.name
-    # another engine's attention backend is not one of ours: cross-implementation replays use our default
-    own = ec.attention_impl if header.engine == "builtin" else ""
+    # A builtin capture replays with the attention it recorded ("sdpa" when it names none: the only one before
+    # "batched" became the default); another engine's backend is not one of ours: those replays use our default.
+    own = (ec.attention_impl or "sdpa") if header.engine == "builtin" else RunnerConfig().attention_impl
     seed = int(overrides.get("seed", ec.seed or 0))
     threads = int(overrides["threads"]) if "threads" in overrides else env.num_threads or None  # as recorded
     cfg = EngineConfig(
@@ -172,7 +173,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
                                   enable_chunked_prefill=ec.enable_chunked_prefill),
         runner=RunnerConfig(dtype=overrides.get("dtype", m.dtype or "float32"),
                             device=overrides.get("device", ec.extra.get("device", "cpu")),
-                            attention_impl=overrides.get("attention", own or "sdpa"), num_threads=threads,
+                            attention_impl=overrides.get("attention", own), num_threads=threads,
                             batch_invariant=BOOLEANS[str(overrides.get("batch_invariant", ec.batch_invariant)).lower()],
                             seed=seed))
     pin_threading()
