@@ -86,19 +86,20 @@ class ColumnSink:
 
     def add(self, lp: LogprobsLists) -> LogprobsLists | None:
         """The step's `LogprobsLists` as stored (markers into this chunk's columns), or None for a matrix the
-        columns do not take (another layout: the per-step codec stores it)."""
+        columns do not take (another layout: the per-step codec stores it). ValueError when an array's bytes do
+        not match its dtype and shape."""
         a, b, c = lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
         if len(a.shape) != 2 or tuple(b.shape) != tuple(a.shape) or tuple(c.shape) != (a.shape[0],):
             return None
         if a.shape[0] == 0 or a.shape[1] == 0 or a.dtype not in _INT or c.dtype not in _INT or b.dtype in _INT:
             return None
+        views = plain(a), plain(b), plain(c)  # all three checked before any joins the group (ValueError)
         key = (a.dtype, b.dtype, c.dtype, a.shape[1])
         g = self._groups.get(key)
         if g is None:
             g = self._groups[key] = [len(self._groups), 0, [], [], []]
-        g[2].append(plain(a))
-        g[3].append(plain(b))
-        g[4].append(plain(c))
+        for column, view in zip(g[2:], views):
+            column.append(view)
         marker = (f"{FILTER}:{g[0]}:{g[1]}",)
         g[1] += a.shape[0]
         self.nbytes += len(a.data) + len(b.data) + len(c.data)

@@ -14,7 +14,7 @@ from replay.inspect import capture_info
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
 from replay.report.run import run_facts
-from tests.contracts.test_image_decoder import _as_map
+from tests.images import as_map
 
 WL = SynthShape(steps=40, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=4)
 ENC = msgspec.msgpack.Encoder()
@@ -26,8 +26,8 @@ def _write(path, *, images: bool, chunk_bytes: int = 3000):
             if ev.request is not None:
                 w.add_request(ev.request, ev.step)
             elif images:
-                w.write_step_image(ev.step, ENC.encode(_as_map(ev.scheduler_output)),
-                                   ENC.encode(_as_map(ev.model_runner_output)), None, fmt.StepTiming(1, 2, 3, 4))
+                w.write_step_image(ev.step, ENC.encode(as_map(ev.scheduler_output)),
+                                   ENC.encode(as_map(ev.model_runner_output)), None, fmt.StepTiming(1, 2, 3, 4))
             else:
                 w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output, timing=fmt.StepTiming(1, 2, 3, 4))
 

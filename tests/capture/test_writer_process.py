@@ -15,6 +15,7 @@ from replay.capture.writer_process import ProcessCaptureWriter
 from replay.errors import CaptureError, UsageError
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
+from tests.images import as_map
 
 WL = SynthShape(steps=30, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=9)
 
@@ -86,23 +87,6 @@ def test_an_engine_killed_without_closing_leaves_a_sealed_capture_of_every_recor
     assert not path.with_name(path.name + ".partial").exists()
 
 
-def _as_map(x):
-    """A contract object as another engine's image would look: Structs as maps (Arrays stay as they encode)."""
-    from replay.contracts import Array, LogprobsLists, LogprobsTensors, Opaque
-
-    if isinstance(x, (Array, Opaque)):
-        return x
-    if isinstance(x, (LogprobsLists, LogprobsTensors)):  # NamedTuples in vLLM: positional
-        return [_as_map(getattr(x, f)) for f in x.__struct_fields__]
-    if isinstance(x, msgspec.Struct):
-        return {f: _as_map(getattr(x, f)) for f in x.__struct_fields__}
-    if isinstance(x, (list, tuple, set)):
-        return [_as_map(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _as_map(v) for k, v in x.items()}
-    return x
-
-
 def test_images_of_foreign_objects_give_the_same_records(tmp_path):
     """The vLLM tap's route: the engine thread sends msgpack images, the writer process converts them."""
     _write(CaptureWriter, tmp_path / "contracts.capture")
@@ -110,9 +94,9 @@ def test_images_of_foreign_objects_give_the_same_records(tmp_path):
     with ProcessCaptureWriter(tmp_path / "images.capture", make_header("test"), chunk_bytes=2000) as w:
         for ev in synth_events(WL):
             if ev.request is not None:
-                w.add_request_image(enc.encode(_as_map(ev.request)), ev.step)
+                w.add_request_image(enc.encode(as_map(ev.request)), ev.step)
             else:
-                w.write_step_image(ev.step, enc.encode(_as_map(ev.scheduler_output)),
-                                   enc.encode(_as_map(ev.model_runner_output)))
+                w.write_step_image(ev.step, enc.encode(as_map(ev.scheduler_output)),
+                                   enc.encode(as_map(ev.model_runner_output)))
         w.abort_request("gone", 30)
     assert _records(tmp_path / "contracts.capture") == _records(tmp_path / "images.capture")

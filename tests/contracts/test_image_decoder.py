@@ -8,33 +8,17 @@ from replay.contracts import ModelRunnerOutput, SchedulerOutput
 from replay.contracts.image_decoder import ImageDecoder
 from replay.contracts.tolerant import TolerantConverter
 from replay.record.synth import SynthShape, synth_events
+from tests.images import as_map
 
 WL = SynthShape(steps=12, running=5, prompt_len=(4, 30), output_len=(2, 9), num_logprobs=4, vocab_size=900, seed=3)
-
-
-def _as_map(x):
-    """A contract as a dataclass engine's image looks: Structs as maps, Arrays as they encode."""
-    from replay.contracts import Array, LogprobsLists, LogprobsTensors, Opaque
-
-    if isinstance(x, (Array, Opaque)):
-        return x
-    if isinstance(x, (LogprobsLists, LogprobsTensors)):  # NamedTuples in vLLM: positional
-        return [_as_map(getattr(x, f)) for f in x.__struct_fields__]
-    if isinstance(x, msgspec.Struct):
-        return {f: _as_map(getattr(x, f)) for f in x.__struct_fields__}
-    if isinstance(x, (list, tuple, set)):
-        return [_as_map(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _as_map(v) for k, v in x.items()}
-    return x
 
 
 def _images():
     enc = msgspec.msgpack.Encoder()
     for ev in synth_events(WL):
         if ev.request is None:
-            yield enc.encode(_as_map(ev.scheduler_output)), SchedulerOutput[str]
-            yield enc.encode(_as_map(ev.model_runner_output)), ModelRunnerOutput[str]
+            yield enc.encode(as_map(ev.scheduler_output)), SchedulerOutput[str]
+            yield enc.encode(as_map(ev.model_runner_output)), ModelRunnerOutput[str]
 
 
 def test_steps_decode_on_the_typed_path_to_what_the_tolerant_walk_gives():
@@ -49,7 +33,7 @@ def test_steps_decode_on_the_typed_path_to_what_the_tolerant_walk_gives():
 def test_private_sampling_fields_are_read_as_the_tolerant_walk_reads_them():
     """vLLM keeps `_all_stop_token_ids` private; a new request's image carries it under that spelling."""
     ev = next(e for e in synth_events(WL) if e.scheduler_output is not None and e.scheduler_output.scheduled_new_reqs)
-    image = _as_map(ev.scheduler_output)
+    image = as_map(ev.scheduler_output)
     sp = image["scheduled_new_reqs"][0]["sampling_params"]
     sp["_all_stop_token_ids"] = [2, 7]
     sp.pop("all_stop_token_ids", None)
@@ -65,7 +49,7 @@ def test_private_sampling_fields_are_read_as_the_tolerant_walk_reads_them():
 def test_an_image_of_another_kind_falls_back_to_the_tolerant_walk():
     """Version drift the typed path refuses: vLLM's `stop` may be one string where we keep a list."""
     ev = next(e for e in synth_events(WL) if e.scheduler_output is not None and e.scheduler_output.scheduled_new_reqs)
-    image = _as_map(ev.scheduler_output)
+    image = as_map(ev.scheduler_output)
     image["scheduled_new_reqs"][0]["sampling_params"]["stop"] = "END"
     dec = ImageDecoder()
     data = msgspec.msgpack.encode(image)

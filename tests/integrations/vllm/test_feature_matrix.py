@@ -289,6 +289,49 @@ def test_every_captured_feature_really_happened(captures):
     assert json.loads(eagle.header.engine_config.layout["speculative_args"])["method"] == "eagle"
 
 
+def test_the_cli_recording_keeps_the_engine_config_vllms_field_lists_and_every_steps_timing(captures):
+    info = capture_info(captures["sampling"].path)
+    assert info.complete and not info.damage and info.header.engine == "vllm"
+    ec = info.header.engine_config
+    assert (ec.block_size, ec.num_gpu_blocks, ec.max_num_batched_tokens) == (32, 9, 96)
+    fields = info.header.extra["vllm_fields"]
+    assert "num_computed_tokens" in fields["NewRequestData"] and "grammar_bitmask" in fields["GrammarOutput"]
+    assert isinstance(info.header.extra["vllm_unmirrored_fields"], dict)
+    with CaptureReader(captures["sampling"].path) as r:
+        steps = [s for s in r.records() if isinstance(s, Step)]
+    assert steps and all(s.timing is not None and s.timing.execute_ns > 0 and s.timing.schedule_ns > 0 for s in steps)
+    assert any(v is not None for s in steps if s.model_runner_output for v in s.model_runner_output.prompt_logprobs_dict.values())
+
+
+def test_vllm_runs_quietly_its_log_beside_the_capture_and_v_shows_it(captures):
+    """`replay run --runner vllm` prints no vLLM line: the first line is ours, vLLM's output is in a log beside the
+    capture, and the warnings that change numerics are notes. `replay -v` shows vLLM's output live."""
+    capture = captures["sampling"].path
+    out = subprocess.run(REPLAY + ["run", str(capture), "--diff", "--runner", "vllm"], capture_output=True,
+                         text=True, env=ENV, timeout=600)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    assert first.startswith(("note: ", "replayed ")), first
+    assert "note: vLLM: Enforce eager set, disabling torch.compile" in out.stdout
+    assert " INFO " not in out.stdout and "Traceback" not in out.stdout
+    assert "Initializing a V1 LLM engine" in Path(f"{capture}.vllm-replay.log").read_text()
+    loud = subprocess.run(REPLAY + ["-v", "run", str(capture), "--diff", "--runner", "vllm", "--steps", "0-1"],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert loud.returncode == 0 and "Initializing a V1 LLM engine" in loud.stdout + loud.stderr
+
+
+def test_the_builtin_runner_applies_the_recorded_grammar_bitmask(captures, replays, monkeypatch):
+    rep = replays["sampling", "builtin"]
+    # greedy tokens (structured ones included) and every logprob agree; vLLM's random draws are not ours to repeat
+    assert not rep.diverged and rep.foreign_draws_differ > 0, rep.first_divergence
+    import replay.engine.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "apply_grammar_bitmask", lambda *a: None)  # control: ignore the mask
+    rep = replay_capture(captures["sampling"].path, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL)))
+    assert rep.diverged and {d.request_id for d in rep.divergences if d.kind == "token"} <= {"regex", "choice",
+                                                                                             "json-schema"}
+
+
 def test_the_readme_feature_matrix_is_what_the_replays_find(captures, replays):
     lines = ["| feature | `--runner vllm` | builtin runner |", "|---|---|---|"]
     for feature, capture, requests in _rows(captures):
