@@ -296,7 +296,7 @@ class ModelRunner:
             reqs[rid] = (st, list(st.output_token_ids), list(st.block_ids), st.num_computed_tokens,
                          None if st.generator is None else st.generator.get_state(), list(st.prompt_logprobs))
         return RunnerSnapshot([k.clone() for k in self.kv.k], [v.clone() for v in self.kv.v], reqs, list(self.batch),
-                              self._seed_gen.get_state())
+                              self._seed_gen.get_state(), dict(self.last_emitted))
 
     def restore(self, snap: "RunnerSnapshot") -> None:
         """Go back to a `snapshot`: the runner behaves exactly as it did then."""
@@ -309,7 +309,7 @@ class ModelRunner:
             if gen is not None:
                 st.generator.set_state(gen)
             self.requests[rid] = st
-        self.batch = list(snap.batch)
+        self.batch, self.last_emitted = list(snap.batch), dict(snap.last_emitted)  # (forced mode replaces these)
         self._seed_gen.set_state(snap.seed_gen)
 
     # -- snapshots of one step's effects (re-executing a step several ways) ----------------------------------------
@@ -327,7 +327,7 @@ class ModelRunner:
         reqs = {rid: (len(st.output_token_ids), st.num_computed_tokens,
                       None if st.generator is None else st.generator.get_state(), list(st.prompt_logprobs))
                 for rid, st in self.requests.items()}
-        return StepSnapshot(flat, kv, reqs)
+        return StepSnapshot(flat, kv, reqs, dict(self.last_emitted))
 
     def restore_step(self, snap: "StepSnapshot") -> None:
         """Undo a `run_step` to the state `snapshot_step` saw."""
@@ -341,6 +341,7 @@ class ModelRunner:
             if gen_state is not None:
                 st.generator.set_state(gen_state)
             st.prompt_logprobs = plp
+        self.last_emitted = dict(snap.last_emitted)
 
 
     def _prompt_logprobs(self, so, rows, spans, hidden) -> dict[str, LogprobsTensors | None]:
@@ -384,6 +385,7 @@ class StepSnapshot:
     slots: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     requests: dict[str, tuple[int, int, torch.Tensor | None, list]]
+    last_emitted: dict[str, int]  # tokens each request emitted in the step before (forced mode replaces that many)
 
 
 @dataclass(slots=True)
@@ -395,3 +397,4 @@ class RunnerSnapshot:
     requests: dict[str, tuple]
     batch: list[str]
     seed_gen: torch.Tensor
+    last_emitted: dict[str, int]

@@ -129,3 +129,20 @@ def test_unseeded_random_requests_get_recorded_seeds(model):
     again = ModelRunner(model, num_blocks=8, block_size=BS, seed=999)  # another engine seed...
     out2 = again.execute_model(so([new("u", [3, 4], [0], temperature=1.0)], sched={"u": 2}), drawn_seeds=seeds)
     assert out2.sampled_token_ids == out.sampled_token_ids  # ...same token with the recorded seed
+
+
+def test_snapshots_keep_how_many_tokens_each_request_emitted_last(model):
+    """Forced mode replaces the tokens a request emitted in the step before (several with accepted drafts): a
+    bisect that restores a snapshot mid-capture must replace as many as the recording had then, not as its last
+    re-execution emitted."""
+    r = ModelRunner(model, num_blocks=32, block_size=BS)
+    r.execute_model(so([new("a", [1, 2, 3, 4, 5], [0, 1])], sched={"a": 5}))
+    r.last_emitted = {"a": 3}  # as after a step that accepted two drafts
+    whole, step = r.snapshot(), r.snapshot_step(so(cached=cached(["a"], [5]), sched={"a": 1}))
+    r.execute_model(so(cached=cached(["a"], [5]), sched={"a": 1}))
+    assert r.last_emitted == {"a": 1}
+    r.restore_step(step)
+    assert r.last_emitted == {"a": 3}
+    r.last_emitted = {"a": 1}
+    r.restore(whole)
+    assert r.last_emitted == {"a": 3}
