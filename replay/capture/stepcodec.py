@@ -272,8 +272,7 @@ def _packed(step: Step[int]) -> Step[int]:
     if not done or len(done) != len(out):
         return step
     so = replace(step.scheduler_output, scheduled_cached_reqs=replace(cr, num_computed_tokens=list(map(sub, done, out))))
-    return PackedStep(*(getattr(step, f) for f in _STEP_FIELDS[:1]), so,
-                      *(getattr(step, f) for f in _STEP_FIELDS[2:]))
+    return PackedStep(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
 
 
 def _unpacked(step: Step[int]) -> Step[int]:
@@ -284,7 +283,7 @@ def _unpacked(step: Step[int]) -> Step[int]:
         raise ValueError("a packed step's computed- and output-token counts differ in length")
     so = replace(step.scheduler_output, scheduled_cached_reqs=replace(
         cr, num_computed_tokens=list(map(add, cr.num_computed_tokens, cr.num_output_tokens))))
-    return Step(*(getattr(step, f) for f in _STEP_FIELDS[:1]), so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
+    return Step(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
 
 
 _STEP_FIELDS = Step.__struct_fields__  # index, scheduler_output, then the rest
