@@ -52,11 +52,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.pop("REPLAY_CAPTURE", None)  # the tap is attached explicitly, per run
 
-import msgspec
 
 from tests.vllm_checkpoints import tiny_llama
-
-msgspec_encode = msgspec.msgpack.Encoder().encode
 
 NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
 # For about 0.3 s after a writer process starts, the engine runs slower even though the writer is idle (measured
@@ -152,8 +149,13 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
     recording sees it; its close (last chunk, index, fsync) is reported apart, as open/close is for wall time.
     Min, median and max over `repeats`."""
     from replay.capture.writer import CaptureWriter
-    from replay.capture.writer_process import ProcessCaptureWriter, _Images
-    from replay.integrations.vllm.convert import ENCODER
+    from replay.capture.writer_process import (
+        ProcessCaptureWriter,
+        _Images,
+        output_frame,
+        scheduled_frame,
+    )
+    from replay.integrations.vllm.convert import ENCODER, output_image
     from replay.provenance import make_header
 
     steps = []
@@ -166,16 +168,16 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
     ours, naive, background, closing = [], [], [], []
     laps = 10
     for r in range(repeats):
-        frames = []
+        images = []
         with ProcessCaptureWriter(tmp / f"cost-{r}.capture", make_header("bench"), overwrite=True, nice=19,
                                   images=True) as w:
             t = time.thread_time_ns()
-            for i, (so, mro) in enumerate(steps):
+            for i, (so, mro) in enumerate(steps):  # what the plugin's schedule() and update_from_output() do
                 a = ENCODER.encode(so)
                 w.scheduled_image(i, a, 0, 0)
-                b = ENCODER.encode(mro)
+                b = output_image(mro)
                 w.output_image(i, b, 0, 0)
-                frames += [(b"P", [i, a]), (b"O", [i, b])]
+                images.append((a, b))
             ours.append((time.thread_time_ns() - t) / len(steps) / 1e3)
         with open(tmp / f"cost-{r}.pkl", "wb") as f:
             t = time.thread_time_ns()
@@ -185,8 +187,9 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
         cw = CaptureWriter(tmp / f"cost-bg-{r}.capture", make_header("bench"), overwrite=True)
         conv = _Images()
         conv.warm()  # the writer process does this before it says "ready"
-        payloads = [(kind, msgspec_encode([lap * len(steps) + i, msgspec.Raw(image), 0, 0]))
-                    for lap in range(laps) for kind, (i, image) in frames]
+        payloads = [(kind, b"".join(parts)) for lap in range(laps) for i, (a, b) in enumerate(images)
+                    for kind, *parts in (scheduled_frame(lap * len(steps) + i, a, 0, 0),
+                                         output_frame(lap * len(steps) + i, b, 0, 0))]
         t = time.process_time_ns()
         for kind, payload in payloads:
             conv.write(cw, kind, payload)

@@ -24,7 +24,7 @@ from msgspec.structs import replace
 
 from replay.capture.format import ColumnGroup, LogprobColumns
 from replay.contracts import Array, LogprobsLists
-from replay.contracts.arrays import NUMPY_DTYPES
+from replay.contracts.arrays import FILTER_SHUFFLE, FILTER_TRANSPOSE, NUMPY_DTYPES
 
 FILTER = "chunk-column"  # marker: f"chunk-column:{group}:{first_row}"
 FILTER_COL0_REF = "col0-ref"
@@ -38,7 +38,7 @@ def plain(a: Array) -> np.ndarray:
     if a.filters:
         return a.to_numpy()
     dt = _DTYPES.get(a.dtype)
-    if dt is None or any(d < 0 for d in a.shape):
+    if dt is None or -1 in a.shape:  # (reshape would infer a -1; any other negative size it refuses)
         a.validate()  # says what is wrong
     return np.frombuffer(a.data, dtype=dt).reshape(a.shape)
 
@@ -60,7 +60,7 @@ def xor_col0_inplace(values: np.ndarray, ids: np.ndarray) -> None:
     """XOR column 0's bits with those of its same-token column: an involution, so it both packs and unpacks."""
     bits = values.view(np.dtype(f"<u{values.dtype.itemsize}"))
     j = same_token_column(ids)
-    rows = np.nonzero(j)[0]
+    rows = np.flatnonzero(j)
     bits[rows, 0] ^= bits[rows, j[rows]]
 
 
@@ -69,10 +69,6 @@ def small_ids(ids: np.ndarray) -> bool:
     vanish (vocabularies up to 64k: -6 % on a 1k-vocab vLLM capture); with larger vocabularies the interleaved
     layout compresses better (+4 % if shuffled, capture_bench's 128k vocabulary)."""
     return ids.size > 0 and ids.dtype.itemsize > 2 and int(ids.min()) >= 0 and int(ids.max()) < 1 << 16
-
-
-def _with(a: Array, *extra: str) -> Array:
-    return replace(a, filters=a.filters + extra)
 
 
 class ColumnSink:
@@ -88,59 +84,83 @@ class ColumnSink:
         """The step's `LogprobsLists` as stored (markers into this chunk's columns), or None for a matrix the
         columns do not take (another layout: the per-step codec stores it). ValueError when an array's bytes do
         not match its dtype and shape."""
+        taken = self.take(lp)
+        return None if taken is None else taken[0]
+
+    def take(self, lp: LogprobsLists) -> tuple[LogprobsLists, np.ndarray] | None:
+        """`add`, also returning the token-id matrix as a view ([rows, K]: column 0 holds the sampled tokens)."""
         a, b, c = lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
-        if len(a.shape) != 2 or tuple(b.shape) != tuple(a.shape) or tuple(c.shape) != (a.shape[0],):
+        shape = tuple(a.shape)
+        if len(shape) != 2 or tuple(b.shape) != shape or tuple(c.shape) != shape[:1] or not shape[0] or not shape[1]:
             return None
-        if a.shape[0] == 0 or a.shape[1] == 0 or a.dtype not in _INT or c.dtype not in _INT or b.dtype in _INT:
+        if a.dtype not in _INT or c.dtype not in _INT or b.dtype in _INT:
             return None
-        views = plain(a), plain(b), plain(c)  # all three checked before any joins the group (ValueError)
-        key = (a.dtype, b.dtype, c.dtype, a.shape[1])
+        ids, vals, ranks = plain(a), plain(b), plain(c)  # all three checked before any joins the group (ValueError)
+        key = (a.dtype, b.dtype, c.dtype, shape[1])
         g = self._groups.get(key)
         if g is None:
             g = self._groups[key] = [len(self._groups), 0, [], [], []]
-        for column, view in zip(g[2:], views):
-            column.append(view)
+        g[2].append(ids)
+        g[3].append(vals)
+        g[4].append(ranks)
         marker = (f"{FILTER}:{g[0]}:{g[1]}",)
-        g[1] += a.shape[0]
+        g[1] += shape[0]
         self.nbytes += len(a.data) + len(b.data) + len(c.data)
-        return replace(lp, logprob_token_ids=Array(a.dtype, a.shape, b"", marker),
-                       logprobs=Array(b.dtype, b.shape, b"", marker), sampled_token_ranks=Array(c.dtype, c.shape, b"", marker))
+        stored = LogprobsLists(Array(a.dtype, shape, b"", marker), Array(b.dtype, shape, b"", marker),
+                               Array(c.dtype, shape[:1], b"", marker), lp.cu_num_generated_tokens)
+        return stored, ids
 
     def seal(self) -> LogprobColumns | None:
         """The chunk's `LogprobColumns` record (None when no step had logprobs); the sink is empty afterwards."""
         if not self._groups:
             return None
-        groups = sorted(self._groups.values(), key=lambda g: g[0])
+        groups = sorted(self._groups.items(), key=lambda kv: kv[1][0])
         self._groups = {}
         self.nbytes = 0
-        return LogprobColumns([_pack(np.concatenate(g[2]), np.concatenate(g[3]), np.concatenate(g[4]))
-                               for g in groups])
+        return LogprobColumns([_pack(key, g[2], g[3], g[4]) for key, g in groups])
 
 
 _INT = frozenset({"int8", "uint8", "int16", "uint16", "int32", "int64"})
 
 
-def _pack(ids: np.ndarray, vals: np.ndarray, ranks: np.ndarray) -> ColumnGroup:
-    k = ids.shape[1]
+def _pack(kind: tuple, ids_rows: list[np.ndarray], vals_rows: list[np.ndarray], ranks_rows: list[np.ndarray]) -> ColumnGroup:
+    """A group's matrices (the steps' views, in order; `kind`: their dtype names and K) as stored. It works on
+    contiguous columns ([K, rows]): the same transforms on the row-major matrix took twice as long (reductions and
+    strides along rows of K)."""
+    ids = np.ascontiguousarray(np.concatenate(ids_rows).T)  # [K, rows]: the chunk's own, transformed in place
+    vals = np.ascontiguousarray(np.concatenate(vals_rows).T)
+    ranks = np.concatenate(ranks_rows)
+    k, rows = ids.shape
     id_filters, val_filters = (), ()
     if k >= 2:
-        vals = vals.copy()
-        xor_col0_inplace(vals, ids)  # while column 0 of the ids is still the token id
+        same = np.zeros(rows, np.intp)  # per row, the first column j >= 1 holding column 0's id, else 0
+        for j in range(k - 1, 0, -1):
+            same[ids[j] == ids[0]] = j
+        bits = vals.view(np.dtype(f"<u{vals.dtype.itemsize}"))
+        for j in range(1, k):  # values column 0 XOR its same-token column (zeros then)
+            rows_j = same == j
+            bits[0, rows_j] ^= bits[j, rows_j]
         val_filters += (FILTER_COL0_XOR,)
         if k >= 3:
-            bits = vals.view(np.dtype(f"<u{vals.dtype.itemsize}"))
-            bits[:, 2:] = bits[:, 2:] - bits[:, 1:-1]  # from the right-hand side's copy: wraps, reversible
+            bits[2:] -= bits[1:-1].copy()  # wraps, reversible: a cumulative sum undoes it
             val_filters += (FILTER_ROW_DELTA,)
-        col0 = ids[:, 0].astype(np.int64)
+        col0 = ids[0].astype(np.int64)
         literal = col0 + k
         if int(col0.min()) >= 0 and int(literal.max()) <= np.iinfo(ids.dtype).max:
-            j = same_token_column(ids)
-            ids = ids.copy()
-            ids[:, 0] = np.where(j > 0, j, literal).astype(ids.dtype)
+            ids[0] = np.where(same > 0, same, literal).astype(ids.dtype)
             id_filters += (FILTER_COL0_REF,)
-    return ColumnGroup(_with(Array.from_numpy(ids, transpose=True, shuffle=small_ids(ids)), *id_filters),
-                       _with(Array.from_numpy(vals, transpose=True, shuffle=True), *val_filters),
-                       Array.from_numpy(ranks, shuffle=True))
+    return ColumnGroup(_column_major(kind[0], ids, small_ids(ids), id_filters),
+                       _column_major(kind[1], vals, True, val_filters), Array.from_numpy(ranks, shuffle=True))
+
+
+def _column_major(dtype: str, columns: np.ndarray, shuffle: bool, extra: tuple[str, ...]) -> Array:
+    """[K, rows] contiguous columns stored as `Array.from_numpy(matrix, transpose=True, shuffle=...)` stores the
+    [rows, K] matrix: column by column, and with `shuffle` byte plane by byte plane (plane, column, row)."""
+    k, rows = columns.shape
+    if not shuffle or columns.dtype.itemsize == 1:
+        return Array(dtype, (rows, k), columns.tobytes(), (FILTER_TRANSPOSE,) + extra)
+    planes = columns.view(np.uint8).reshape(k, rows, columns.dtype.itemsize).transpose(2, 0, 1)
+    return Array(dtype, (rows, k), np.ascontiguousarray(planes).tobytes(), (FILTER_TRANSPOSE, FILTER_SHUFFLE) + extra)
 
 
 def _strip(a: Array, names: tuple[str, ...]) -> tuple[Array, set[str]]:

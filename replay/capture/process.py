@@ -65,7 +65,7 @@ class FrameReader:
     def __init__(self, fd: int, gulp_s: float = 0.02):
         self.fd = fd
         self.gulp_s = gulp_s
-        self._buf = bytearray()
+        self._buf = b""  # immutable, so the frames handed out can be views of it (no copy per frame)
         self._pos = 0
         self._eof = False
         self._small = False  # the last read was small: wait for more before the next
@@ -82,19 +82,17 @@ class FrameReader:
         if not data:
             self._eof = True
             return False
-        if self._pos:
-            del self._buf[:self._pos]
-            self._pos = 0
-        self._buf += data
+        self._buf = self._buf[self._pos:] + data if self._pos < len(self._buf) else data
+        self._pos = 0
         return True
 
-    def next(self) -> tuple[bytes | None, bytes | None]:
-        """The next frame, waiting for it: (kind, payload); (None, b"") at the end of the pipe, (None, None) when the
-        pipe ends inside a frame."""
+    def next(self) -> tuple[bytes | None, memoryview | bytes | None]:
+        """The next frame, waiting for it: (kind, payload, a read-only view); (None, b"") at the end of the pipe,
+        (None, None) when the pipe ends inside a frame."""
         while not self._whole_frame():
             if self._eof or not self._fill():
                 return None, (b"" if len(self._buf) == self._pos else None)
         kind, n = self.HEAD.unpack_from(self._buf, self._pos)
         start = self._pos + 5
         self._pos = start + n
-        return kind, bytes(self._buf[start:start + n])
+        return kind, memoryview(self._buf)[start:start + n]

@@ -10,11 +10,15 @@ and yields the very `Step` the writer process used to store.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import msgspec
 
 from replay.capture import format as fmt
-from replay.capture.columns import ColumnSink, ColumnSource, is_marker, plain
+from replay.capture.columns import ColumnSink, ColumnSource, is_marker
 from replay.contracts import (
+    Array,
     DraftCounts,
     GrammarOutput,
     LogprobsLists,
@@ -46,6 +50,30 @@ def is_nil(raw: msgspec.Raw | bytes | None) -> bool:
     return raw is None or (len(raw) == 1 and bytes(raw) == b"\xc0")
 
 
+class OutputParts(NamedTuple):
+    """A ModelRunnerOutput image with its sampled tokens and logprob matrices apart (the vLLM tap sends this when
+    the matrices are plain arrays), so that the writer moves the matrices into its columns without decoding and
+    re-encoding the image: the stored image is `rest` with the two fields appended."""
+
+    rest: bytes  # the image, a map, without `sampled_token_ids` and `logprobs`
+    tokens: bytes  # the msgpack image of `sampled_token_ids`
+    dtypes: tuple[str, str, str]  # token ids, logprobs, ranks (our names)
+    shape: tuple[int, int]  # [rows, K]
+    cu_num_generated_tokens: list[int] | None
+    arrays: tuple[bytes, bytes, bytes]  # token ids [rows, K], logprobs [rows, K], ranks [rows]; little-endian
+
+    def logprobs(self) -> LogprobsLists:
+        """The matrices as the contract's `LogprobsLists`."""
+        (a, b, c), (rows, k) = self.dtypes, self.shape
+        ids, vals, ranks = self.arrays
+        return LogprobsLists(Array(a, (rows, k), ids), Array(b, (rows, k), vals), Array(c, (rows,), ranks),
+                             self.cu_num_generated_tokens)
+
+    def whole(self) -> bytes:
+        """The whole image, as the tap would have sent it in one piece (fields in another order)."""
+        return _with_fields(self.rest, _TOKENS_KEY + self.tokens, _LOGPROBS_KEY + _ENCODER.encode(self.logprobs()))
+
+
 class ImageStepStats(msgspec.Struct):
     """A step image's figures for the seek index."""
 
@@ -54,44 +82,78 @@ class ImageStepStats(msgspec.Struct):
     drafts: DraftCounts | None
 
 
-def store_step_image(index: int, scheduler_output: bytes, model_runner_output: bytes | None,
+def store_step_image(index: int, scheduler_output: bytes, model_runner_output: bytes | OutputParts | None,
                      grammar_output: bytes | None, timing: fmt.StepTiming | None, columns: ColumnSink,
                      decoder: ImageDecoder) -> tuple[fmt.StepImage, ImageStepStats]:
     """The record to store for a step given as images, its logprob matrices handed to `columns`, and its figures.
-    Raises msgspec.DecodeError when an image is not msgpack at all."""
+    Raises msgspec.DecodeError when an image is not msgpack at all (ValueError for inconsistent `OutputParts`)."""
     so = msgspec.Raw(scheduler_output)
     head = _SCHEDULE.decode(so)
     generated, mro = 0, NIL
-    if not is_nil(model_runner_output):
-        fields = _FIELDS.decode(model_runner_output)
-        try:
-            tokens = _TOKENS.decode(fields["sampled_token_ids"]) if "sampled_token_ids" in fields else None
-            generated = sum(map(len, tokens)) if tokens is not None else 0
-        except msgspec.ValidationError:  # another layout of the tokens: count them on the contract
-            tokens = None
-            generated = sum(map(len, decoder.decode(model_runner_output, ModelRunnerOutput[str]).sampled_token_ids))
+    if isinstance(model_runner_output, OutputParts):
+        mro, generated = _store_parts(model_runner_output, columns, decoder)
+    elif not is_nil(model_runner_output):
         mro = msgspec.Raw(model_runner_output)
+        fields = _FIELDS.decode(model_runner_output)
+        tokens = fields.get("sampled_token_ids")
         lp = fields.get("logprobs")
+        taken = None
         if lp is not None and not is_nil(lp):
             try:
-                lists = _LOGPROBS.decode(lp)
-                marker = columns.add(lists)
+                taken = columns.take(_LOGPROBS.decode(lp))
             except (msgspec.ValidationError, ValueError):  # not the arrays we know: stays in the image as it is
-                marker = None
-            if marker is not None:
-                fields["logprobs"] = msgspec.Raw(_ENCODER.encode(marker))
-                derived = _tokens_in_column_0(tokens, lists)
-                if derived is not None:
-                    fields["sampled_token_ids"] = msgspec.Raw(_ENCODER.encode(derived))
-                mro = msgspec.Raw(_ENCODER.encode(fields))
+                taken = None
+        reference = None
+        if taken is not None:
+            fields["logprobs"] = msgspec.Raw(_ENCODER.encode(taken[0]))
+            reference, generated = _tokens_in_column_0(tokens, taken[1][:, 0].tolist())
+            if reference is not None:
+                fields["sampled_token_ids"] = reference
+            mro = msgspec.Raw(_ENCODER.encode(fields))
+        if reference is None:
+            generated = _count_tokens(tokens, model_runner_output, decoder)
     drafts = None
     if len(head.scheduled_spec_decode_tokens) > 1:  # drafts verified (rare): count them on the contracts
+        whole = model_runner_output.whole() if isinstance(model_runner_output, OutputParts) else model_runner_output
         drafts = draft_counts(decoder.decode(so, SchedulerOutput[str]),
-                              None if is_nil(model_runner_output) else decoder.decode(model_runner_output,
-                                                                                      ModelRunnerOutput[str]))
+                              None if is_nil(whole) else decoder.decode(whole, ModelRunnerOutput[str]))
     go = NIL if is_nil(grammar_output) else msgspec.Raw(grammar_output)
     return (fmt.StepImage(index, so, mro, go, timing),
             ImageStepStats(head.total_num_scheduled_tokens, generated, drafts))
+
+
+_TOKENS_KEY, _LOGPROBS_KEY = _ENCODER.encode("sampled_token_ids"), _ENCODER.encode("logprobs")
+
+
+def _store_parts(parts: OutputParts, columns: ColumnSink, decoder: ImageDecoder) -> tuple[msgspec.Raw, int]:
+    """The stored image of an output sent in parts, and its number of tokens: what `store_step_image` makes of
+    the whole image, without decoding it (the two fields join the map at its end; order does not matter in a map)."""
+    lists = parts.logprobs()
+    taken = columns.take(lists)  # ValueError when the bytes do not fit the shape
+    reference = None
+    if taken is not None:
+        reference, generated = _tokens_in_column_0(msgspec.Raw(parts.tokens), taken[1][:, 0].tolist())
+    image = msgspec.Raw(_with_fields(parts.rest, _TOKENS_KEY + bytes(reference or parts.tokens),
+                                     _LOGPROBS_KEY + _ENCODER.encode(taken[0] if taken is not None else lists)))
+    if reference is None:
+        generated = _count_tokens(msgspec.Raw(parts.tokens), image, decoder)
+    return image, generated
+
+
+def _with_fields(image: bytes, *pairs: bytes) -> bytes:
+    """A msgpack map `image` with `pairs` (each an encoded key and value) appended. ValueError if it is no map."""
+    first = image[0] if image else 0
+    if 0x80 <= first <= 0x8F:
+        n, body = first & 0x0F, memoryview(image)[1:]
+    elif first == 0xDE:
+        n, body = int.from_bytes(image[1:3], "big"), memoryview(image)[3:]
+    elif first == 0xDF:
+        n, body = int.from_bytes(image[1:5], "big"), memoryview(image)[5:]
+    else:
+        raise ValueError("an output image sent in parts is not a map")
+    n += len(pairs)
+    head = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdf" + n.to_bytes(4, "big")
+    return b"".join((head, body, *pairs))
 
 
 # The sampled tokens, when the logprob rows repeat them in column 0 (vLLM always puts the sampled token there),
@@ -109,18 +171,39 @@ class _Derived(msgspec.Struct):
 _DERIVED_DECODER = msgspec.msgpack.Decoder(_Derived)
 
 
-def _tokens_in_column_0(tokens: list[list[int]] | None, lp: LogprobsLists) -> dict | None:
-    """How to read `tokens` back from the logprob rows' column 0, or None when they are not all there."""
-    ids = lp.logprob_token_ids
-    if tokens is None or len(ids.shape) != 2 or not ids.shape[1] or ids.filters:
-        return None
-    col0 = plain(ids)[:, 0].tolist()
-    counts = list(map(len, tokens))
-    if sum(counts) == len(col0) and [t for ts in tokens for t in ts] == col0:
-        return {_DERIVED: "tokens", "counts": counts}
-    if len(tokens) == len(col0) and all(c <= 1 for c in counts) and all(not t or t[0] == c0 for t, c0 in zip(tokens, col0)):
-        return {_DERIVED: "requests", "counts": counts}
-    return None
+def _count_tokens(tokens: msgspec.Raw | None, image: bytes, decoder: ImageDecoder) -> int:
+    """How many tokens an output image's `sampled_token_ids` hold (counted on the contract for another layout)."""
+    try:
+        return sum(map(len, _TOKENS.decode(tokens))) if tokens is not None else 0
+    except msgspec.ValidationError:
+        return sum(map(len, decoder.decode(image, ModelRunnerOutput[str]).sampled_token_ids))
+
+
+@functools.lru_cache(maxsize=64)
+def _one_token_each(rows: int) -> msgspec.Raw:
+    """The reference for a step where each of `rows` requests sampled one token (decode without drafts)."""
+    return msgspec.Raw(_ENCODER.encode({_DERIVED: "tokens", "counts": [1] * rows}))
+
+
+def _tokens_in_column_0(tokens: msgspec.Raw | None, col0: list[int]) -> tuple[msgspec.Raw | None, int]:
+    """How to read the image's sampled tokens back from the logprob rows' column 0 `col0` (None when they are not
+    all there), and how many tokens there are. The common step, one token per request, is checked by encoding
+    the list it would be and comparing bytes: no list of lists is decoded (the writer does this every step)."""
+    if tokens is None:
+        return None, 0
+    if memoryview(tokens) == _ENCODER.encode([[t] for t in col0]):
+        return _one_token_each(len(col0)), len(col0)
+    try:
+        lists = _TOKENS.decode(tokens)
+    except msgspec.ValidationError:
+        return None, 0  # another layout: counted on the contract
+    counts = list(map(len, lists))
+    generated = sum(counts)
+    if generated == len(col0) and [t for ts in lists for t in ts] == col0:
+        return msgspec.Raw(_ENCODER.encode({_DERIVED: "tokens", "counts": counts})), generated
+    if len(lists) == len(col0) and all(c <= 1 for c in counts) and all(not t or t[0] == c0 for t, c0 in zip(lists, col0)):
+        return msgspec.Raw(_ENCODER.encode({_DERIVED: "requests", "counts": counts})), generated
+    return None, generated
 
 
 def _tokens_from_column_0(how: _Derived, lp: LogprobsLists) -> list[list[int]]:

@@ -24,7 +24,7 @@ import zstandard
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
 from replay.capture.frames import skippable_frame
-from replay.capture.step_image import store_step_image
+from replay.capture.step_image import OutputParts, store_step_image
 from replay.capture.stepcodec import IdTable, step_to_wire
 from replay.contracts import (
     DraftCounts,
@@ -181,7 +181,7 @@ class CaptureWriter(WriterContext):
         self._last_step = step.index
         return sum(len(p) for p in parts)
 
-    def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | None,
+    def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | OutputParts | None,
                          grammar_output: bytes | None = None, timing: fmt.StepTiming | None = None) -> int:
         """Record one step of another engine given as its objects' msgpack images (`StepImage`, format 1.3):
         stored as they are, logprob matrices into the chunk's columns; readers convert them. Returns the bytes
@@ -198,7 +198,7 @@ class CaptureWriter(WriterContext):
             try:
                 rec, stats = store_step_image(index, scheduler_output, model_runner_output, grammar_output, timing,
                                               self._chunk.columns, self.image_decoder)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
             data = self._encode(rec)
             self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,

@@ -19,7 +19,8 @@ images as they are (`StepImage`, format 1.3: readers convert them) and converts 
 (`replay.contracts.image_decoder`): `R` an arrival `[step, request]`; a step in the order the
 engine lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output,
 start_ns, schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index,
-model_runner_output, execute_ns, update_ns]` (the step is written then), `E` the exception that ended it `[index,
+model_runner_output, execute_ns, update_ns]` (the step is written then), or `L` the same with the output in
+parts (`OutputParts`: its logprob matrices apart, which the child moves into its columns undecoded), `E` the exception that ended it `[index,
 error_type, message, traceback]` (a `Crash` record and the scheduled step are written then); `V` a whole step
 `[index, scheduler_output, model_runner_output, grammar_output, timing]`. The child answers on stdout with one JSON
 line: `{"ok": ...}` or `{"error": "..."}`.
@@ -39,6 +40,8 @@ import msgspec
 
 from replay.capture import format as fmt
 from replay.capture.process import FrameReader, cpu_s, detach, grow_pipe
+from replay.capture.step_image import OutputParts
+from replay.capture.wire import output_frame, scheduled_frame
 from replay.capture.writer import WriterContext
 from replay.contracts import (
     EngineCoreRequest,
@@ -50,8 +53,6 @@ from replay.errors import CaptureError, UsageError
 
 _FRAME = struct.Struct("<cI")
 _ENCODER = msgspec.msgpack.Encoder()
-
-
 class ProcessCaptureWriter(WriterContext):
     """Writes a capture through a child process; same methods as `CaptureWriter`."""
 
@@ -112,16 +113,17 @@ class ProcessCaptureWriter(WriterContext):
 
     def scheduled_image(self, index: int, scheduler_output: bytes, start_ns: int, schedule_ns: int) -> None:
         """Step `index` was scheduled: its SchedulerOutput image, kept by the writer process until the step ends."""
-        self._send_array(b"P", index, scheduler_output, start_ns, schedule_ns)
+        self._send(*scheduled_frame(index, scheduler_output, start_ns, schedule_ns))
 
     def grammar_image(self, index: int, grammar_output: bytes) -> None:
         """Step `index`'s structured-output bitmask (GrammarOutput image), built before the model runs."""
         self._send(b"G", _ENCODER.encode([index, msgspec.Raw(grammar_output)]))
 
-    def output_image(self, index: int, model_runner_output: bytes, execute_ns: int, update_ns: int) -> None:
-        """Step `index` ended with this ModelRunnerOutput image: the writer process writes the step now."""
+    def output_image(self, index: int, model_runner_output: bytes | OutputParts, execute_ns: int, update_ns: int) -> None:
+        """Step `index` ended with this ModelRunnerOutput image (or the image in parts, logprob matrices apart):
+        the writer process writes the step now."""
         self._check_order(index)
-        self._send_array(b"O", index, model_runner_output, execute_ns, update_ns)
+        self._send(*output_frame(index, model_runner_output, execute_ns, update_ns))
         self._sent_step(index)
 
     def crash_image(self, index: int, error_type: str, message: str, traceback: str) -> None:
@@ -194,13 +196,6 @@ class ProcessCaptureWriter(WriterContext):
 
     # -- plumbing -------------------------------------------------------------------------------------------------
 
-    def _send_array(self, kind: bytes, first: int, image: bytes, *rest: int) -> None:
-        """A frame whose payload is the msgpack array [first, image, *rest], the image written as it is (no copy):
-        the engine thread's share of a step is two of these (vllm_bench)."""
-        head = _ENCODER.encode([first])  # a fixarray header, then the int
-        head = bytes([head[0] + len(rest) + 1]) + head[1:]
-        self._send(kind, head, image, b"".join(map(_ENCODER.encode, rest)))
-
     def _send(self, kind: bytes, *parts: bytes) -> None:
         try:
             # one unbuffered write per record: nothing waits in our buffer if the engine crashes
@@ -232,6 +227,7 @@ _RAW = msgspec.Raw
 _P = msgspec.msgpack.Decoder(tuple[int, _RAW, int, int])  # index, SchedulerOutput, start_ns, schedule_ns
 _G = msgspec.msgpack.Decoder(tuple[int, _RAW])  # index, GrammarOutput
 _O = msgspec.msgpack.Decoder(tuple[int, _RAW, int, int])  # index, ModelRunnerOutput (or nil), execute_ns, update_ns
+_L = msgspec.msgpack.Decoder(tuple[int, OutputParts, int, int])  # the same, the output in parts
 _E = msgspec.msgpack.Decoder(tuple[int, str, str, str])  # index, error type, message, traceback
 _V = msgspec.msgpack.Decoder(tuple[int, _RAW, _RAW, _RAW, list[int] | None])  # output and grammar may be nil
 
@@ -253,9 +249,9 @@ class _Images:
 
     def warm(self) -> None:
         """Import and compile the decoders now, before the engine's first step rather than during it."""
-        from replay.contracts.image_decoder import ImageDecoder
-
         if self.dec is None:
+            from replay.contracts.image_decoder import ImageDecoder
+
             self.dec = ImageDecoder()
             self.dec.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
 
@@ -276,8 +272,8 @@ class _Images:
             if index in self.pending:
                 self.pending[index][1] = go
             return
-        if kind in (b"O", b"E"):
-            head = _O.decode(payload) if kind == b"O" else _E.decode(payload)
+        if kind in (b"O", b"L", b"E"):
+            head = _O.decode(payload) if kind == b"O" else _L.decode(payload) if kind == b"L" else _E.decode(payload)
             index = head[0]
             so, go, start, schedule_ns = self.pending.pop(index)
             if kind == b"E":  # the step raised: a Crash record, then the step as scheduled, with no output
@@ -292,7 +288,7 @@ class _Images:
         writer.write_step_image(index, so, mro, go, None if timing is None else fmt.StepTiming(*timing))
 
 
-_IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"E")
+_IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"L", b"E")
 
 
 def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
@@ -346,7 +342,7 @@ def _child(options: dict) -> int:
                 writer.abandon()
                 return 0
             if kind == b"C":
-                status = payload.decode()
+                status = bytes(payload).decode()
                 writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
                 # its CPU (it is no child of the engine's, see `process.detach`: the engine's rusage never counts it)
                 say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})

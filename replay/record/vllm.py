@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from replay.errors import UsageError
+from replay.errors import CaptureError, UsageError
 from replay.integrations.vllm.logs import VllmLog
 from replay.record.options import EngineOptions
 from replay.record.result import ProgressBar, RecordResult
@@ -93,6 +93,9 @@ def record_vllm(opts: VllmRecordOptions) -> RecordResult:
             tap.close(status=status)
             detach(core.scheduler)
             _shutdown(llm)
+    if tap.failure:  # a server keeps serving without its capture; a recording run fails, saying why
+        kept = "it keeps the steps before" if out.exists() else f"what was written is in {out.name}.partial"
+        raise CaptureError(out, f"recording stopped: {tap.failure} ({kept})")
     return RecordResult.of(out, steps, len(opts.requests), prompt_tokens, generated, wall, out.stat().st_size)
 
 

@@ -15,7 +15,7 @@ from replay.capture.writer_process import ProcessCaptureWriter
 from replay.errors import CaptureError, UsageError
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
-from tests.images import as_map
+from tests.images import as_map, as_parts
 
 WL = SynthShape(steps=30, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=9)
 
@@ -100,3 +100,27 @@ def test_images_of_foreign_objects_give_the_same_records(tmp_path):
                                    enc.encode(as_map(ev.model_runner_output)))
         w.abort_request("gone", 30)
     assert _records(tmp_path / "contracts.capture") == _records(tmp_path / "images.capture")
+
+
+@pytest.mark.parametrize("parts", [False, True])
+def test_steps_sent_as_the_engine_lives_them_give_the_same_records(tmp_path, parts):
+    """The vLLM tap's frames: each step's SchedulerOutput image when scheduled, its output (whole, or with the
+    logprob matrices apart) when it ends."""
+    from replay.capture import format as fmt
+
+    with CaptureWriter(tmp_path / "contracts.capture", make_header("test"), chunk_bytes=2000) as w:
+        for ev in synth_events(WL):
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output, timing=fmt.StepTiming(1, 2, 3, 4))
+    enc = msgspec.msgpack.Encoder()
+    with ProcessCaptureWriter(tmp_path / "frames.capture", make_header("test"), chunk_bytes=2000, images=True) as w:
+        for ev in synth_events(WL):
+            if ev.request is not None:
+                w.add_request_image(enc.encode(as_map(ev.request)), ev.step)
+            else:
+                w.scheduled_image(ev.step, enc.encode(as_map(ev.scheduler_output)), 1, 2)
+                mro = ev.model_runner_output
+                w.output_image(ev.step, as_parts(mro) if parts else enc.encode(as_map(mro)), 3, 4)
+    assert _records(tmp_path / "contracts.capture") == _records(tmp_path / "frames.capture")

@@ -102,3 +102,39 @@ def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(models):
     assert "seeded" in log and "does not use offset" in log  # the tap's warning, then vLLM's own error
     info = capture_info(capture)
     assert info.complete and info.status.startswith("crashed at step ") and "does not use offset" in info.status
+
+
+FILLS_UP = """
+import sys
+from replay.capture.writer_process import ProcessCaptureWriter
+from replay.errors import CaptureError
+
+send = ProcessCaptureWriter.output_image
+
+
+def output_image(self, index, *args):
+    if index == 3:  # a stand-in for a disk that fills up mid-run (the only thing injected; vLLM and the writer are real)
+        raise CaptureError(self.partial_path, "No space left on device")
+    return send(self, index, *args)
+
+
+ProcessCaptureWriter.output_image = output_image
+sys.argv[0] = "replay"
+from replay.cli import run
+
+run()
+"""
+
+
+def test_a_capture_that_stops_mid_run_fails_the_recording_in_one_line(models, tmp_path):
+    """A vLLM server keeps serving when its capture fails; `replay record` must not report success."""
+    capture = tmp_path / "full.capture"
+    out = subprocess.run([sys.executable, "-c", FILLS_UP, "record", "--engine", "vllm", "--model", str(models["llama"]),
+                          "--num-requests", "2", "--max-tokens", "8", "--out", str(capture), *SMALL_ENGINE],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert out.returncode == 2, out.stderr[-2000:]  # as when the builtin engine's capture cannot be written
+    lines = out.stderr.splitlines()
+    assert lines[-1].startswith("replay: ") and "recording stopped: No space left on device" in lines[-1], lines[-3:]
+    assert "Traceback" not in out.stderr
+    info = capture_info(capture)  # the writer process was fine here: it sealed what it had, saying what happened
+    assert info.num_steps == 3 and info.status.startswith("error: recording stopped: No space left on device")

@@ -15,7 +15,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from replay.capture.step_image import OutputParts
 from replay.contracts import Array, EngineCoreRequest, Opaque, SamplingParams
+from replay.contracts.arrays import dtype_name
 from replay.contracts.lora import lora_fields
 from replay.contracts.tolerant import TolerantConverter
 
@@ -38,6 +40,49 @@ def _enc_hook(x: Any) -> Any:
 
 ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _REQUEST_FIELDS = EngineCoreRequest.__struct_fields__
+
+# The fields an output image leaves to `OutputParts`, and the LogprobsLists layout it takes them from
+_APART = ("sampled_token_ids", "logprobs")
+_LOGPROB_FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks", "cu_num_generated_tokens")
+_field_names: dict[type, tuple[str, ...] | None] = {}
+
+
+def output_image(mro: Any) -> bytes | OutputParts:
+    """What the tap sends of a ModelRunnerOutput: `OutputParts` when it has logprob matrices in the layout the
+    writer's columns take, else its whole image. Bytes are copied now: update_from_output may reuse buffers."""
+    encode = ENCODER.encode
+    lp = getattr(mro, "logprobs", None)
+    if lp is None or getattr(lp, "_fields", None) != _LOGPROB_FIELDS:
+        return encode(mro)
+    names = _field_names.get(type(mro), ())
+    if names == ():
+        names = _field_names[type(mro)] = _image_fields(type(mro))
+    ids, vals, ranks = lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
+    if names is None or not (type(ids) is type(vals) is type(ranks) is np.ndarray) or ids.ndim != 2 \
+            or vals.shape != ids.shape or ranks.shape != ids.shape[:1]:
+        return encode(mro)
+    try:
+        dtypes = (dtype_name(ids.dtype), dtype_name(vals.dtype), dtype_name(ranks.dtype))
+    except ValueError:
+        return encode(mro)
+    rest = encode({f: getattr(mro, f) for f in names})
+    cu = lp.cu_num_generated_tokens
+    return OutputParts(rest, encode(mro.sampled_token_ids), dtypes, ids.shape, None if cu is None else list(map(int, cu)),
+                       (_le_bytes(ids), _le_bytes(vals), _le_bytes(ranks)))
+
+
+def _image_fields(cls: type) -> tuple[str, ...] | None:
+    """The fields msgspec encodes of a dataclass output, but those sent apart; None when it is no dataclass."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return None
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return tuple(n for n in names if n not in _APART) if set(_APART) <= set(names) else None
+
+
+def _le_bytes(a: np.ndarray) -> bytes:
+    return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()  # little-endian, C order, whatever the strides
 
 
 def request_image(request: Any, external_req_id: str | None = None) -> dict:

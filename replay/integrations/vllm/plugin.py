@@ -20,7 +20,10 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from replay.capture.step_image import OutputParts
 
 ENV = "REPLAY_CAPTURE"
 LEVEL_ENV = "REPLAY_ZSTD_LEVEL"  # 1-22; higher: smaller captures, more writer CPU
@@ -78,7 +81,7 @@ def install() -> None:
         if entry is None:
             return orig_update(self, scheduler_output, model_runner_output)
         index, scheduled_at = entry
-        mro = tap.encode(model_runner_output)  # before update_from_output, which may consume parts of it
+        mro = tap.encode_output(model_runner_output)  # before update_from_output, which may consume parts of it
         t2 = time.perf_counter_ns()
         try:
             return orig_update(self, scheduler_output, model_runner_output)
@@ -180,14 +183,16 @@ class _Tap:
 
     def __init__(self, scheduler, path: str, level: int | None = None):
         from replay.capture.writer_process import ProcessCaptureWriter
-        from replay.integrations.vllm.convert import ENCODER
+        from replay.integrations.vllm.convert import ENCODER, output_image
         from replay.integrations.vllm.header import attention_backends, vllm_header
 
         self.encode = ENCODER.encode  # imported here: the plugin costs nothing in a vLLM process that does not record
+        self.encode_output = output_image  # the image, or its parts with the logprob matrices apart
         self.in_flight: dict[int, tuple[int, int]] = {}  # id(SchedulerOutput) -> (step index, perf_counter at schedule)
         self.step = 0  # index of the next step to be scheduled
         self.crash = ""  # the footer status once a step raised
         self._failed = False
+        self.failure = ""  # why the writer stopped recording ("" while it records)
         self.path = path
         self._warned = False
         self._cpu = _is_cpu()
@@ -225,8 +230,8 @@ class _Tap:
         if entry is not None:
             self._send(self.writer.grammar_image, entry[0], self.encode(go))
 
-    def output(self, index: int, mro: bytes, execute_ns: int, update_ns: int) -> None:
-        """Step `index` ended with this ModelRunnerOutput image."""
+    def output(self, index: int, mro: bytes | OutputParts, execute_ns: int, update_ns: int) -> None:
+        """Step `index` ended with this ModelRunnerOutput image (or its parts)."""
         self._send(self.writer.output_image, index, mro, execute_ns, update_ns)
 
     def crashed(self, so, err: BaseException) -> None:
@@ -250,6 +255,7 @@ class _Tap:
             method(*args)
         except Exception as e:  # noqa: BLE001 - the capture is lost, the server keeps serving
             self._failed = True
+            self.failure = getattr(e, "reason", None) or str(e)
             log.error("replay: stopped recording %s: %s", self.path, e)
 
     def add_request(self, request) -> None:
@@ -303,8 +309,10 @@ class _Tap:
         if self._closed:
             return
         self._closed = True
+        if status == "ok":
+            status = self.crash or (f"error: recording stopped: {self.failure}"[:500] if self.failure else status)
         try:
-            self.writer.close(status=self.crash if status == "ok" and self.crash else status)
+            self.writer.close(status=status)
         except Exception:  # noqa: BLE001 - never fail vLLM's shutdown because of the tap
             pass
 
