@@ -58,7 +58,7 @@ def table(sections: list[tuple[str, list[dict]]]) -> str:
         for t in targets:
             v = t["measured"]
             shown = f"{v:,.3g}" if isinstance(v, float) else f"{v:,}"
-            target = t["target"].replace("|", "\\|")  # a literal | would split the markdown cell
+            target = (t["target"] + (f" ({t['note']})" if t.get("note") else "")).replace("|", "\\|")  # a | splits a cell
             lines.append(f"| {name} | {target} | {shown} | {'pass' if t['pass'] else '**FAIL**'} |")
     return "\n".join(lines)
 
