@@ -61,6 +61,7 @@ class FrameReader:
 
     HEAD = struct.Struct("<cI")
     GULP_BYTES = 1 << 16
+    READ_BYTES = 1 << 20
 
     def __init__(self, fd: int, gulp_s: float = 0.02):
         self.fd = fd
@@ -77,13 +78,25 @@ class FrameReader:
     def _fill(self) -> bool:
         if self._small and self.gulp_s:
             time.sleep(self.gulp_s)
-        data = os.read(self.fd, 1 << 20)
+        rest = self._buf[self._pos:] if self._pos < len(self._buf) else b""
+        self._pos = 0
+        missing = 5 + self.HEAD.unpack_from(rest)[1] - len(rest) if len(rest) >= 5 else 0
+        if missing > self.READ_BYTES:  # inside a large frame: gather the rest of it, then join once
+            parts = [rest]
+            while missing > 0:
+                data = os.read(self.fd, min(missing, 1 << 24))
+                if not data:
+                    break
+                parts.append(data)
+                missing -= len(data)
+            self._buf, self._small, self._eof = b"".join(parts), False, missing > 0
+            return not self._eof
+        data = os.read(self.fd, self.READ_BYTES)
         self._small = len(data) < self.GULP_BYTES
+        self._buf = rest + data if rest else data
         if not data:
             self._eof = True
             return False
-        self._buf = self._buf[self._pos:] + data if self._pos < len(self._buf) else data
-        self._pos = 0
         return True
 
     def next(self) -> tuple[bytes | None, memoryview | bytes | None]:

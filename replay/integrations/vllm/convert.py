@@ -10,6 +10,7 @@ Nothing is pickled.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
@@ -62,7 +63,7 @@ def output_image(mro: Any) -> bytes | OutputParts:
             or vals.shape != ids.shape or ranks.shape != ids.shape[:1]:
         return encode(mro)
     try:
-        dtypes = (dtype_name(ids.dtype), dtype_name(vals.dtype), dtype_name(ranks.dtype))
+        dtypes = (_name(ids.dtype), _name(vals.dtype), _name(ranks.dtype))
     except ValueError:
         return encode(mro)
     rest = encode({f: getattr(mro, f) for f in names})
@@ -81,8 +82,22 @@ def _image_fields(cls: type) -> tuple[str, ...] | None:
     return tuple(n for n in names if n not in _APART) if set(_APART) <= set(names) else None
 
 
+_names: dict[np.dtype, str] = {}
+
+
+def _name(dt: np.dtype) -> str:
+    name = _names.get(dt)
+    if name is None:
+        name = _names[dt] = dtype_name(dt)
+    return name
+
+
 def _le_bytes(a: np.ndarray) -> bytes:
-    return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()  # little-endian, C order, whatever the strides
+    """Little-endian, C order, whatever the strides."""
+    return a.tobytes() if a.dtype.byteorder in _NATIVE_LE else a.astype(a.dtype.newbyteorder("<")).tobytes()
+
+
+_NATIVE_LE = "<|=" if sys.byteorder == "little" else "<|"
 
 
 def request_image(request: Any, external_req_id: str | None = None) -> dict:

@@ -14,12 +14,12 @@ from replay.contracts.image_decoder import ImageDecoder  # noqa: E402
 from replay.integrations.vllm.convert import ENCODER, output_image  # noqa: E402
 
 
-def _output(logprobs_dtype=np.float32, cu=None, sampled=None):
+def _output(logprobs_dtype=np.float32, cu=None, sampled=None, ranks_dtype=np.int64):
     from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
     ids = np.array([[7, 7, 3, 2], [9, 1, 9, 4], [4, 4, 8, 1]], np.int32)
     vals = np.sort(-np.random.default_rng(0).exponential(size=(3, 4)), axis=1)[:, ::-1].astype(logprobs_dtype)
-    lp = LogprobsLists(ids, vals, np.array([1, 2, 1], np.int64), cu)
+    lp = LogprobsLists(ids, vals, np.array([1, 2, 1], ranks_dtype), cu)
     return ModelRunnerOutput(req_ids=["a", "b", "c"], req_id_to_index={"a": 0, "b": 1, "c": 2},
                              sampled_token_ids=sampled or [[7], [9], [4]], logprobs=lp)
 
@@ -33,10 +33,11 @@ def _stored(image, drafts: dict | None = None) -> tuple:
     return step.model_runner_output, stats
 
 
-@pytest.mark.parametrize("case", ["decode", "a token not in column 0", "float16 values", "drafts (cu offsets)"])
+@pytest.mark.parametrize("case", ["decode", "a token not in column 0", "float16 values", "drafts (cu offsets)",
+                                  "big-endian ranks"])
 def test_an_output_sent_in_parts_is_stored_as_its_whole_image(case):
     mro = {"decode": lambda: _output(), "a token not in column 0": lambda: _output(sampled=[[7], [9], [5]]),
-           "float16 values": lambda: _output(np.float16),
+           "float16 values": lambda: _output(np.float16), "big-endian ranks": lambda: _output(ranks_dtype=">i8"),
            "drafts (cu offsets)": lambda: _output(cu=[0, 1, 2, 3])}[case]()
     parts = output_image(mro)
     assert isinstance(parts, OutputParts) and parts.dtypes[1] == ("float16" if case == "float16 values" else "float32")
