@@ -143,7 +143,7 @@ def sizes(ours: list[Path], ours17: list[Path], naive: Path, generated: int) -> 
             "naive_gzip6_b_per_tok": len(gzip.compress(raw, compresslevel=6)) / generated}
 
 
-def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
+def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     """CPU cost per step of each tap, measured on the very objects of a run (unpickled from the naive stream), so
     engine noise does not enter. CPU time, not wall time: a stall of this shared machine does not count. The engine
     thread's share (ours: the plugin's path, a msgspec encode and a pipe write at schedule() and again at
@@ -171,7 +171,8 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
                 break
     ours, naive, background, closing = [], [], [], []
     laps = 10
-    for r in range(repeats):
+
+    def engine_thread(r: int) -> list:
         images = []
         with ProcessCaptureWriter(tmp / f"cost-{r}.capture", make_header("bench"), overwrite=True, nice=19,
                                   images=True) as w:
@@ -183,11 +184,21 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 5) -> dict:
                 w.output_image(i, b, 0, 0)
                 images.append((a, b))
             ours.append((time.thread_time_ns() - t) / len(steps) / 1e3)
+        return images
+
+    def naive_tap(r: int) -> None:
         with open(tmp / f"cost-{r}.pkl", "wb") as f:
             t = time.thread_time_ns()
             for pair in steps:
                 pickle.dump(pair, f, protocol=pickle.HIGHEST_PROTOCOL)
             naive.append((time.thread_time_ns() - t) / len(steps) / 1e3)
+
+    for r in range(repeats):  # the two taps in alternating order, so neither always runs on the other's heels
+        if r % 2:
+            naive_tap(r)
+        images = engine_thread(r)
+        if not r % 2:
+            naive_tap(r)
         cw = CaptureWriter(tmp / f"cost-bg-{r}.capture", make_header("bench"), overwrite=True)
         conv = _Images()
         conv.warm()  # the writer process does this before it says "ready"
