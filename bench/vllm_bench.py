@@ -137,7 +137,7 @@ def sizes(ours: list[Path], ours17: list[Path], naive: Path, generated: int) -> 
     raw = naive.read_bytes()
     per_tok = {name: spread([p.stat().st_size / generated for p in paths]) for name, paths in
                (("ours_b_per_tok", ours), ("ours_z17_b_per_tok", ours17))}
-    return {**{k: v["median"] for k, v in per_tok.items()}, "spread": per_tok,
+    return {**{k: v["median"] for k, v in per_tok.items()}, "size_spread": per_tok,
             "naive_raw_b_per_tok": len(raw) / generated,
             "naive_zstd3_b_per_tok": len(zstandard.ZstdCompressor(level=3).compress(raw)) / generated,
             "naive_gzip6_b_per_tok": len(gzip.compress(raw, compresslevel=6)) / generated}
