@@ -20,10 +20,10 @@ images as they are (`StepImage`, format 1.3: readers convert them) and converts 
 engine lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output,
 start_ns, schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index,
 model_runner_output, execute_ns, update_ns]` (the step is written then), or `L` the same with the output in
-parts (`OutputParts`: its logprob matrices apart, which the child moves into its columns undecoded), `E` the exception that ended it `[index,
-error_type, message, traceback]` (a `Crash` record and the scheduled step are written then); `V` a whole step
-`[index, scheduler_output, model_runner_output, grammar_output, timing]`. The child answers on stdout with one JSON
-line: `{"ok": ...}` or `{"error": "..."}`.
+parts (`OutputParts`: its logprob matrices apart, which the child moves into its columns undecoded; frames built
+in `replay.capture.wire`), `E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash`
+record and the scheduled step are written then); `V` a whole step `[index, scheduler_output, model_runner_output,
+grammar_output, timing]`. The child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from replay.errors import CaptureError, UsageError
 
 _FRAME = struct.Struct("<cI")
 _ENCODER = msgspec.msgpack.Encoder()
+
+
 class ProcessCaptureWriter(WriterContext):
     """Writes a capture through a child process; same methods as `CaptureWriter`."""
 
