@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 
 import msgspec
@@ -45,8 +46,14 @@ def test_truncated_capture_recovers_every_whole_chunk(small_capture, tmp_path):
     extents = chunk_extents(small_capture)
     index_at = struct.unpack_from("<Q", data, len(data) - 16)[0]
     cut_path = tmp_path / "cut.capture"
+    # Every offset within 24 bytes of a frame boundary (prologue, each chunk, the index and its trailer), where what
+    # is readable changes, and a fixed sample of the offsets inside frames, where it does not (every offset took
+    # 46 s of the suite for the same verdicts)
+    edges = {0, len(data), index_at, len(data) - 16} | {x for start, end, _ in extents for x in (start, end)}
+    near = {c for e in edges for c in range(e - 24, e + 25) if 0 <= c <= len(data)}
+    cuts = sorted(near | set(random.Random(11).sample(range(len(data) + 1), min(400, len(data) + 1))))
     prev = -1
-    for cut in range(len(data) + 1):
+    for cut in cuts:
         cut_path.write_bytes(data[:cut])
         try:
             steps, damage = read_all(cut_path)
