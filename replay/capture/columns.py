@@ -72,12 +72,14 @@ def small_ids(ids: np.ndarray) -> bool:
 
 
 class ColumnSink:
-    """The open chunk's logprob matrices, kept as they come (views, no copy), packed into columns at seal."""
+    """The open chunk's logprob matrices, kept as the bytes they came in (no numpy per step), joined into columns at
+    seal."""
 
-    __slots__ = ("_groups", "nbytes")
+    __slots__ = ("_groups", "_joined", "nbytes")
 
     def __init__(self) -> None:
-        self._groups: dict[tuple, list] = {}  # kind -> [group number, rows so far, ids, values, ranks]
+        self._groups: dict[tuple, list] = {}  # kind -> [group number, rows so far, ids, values, ranks] (LE bytes)
+        self._joined: dict[int, tuple] = {}  # group number -> its matrices joined (ids, values, ranks), once asked
         self.nbytes = 0  # raw bytes held, so that a chunk closes at its size with its columns counted
 
     def add(self, lp: LogprobsLists) -> LogprobsLists | None:
@@ -91,45 +93,86 @@ class ColumnSink:
         """`add`, also returning the token-id matrix as a view ([rows, K]: column 0 holds the sampled tokens)."""
         a, b, c = lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
         shape = tuple(a.shape)
-        if len(shape) != 2 or tuple(b.shape) != shape or tuple(c.shape) != shape[:1] or not shape[0] or not shape[1]:
-            return None
-        if a.dtype not in _INT or c.dtype not in _INT or b.dtype in _INT:
+        if not _fits(shape, (a.dtype, b.dtype, c.dtype)) or tuple(b.shape) != shape or tuple(c.shape) != shape[:1]:
             return None
         ids, vals, ranks = plain(a), plain(b), plain(c)  # all three checked before any joins the group (ValueError)
-        key = (a.dtype, b.dtype, c.dtype, shape[1])
+        data = [x.data if not x.filters else np.ascontiguousarray(v).tobytes() for x, v in ((a, ids), (b, vals), (c, ranks))]
+        g, row = self._append((a.dtype, b.dtype, c.dtype, shape[1]), shape[0], data)
+        return markers((a.dtype, b.dtype, c.dtype), shape, g, row, lp.cu_num_generated_tokens), ids
+
+    def take_bytes(self, dtypes: tuple[str, str, str], shape: tuple[int, int],
+                   arrays: tuple[bytes, bytes, bytes]) -> tuple[int, int] | None:
+        """A step's matrices given as little-endian bytes (token ids [rows, K], logprobs [rows, K], ranks [rows]):
+        where they start in the columns (group, row), or None for a layout the columns do not take. ValueError when
+        the bytes do not fit the shape. Nothing is decoded: the writer's common step is a few length checks."""
+        if not _fits(shape, dtypes) or dtypes[1] not in _DTYPES:
+            return None
+        rows, k = shape
+        sizes = [_DTYPES[d].itemsize for d in dtypes]
+        if len(arrays[0]) != rows * k * sizes[0] or len(arrays[1]) != rows * k * sizes[1] or len(arrays[2]) != rows * sizes[2]:
+            raise ValueError(f"logprob matrices of {rows}x{k} {'/'.join(dtypes)} do not fit their bytes")
+        return self._append((*dtypes, k), rows, arrays)
+
+    def _append(self, key: tuple, rows: int, data) -> tuple[int, int]:
         g = self._groups.get(key)
         if g is None:
             g = self._groups[key] = [len(self._groups), 0, [], [], []]
-        g[2].append(ids)
-        g[3].append(vals)
-        g[4].append(ranks)
-        marker = (f"{FILTER}:{g[0]}:{g[1]}",)
-        g[1] += shape[0]
-        self.nbytes += len(a.data) + len(b.data) + len(c.data)
-        stored = LogprobsLists(Array(a.dtype, shape, b"", marker), Array(b.dtype, shape, b"", marker),
-                               Array(c.dtype, shape[:1], b"", marker), lp.cu_num_generated_tokens)
-        return stored, ids
+        g[2].append(data[0])
+        g[3].append(data[1])
+        g[4].append(data[2])
+        where = g[0], g[1]
+        g[1] += rows
+        self.nbytes += len(data[0]) + len(data[1]) + len(data[2])
+        return where
+
+    def token_ids(self, group: int) -> np.ndarray:
+        """Group `group`'s token-id matrix so far ([rows, K]; column 0: the sampled tokens), joined once."""
+        return self._matrices(group)[0]
+
+    def _matrices(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        key, g = next((key, g) for key, g in self._groups.items() if g[0] == group)
+        joined = self._joined.get(group)
+        if joined is None or joined[3] != g[1]:
+            a, b, c, k = key
+            joined = self._joined[group] = (
+                np.frombuffer(b"".join(g[2]), _DTYPES[a]).reshape(-1, k),
+                np.frombuffer(b"".join(g[3]), _DTYPES[b]).reshape(-1, k),
+                np.frombuffer(b"".join(g[4]), _DTYPES[c]), g[1])
+        return joined[:3]
 
     def seal(self) -> LogprobColumns | None:
         """The chunk's `LogprobColumns` record (None when no step had logprobs); the sink is empty afterwards."""
         if not self._groups:
             return None
         groups = sorted(self._groups.items(), key=lambda kv: kv[1][0])
-        self._groups = {}
-        self.nbytes = 0
-        return LogprobColumns([_pack(key, g[2], g[3], g[4]) for key, g in groups])
+        record = LogprobColumns([_pack(key, *self._matrices(g[0])) for key, g in groups])
+        self._groups, self._joined, self.nbytes = {}, {}, 0
+        return record
 
 
 _INT = frozenset({"int8", "uint8", "int16", "uint16", "int32", "int64"})
 
 
-def _pack(kind: tuple, ids_rows: list[np.ndarray], vals_rows: list[np.ndarray], ranks_rows: list[np.ndarray]) -> ColumnGroup:
-    """A group's matrices (the steps' views, in order; `kind`: their dtype names and K) as stored. It works on
+def _fits(shape: tuple, dtypes: tuple[str, str, str]) -> bool:
+    """Whether matrices of this shape and these dtypes (ids, values, ranks) go into the columns."""
+    return len(shape) == 2 and shape[0] > 0 and shape[1] > 0 and dtypes[0] in _INT and dtypes[2] in _INT \
+        and dtypes[1] not in _INT
+
+
+def markers(dtypes: tuple[str, str, str], shape: tuple[int, int], group: int, row: int,
+            cu_num_generated_tokens: list[int] | None) -> LogprobsLists:
+    """The `LogprobsLists` a step stores for rows `row..` of column group `group`: dtypes and shapes, no bytes."""
+    marker = (f"{FILTER}:{group}:{row}",)
+    return LogprobsLists(Array(dtypes[0], shape, b"", marker), Array(dtypes[1], shape, b"", marker),
+                         Array(dtypes[2], shape[:1], b"", marker), cu_num_generated_tokens)
+
+
+def _pack(kind: tuple, ids_rows: np.ndarray, vals_rows: np.ndarray, ranks: np.ndarray) -> ColumnGroup:
+    """A group's matrices ([rows, K], [rows, K], [rows]; `kind`: their dtype names and K) as stored. It works on
     contiguous columns ([K, rows]): the same transforms on the row-major matrix took twice as long (reductions and
     strides along rows of K)."""
-    ids = np.ascontiguousarray(np.concatenate(ids_rows).T)  # [K, rows]: the chunk's own, transformed in place
-    vals = np.ascontiguousarray(np.concatenate(vals_rows).T)
-    ranks = np.concatenate(ranks_rows)
+    ids = ids_rows.T.copy()  # [K, rows], C order: the chunk's own copy, transformed in place
+    vals = vals_rows.T.copy()
     k, rows = ids.shape
     id_filters, val_filters = (), ()
     if k >= 2:

@@ -24,6 +24,7 @@ import zstandard
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
 from replay.capture.frames import skippable_frame
+from replay.capture.image_batch import PartsBatch
 from replay.capture.step_image import OutputParts, store_step_image
 from replay.capture.stepcodec import IdTable, step_to_wire
 from replay.contracts import (
@@ -42,7 +43,7 @@ class _Chunk:
     """Encoded records waiting to be compressed, plus the stats the index keeps for them, and the logprob matrices
     of its steps (`columns`), which become its first record when it is sealed."""
 
-    __slots__ = ("parts", "raw", "info", "born", "columns")
+    __slots__ = ("parts", "raw", "info", "born", "columns", "batch")
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
@@ -50,9 +51,16 @@ class _Chunk:
         self.info = fmt.ChunkInfo(0, 0, 0, 0)
         self.born = time.monotonic()
         self.columns = ColumnSink()
+        self.batch = PartsBatch()  # its image steps with outputs in parts (None in `parts` until sealed)
 
-    def seal(self) -> None:
-        """Put the chunk's logprob columns first (format 1.3): a reader meets them before the steps that use them."""
+    def seal(self, decoder) -> None:
+        """Finish the steps set aside, then put the chunk's logprob columns first (format 1.3): a reader meets them
+        before the steps that use them."""
+        if len(self.batch):
+            records, generated = self.batch.finish(self.columns, decoder)
+            done = iter(records)
+            self.parts = [p if p is not None else next(done) for p in self.parts]
+            self.info.num_generated_tokens += generated
         record = self.columns.seal()
         if record is not None:
             data = fmt.WIRE_ENCODER.encode(record)
@@ -87,18 +95,9 @@ class CaptureWriter(WriterContext):
             w.write_step(0, scheduler_output, model_runner_output)
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        header: fmt.Header,
-        *,
-        chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
-        flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
-        level: int = fmt.DEFAULT_LEVEL,
-        overwrite: bool = False,
-        fsync: bool = False,
-        partial_path: str | os.PathLike | None = None,
-    ):
+    def __init__(self, path: str | os.PathLike, header: fmt.Header, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+                 flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
+                 overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None):
         self.path = Path(path)
         self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
@@ -148,13 +147,8 @@ class CaptureWriter(WriterContext):
         """Record a client abort before step `step`."""
         self._append([self._encode(fmt.RequestAborted(step, request_id))])
 
-    def write_step(
-        self,
-        index: int,
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput | None,
-        **extra: Any,
-    ) -> int:
+    def write_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
+                   **extra: Any) -> int:
         """Record one engine step (extra: `drawn_seeds`, `rng_state`, `timing`, `grammar_output` of `Step`).
 
         Returns the encoded size in bytes. Call it before the engine mutates either object again.
@@ -195,16 +189,24 @@ class CaptureWriter(WriterContext):
         self._check()
         with self._lock:  # the step and its logprob rows join one chunk
             self._seal_if_old_locked()
-            try:
-                rec, stats = store_step_image(index, scheduler_output, model_runner_output, grammar_output, timing,
-                                              self._chunk.columns, self.image_decoder)
+            c, parts = self._chunk, model_runner_output
+            try:  # an output in parts is finished with its chunk (PartsBatch) when it can be
+                scheduled = c.batch.add(index, scheduler_output, parts, grammar_output, timing, c.columns) \
+                    if isinstance(parts, OutputParts) else None
+                if scheduled is None:
+                    rec, stats = store_step_image(index, scheduler_output, parts, grammar_output, timing, c.columns,
+                                                  self.image_decoder)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
-            data = self._encode(rec)
-            self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
-                                drafts=stats.drafts)
+            if scheduled is not None:
+                size = len(scheduler_output) + len(parts.rest) + len(parts.tokens) + 64
+                self._append_locked([None], raw=size, step=index, scheduled=scheduled)
+            else:
+                size = len(data := self._encode(rec))
+                self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
+                                    drafts=stats.drafts)
         self._last_step = index
-        return len(data)
+        return size
 
     def write_crash(self, crash: fmt.Crash) -> None:
         """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,
@@ -308,13 +310,14 @@ class CaptureWriter(WriterContext):
         if c.raw and time.monotonic() - c.born >= self.flush_interval:
             self._seal_locked()
 
-    def _append_locked(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
-                       requests_added: int = 0, drafts: DraftCounts | None = None) -> None:
+    def _append_locked(self, parts: list[bytes | None], *, step: int | None = None, scheduled: int = 0,
+                       generated: int = 0, requests_added: int = 0, drafts: DraftCounts | None = None,
+                       raw: int | None = None) -> None:
         if self._closed:
             raise UsageError(f"{self.path}: capture writer is closed")
         c = self._chunk
         c.parts.extend(parts)
-        c.raw += sum(map(len, parts))
+        c.raw += sum(map(len, parts)) if raw is None else raw
         info = c.info
         info.num_records += len(parts)
         self._num_records += len(parts)
@@ -338,7 +341,7 @@ class CaptureWriter(WriterContext):
         if not c.parts:
             return
         self._chunk = _Chunk()
-        c.seal()
+        c.seal(self.image_decoder)
         self._queue.put(c)  # blocks when the writer thread is 8 chunks behind: back-pressure, not unbounded memory
 
     def _run(self) -> None:
@@ -355,26 +358,32 @@ class CaptureWriter(WriterContext):
                     if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
                         continue
                     self._chunk = _Chunk()
-                    c.seal()
+                    c.seal(self.image_decoder)
+                except Exception as e:  # noqa: BLE001 - handed to the caller's thread by _check; this one goes on
+                    self._error = e
+                    continue
                 finally:
                     self._lock.release()
             if c is None:
                 return
-            if self._error is not None:
-                continue  # keep draining so producers never block on a dead writer
-            try:
-                body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
-                frame = self._cctx.compress(body)
-                c.info.offset = self.bytes_written
-                c.info.length = len(frame)
-                c.info.raw_size = len(body)
-                self._write_bytes(frame)
-                self._f.flush()
-                if self._fsync:
-                    os.fsync(self._f.fileno())
-                self._chunks.append(c.info)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by _check
-                self._error = e
+            if self._error is None:  # (after an error it keeps draining, so producers never block on a dead writer)
+                self._emit(c)
+
+    def _emit(self, c: _Chunk) -> None:
+        """Compress and write a sealed chunk; an error is kept for the caller's thread (`_check`)."""
+        try:
+            body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
+            frame = self._cctx.compress(body)
+            c.info.offset = self.bytes_written
+            c.info.length = len(frame)
+            c.info.raw_size = len(body)
+            self._write_bytes(frame)
+            self._f.flush()
+            if self._fsync:
+                os.fsync(self._f.fileno())
+            self._chunks.append(c.info)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by _check
+            self._error = e
 
     def _write_bytes(self, data: bytes) -> None:
         self._f.write(data)

@@ -1,4 +1,4 @@
-"""Load: a 30,000-step capture with 256 concurrent requests is recorded and read back in flat memory, and one step
+"""Load: a 15,000-step capture with 256 concurrent requests is recorded and read back in flat memory, and one step
 is looked up through the index without reading the file. REPLAY_LOAD_STEPS=100000 runs the README's full figure
 (`bench/load.py` reports it); the memory bounds scale with the length, so a per-step leak fails either way."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-STEPS = int(os.environ.get("REPLAY_LOAD_STEPS", "30000"))
+STEPS = int(os.environ.get("REPLAY_LOAD_STEPS", "15000"))
 
 
 @pytest.mark.slow
