@@ -29,8 +29,9 @@ from replay.provenance import hardware_differences, header_differences, is_suspe
 
 
 @dataclass(slots=True)
-class _Side:
-    """What one capture says about each request."""
+class AlignedRun:
+    """What one capture says about each request, keyed as `replay diff` aligns two runs: the external id, else
+    the prompt and its arrival order among equal prompts."""
 
     prompts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # key -> prompt
     order: list[str] = field(default_factory=list)  # keys in arrival order
@@ -75,8 +76,9 @@ class CaptureDiff(msgspec.Struct):
     config_differences: list[str] = []  # header fields that differ between A and B (replay.provenance), "k: A vs B"
 
 
-def _read(path) -> _Side:
-    side = _Side()
+def read_aligned(path: str | os.PathLike) -> AlignedRun:
+    """Read a capture's requests, outputs and batches, keyed for alignment with another run's."""
+    side = AlignedRun()
     seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
     with CaptureReader(path) as r:
         side.header = r.header
@@ -113,7 +115,7 @@ def _same_batch(a: BatchComposition | None, b: BatchComposition | None) -> bool:
 def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tolerance | None = None) -> CaptureDiff:
     """Compare two captures request by request (see the module docstring)."""
     tol = tol or Tolerance()
-    a, b = _read(a_path), _read(b_path)
+    a, b = read_aligned(a_path), read_aligned(b_path)
     differences = header_differences(a.header, b.header)
     common = [k for k in a.order if k in b.prompts]
     first: TokenMismatch | None = None

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 
 from replay.diff import Divergence, Tolerance, classify
-from replay.diff.captures import (
-    _read,  # the alignment `replay diff` uses, not a copy of it
-)
+from replay.diff.captures import read_aligned
 from replay.diff.rules import logprob_diff, margin, rows_equal
 
 
@@ -22,7 +20,7 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
                         tol: Tolerance) -> tuple[list[Divergence], dict[str, int]]:
     """Every position of every request both captures hold where they differ (steps and internal ids are A's), in
     A's step order; and, per request that flipped a token, A's step of the flip (later positions not compared)."""
-    a, b = _read(a_path), _read(b_path)
+    a, b = read_aligned(a_path), read_aligned(b_path)  # the alignment `replay diff` uses, not a copy of it
     rid_of = {key: rid for rid, key in a.key_of.items()}
     out: list[Divergence] = []
     flipped: dict[str, int] = {}
