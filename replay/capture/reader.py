@@ -31,7 +31,7 @@ from replay.capture.frames import (
     parse_frame,
 )
 from replay.capture.peek import is_unknown_tag, peek
-from replay.capture.step_image import step_from_image
+from replay.capture.step_image import image_as_sent, step_from_image
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
 from replay.errors import (
     CaptureDamagedError,
@@ -294,11 +294,12 @@ class CaptureReader:
 
     # -- records --------------------------------------------------------------------------------------------------
 
-    def records(self, *, chunks: Iterator[ChunkRef] | None = None,
-                keep_step: Callable[[int], bool] | None = None) -> Iterator[fmt.Record]:
+    def records(self, *, chunks: Iterator[ChunkRef] | None = None, keep_step: Callable[[int], bool] | None = None,
+                images: bool = False) -> Iterator[fmt.Record | fmt.StepImage]:
         """Every readable record in order, request ids resolved; damage is recorded in `self.damage`.
 
-        `chunks` restricts reading to some chunks, `keep_step(index)` to some steps (both need the index)."""
+        `chunks` restricts reading to some chunks, `keep_step(index)` to some steps (both need the index); `images`:
+        image steps come as `StepImage`s, output whole (every field sent: what `recover` copies), if they convert."""
         table = IdTable(self.index.ids) if self.index is not None else IdTable()
         if self.index is None:
             keep_step = None  # handles are declared in-band: every Ids record must be read
@@ -317,8 +318,9 @@ class CaptureReader:
                     columns = ColumnSource(rec)
                 elif isinstance(rec, (fmt.Step, fmt.StepImage)):
                     try:
-                        yield (step_from_wire(rec, table, columns) if isinstance(rec, fmt.Step) else
-                               step_from_image(rec, self._image_decoder(), columns))
+                        step = step_from_wire(rec, table, columns) if isinstance(rec, fmt.Step) else \
+                            step_from_image(rec, self._image_decoder(), columns)  # (its damage is found here)
+                        yield image_as_sent(rec, columns) if images and isinstance(rec, fmt.StepImage) else step
                     except Exception as e:  # noqa: BLE001 - any inconsistency in stored data is damage, not a crash
                         why = ("refers to request ids declared in a lost chunk" if isinstance(e, UnknownHandleError)
                                else f"has inconsistent contents ({type(e).__name__}: {e})")

@@ -55,7 +55,7 @@ def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, for
         tmp = dst.with_name(dst.name + ".recovering") if _same(dst.with_name(dst.name + ".partial"), src) else None
         writer = CaptureWriter(dst, reader.header, overwrite=force, partial_path=tmp)
         try:
-            for rec in reader.records():  # the new writer writes its own Header and Footer
+            for rec in reader.records(images=True):  # image steps stay images; the writer writes its own Header, Footer
                 writer.write_record(rec)
         except BaseException:
             writer.abandon()

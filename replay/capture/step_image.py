@@ -240,6 +240,19 @@ def restore_output(image: msgspec.Raw, columns: ColumnSource | None) -> tuple[ms
     return image, lists
 
 
+def image_as_sent(rec: fmt.StepImage, columns: ColumnSource | None) -> fmt.StepImage:
+    """A stored image step with its output as the engine sent it (sampled tokens and logprob matrices back in the
+    image), free of its chunk, for a writer to store again (`recover`). Raises ValueError on inconsistency."""
+    if is_nil(rec.model_runner_output):
+        return rec
+    image, lists = restore_output(rec.model_runner_output, columns)
+    if lists is not None:
+        fields = _FIELDS.decode(image)
+        fields["logprobs"] = msgspec.Raw(_ENCODER.encode(lists))
+        image = msgspec.Raw(_ENCODER.encode(fields))
+    return msgspec.structs.replace(rec, model_runner_output=image)
+
+
 def step_from_image(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSource | None) -> fmt.Step:
     """The `Step` a stored image step stands for (string ids, logprobs back from the chunk's columns). Raises
     ValueError (or msgspec errors) on inconsistent contents."""

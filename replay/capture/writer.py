@@ -25,7 +25,7 @@ from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
 from replay.capture.frames import skippable_frame
 from replay.capture.image_batch import PartsBatch
-from replay.capture.step_image import OutputParts, store_step_image
+from replay.capture.step_image import OutputParts, is_nil, store_step_image
 from replay.capture.stepcodec import IdTable, step_to_wire
 from replay.contracts import (
     DraftCounts,
@@ -219,10 +219,13 @@ class CaptureWriter(WriterContext):
         return self._last_step
 
     def write_record(self, record: fmt.Record) -> None:
-        """Copy a record read from another capture (`recover`, rewriting a capture): steps, arrivals, aborts and
-        crashes; a Header or Footer is this writer's own to write, so it is skipped."""
+        """Copy a record read from another capture (`recover`, rewriting a capture): steps (image steps as images),
+        arrivals, aborts and crashes; a Header or Footer is this writer's own to write, so it is skipped."""
         if isinstance(record, fmt.Step):
             self.write_step_record(record)
+        elif isinstance(record, fmt.StepImage):  # another engine's step, output whole (`records(images=True)`)
+            self.write_step_image(record.index, *(None if is_nil(x) else bytes(x) for x in (
+                record.scheduler_output, record.model_runner_output, record.grammar_output)), record.timing)
         elif isinstance(record, fmt.RequestAdded):
             self.add_request(record.request, record.step)
         elif isinstance(record, fmt.RequestAborted):
@@ -394,3 +397,4 @@ class CaptureWriter(WriterContext):
         if e is not None:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise CaptureError(self.partial_path, f"writing failed: {why}; what was flushed before stays readable") from None
+

@@ -77,3 +77,42 @@ def test_nothing_recoverable_when_the_header_is_gone(small_capture, tmp_path):
     with pytest.raises(NothingRecoverableError) as e:
         recover(cut)
     assert e.value.exit_code == 1
+
+
+def test_image_steps_are_recovered_as_images_with_every_field_the_engine_sent(tmp_path):
+    """A vLLM capture's steps are stored as vLLM's images, fields our contracts do not mirror included: recovering
+    an unfinished one keeps them images, those fields and the logprob matrices in the new chunks' columns."""
+    import msgspec
+
+    from replay.capture import format as fmt
+    from replay.capture.step_image import OutputParts
+    from tests.images import as_map, as_parts
+
+    enc = msgspec.msgpack.Encoder()
+    path = tmp_path / "img.capture"
+    w = CaptureWriter(path, make_header("test"), chunk_bytes=3000)
+    for ev in synth_events(SynthShape(steps=12, running=4, prompt_len=(4, 30), output_len=(3, 9), num_logprobs=3, seed=5)):
+        if ev.request is not None:
+            w.add_request(ev.request, ev.step)
+            continue
+        so = {**as_map(ev.scheduler_output), "a_field_we_do_not_mirror": [1, 2]}
+        mro = as_parts(ev.model_runner_output)
+        assert isinstance(mro, OutputParts)
+        mro = mro._replace(rest=enc.encode({**msgspec.msgpack.decode(mro.rest), "another_one": "x"}))
+        w.write_step_image(ev.step, enc.encode(so), mro, None, fmt.StepTiming(1, 2, 3, 4))
+        w.flush()
+    w.abandon()
+    res = recover(path.with_name(path.name + ".partial"))
+    assert res.num_steps == 12 and [d.kind for d in res.damage] == ["unfinished"]  # every step was flushed
+    with CaptureReader(res.output) as r:
+        stored = [fmt.WIRE_DECODER.decode(x) for ref in r.iter_chunks() for x in fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))]
+        steps = list(r.steps())
+    images = [x for x in stored if isinstance(x, fmt.StepImage)]
+    assert len(images) == 12 and sum(isinstance(x, fmt.LogprobColumns) for x in stored) >= 1
+    assert all(msgspec.msgpack.decode(x.scheduler_output)["a_field_we_do_not_mirror"] == [1, 2] for x in images)
+    assert all(msgspec.msgpack.decode(x.model_runner_output)["another_one"] == "x" for x in images)
+    original = [ev for ev in synth_events(SynthShape(steps=12, running=4, prompt_len=(4, 30), output_len=(3, 9),
+                                                     num_logprobs=3, seed=5)) if ev.request is None]
+    assert [s.model_runner_output.logprobs for s in steps] == [ev.model_runner_output.logprobs for ev in original]
+    assert [s.model_runner_output.sampled_token_ids for s in steps] == \
+        [ev.model_runner_output.sampled_token_ids for ev in original]
