@@ -33,6 +33,7 @@ from replay.contracts.image_decoder import ImageDecoder
 
 _ENCODER = msgspec.msgpack.Encoder()
 _WELL_FORMED = msgspec.msgpack.Decoder(tuple[msgspec.Raw, msgspec.Raw])
+_MARGIN = 4096  # a record's bytes beyond its images: envelope, timing, markers, the tokens' reference (~300 B)
 
 
 class _Pending(NamedTuple):
@@ -61,6 +62,8 @@ class PartsBatch:
         """Set a step aside; its scheduled-token count, or None for a step `store_step_image` must store now (drafts
         to count, matrices the columns do not take). Raises msgspec.DecodeError for images that are not msgpack,
         ValueError for parts inconsistent in themselves."""
+        if len(scheduler_output) + len(parts.rest) + len(parts.tokens) + _MARGIN > fmt.MAX_RECORD_BYTES:
+            return None  # the step-by-step route measures it exactly (and refuses it by name if it is too large)
         head = _SCHEDULE.decode(scheduler_output)
         if len(head.scheduled_spec_decode_tokens) > 1 or not parts.rest or not 0x80 <= parts.rest[0] <= 0x8F:
             return None  # drafts are counted on the whole image; a long map is rare (store_step_image handles it)

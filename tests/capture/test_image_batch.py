@@ -125,3 +125,14 @@ def test_steps_with_drafts_take_the_step_by_step_route(tmp_path, monkeypatch):
     from replay.capture.columns import ColumnSink
 
     assert batch.add(0, so, _parts([[5]], np.array([[5, 1]])), None, None, ColumnSink()) is None and not len(batch)
+
+
+def test_a_step_over_the_record_limit_is_refused_by_name_not_set_aside(tmp_path, monkeypatch):
+    """Set aside, it would be encoded only at the seal, past the check that keeps records readable."""
+    monkeypatch.setattr(fmt, "MAX_RECORD_BYTES", 6000)
+    big = _parts([[5]], np.array([[5, 6]]))._replace(rest=ENC.encode({"req_ids": ["r" * 7000]}))
+    with CaptureWriter(tmp_path / "x.capture", make_header("test")) as w:
+        w.write_step_image(0, ENC.encode({"total_num_scheduled_tokens": 1}), _parts([[5]], np.array([[5, 6]])))
+        with pytest.raises(UsageError, match="exceeds the 6000-byte limit"):
+            w.write_step_image(1, ENC.encode({"total_num_scheduled_tokens": 1}), big)
+    assert _figures(tmp_path / "x.capture")[0] == 1
