@@ -18,15 +18,12 @@ import msgspec
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink, markers
 from replay.capture.step_image import (
-    _LOGPROBS_KEY,
     _SCHEDULE,
-    _TOKENS_KEY,
     NIL,
     OutputParts,
     _count_tokens,
     _one_token_each,
     _tokens_in_column_0,
-    _with_fields,
     is_nil,
 )
 from replay.contracts.image_decoder import ImageDecoder
@@ -89,7 +86,7 @@ class PartsBatch:
                 reference, count = _other_layout(s, column_0[:, 0].tolist(), decoder)
             generated += count
             lp = markers(tuple(s.parts.dtypes), tuple(s.parts.shape), s.group, s.row, s.parts.cu_num_generated_tokens)
-            image = _with_fields(s.parts.rest, _TOKENS_KEY + bytes(reference), _LOGPROBS_KEY + _ENCODER.encode(lp))
+            image = s.parts.image(bytes(reference), _ENCODER.encode(lp))
             go = NIL if is_nil(s.grammar_output) else msgspec.Raw(s.grammar_output)
             records.append(fmt.WIRE_ENCODER.encode(fmt.StepImage(s.index, msgspec.Raw(s.scheduler_output),
                                                                   msgspec.Raw(image), go, s.timing)))
@@ -104,7 +101,7 @@ def _other_layout(s: _Pending, column_0: list[int], decoder: ImageDecoder) -> tu
         reference, count = _tokens_in_column_0(msgspec.Raw(s.parts.tokens), column_0)
         if reference is not None:
             return reference, count
-        image = _with_fields(s.parts.rest, _TOKENS_KEY + s.parts.tokens, _LOGPROBS_KEY + b"\xc0")
+        image = s.parts.image(s.parts.tokens, b"\xc0")  # (no logprobs: only the tokens are counted)
         return s.parts.tokens, _count_tokens(msgspec.Raw(s.parts.tokens), image, decoder)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
         return s.parts.tokens, 0

@@ -71,7 +71,11 @@ class OutputParts(NamedTuple):
 
     def whole(self) -> bytes:
         """The whole image, as the tap would have sent it in one piece (fields in another order)."""
-        return _with_fields(self.rest, _TOKENS_KEY + self.tokens, _LOGPROBS_KEY + _ENCODER.encode(self.logprobs()))
+        return self.image(self.tokens, _ENCODER.encode(self.logprobs()))
+
+    def image(self, sampled_token_ids: bytes, logprobs: bytes) -> bytes:
+        """`rest` with the two fields appended, given as their encoded values (what is stored, or sent whole)."""
+        return _with_fields(self.rest, _TOKENS_KEY + sampled_token_ids, _LOGPROBS_KEY + logprobs)
 
 
 class ImageStepStats(msgspec.Struct):
@@ -133,8 +137,8 @@ def _store_parts(parts: OutputParts, columns: ColumnSink, decoder: ImageDecoder)
     reference = None
     if taken is not None:
         reference, generated = _tokens_in_column_0(msgspec.Raw(parts.tokens), taken[1][:, 0].tolist())
-    image = msgspec.Raw(_with_fields(parts.rest, _TOKENS_KEY + bytes(reference or parts.tokens),
-                                     _LOGPROBS_KEY + _ENCODER.encode(taken[0] if taken is not None else lists)))
+    lp = _ENCODER.encode(taken[0] if taken is not None else lists)
+    image = msgspec.Raw(parts.image(bytes(reference or parts.tokens), lp))
     if reference is None:
         generated = _count_tokens(msgspec.Raw(parts.tokens), image, decoder)
     return image, generated
