@@ -41,7 +41,9 @@ FORMAT_MAJOR = 1
 #      arrays marked `chunk-column:G:ROW` (a 1.2 reader skips the record and finds those steps' logprobs unreadable);
 #      `StepImage` records: another engine's step as its own objects' msgpack images; `PackedStep`: a Step with its
 #      computed-token counts stored against its output-token counts (a 1.2 reader skips both)
-FORMAT_MINOR = 3
+# 1.4: `AlignedStep`: a PackedStep whose per-request maps are stored as lists in the step's batch order (a 1.3
+#      reader skips these steps as unknown records)
+FORMAT_MINOR = 4
 
 PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
 INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
@@ -182,6 +184,26 @@ class PackedStep(Step[int], tag="packed_step"):
     instead of reading the differences as counts. Written only when both lists have one entry per request."""
 
 
+# `AlignedStep.layout` bits: what the stored step leaves out because the batch order gives it back.
+COMPUTED_MINUS_OUTPUT = 1  # num_computed_tokens[i] holds num_computed_tokens[i] - num_output_tokens[i] (PackedStep's)
+OUTPUT_IDS_IN_BATCH_ORDER = 2  # model_runner_output.req_ids (stored empty) is the batch order
+OUTPUT_INDEX_IN_ORDER = 4  # model_runner_output.req_id_to_index (stored empty) is {req_ids[i]: i}
+
+
+class AlignedStep(Step[int], tag="aligned_step"):
+    """Format 1.4: a stored `Step` whose per-request maps are lists in the step's *batch order*:
+    `scheduled_cached_reqs.req_ids`, then the new requests' ids. Our engine and vLLM's scheduler fill
+    `num_scheduled_tokens` in that order, and the runner's output follows it, so the maps' keys repeat the order the
+    step already holds. Storing them cost a 256-entry dict remap to handles per map per step on the recording
+    thread: about half of the 210 µs a step of capture_bench's 256-request decode (no logprobs) took to write.
+
+    Each part is left out only when it is exactly what the batch order rebuilds, key order included, so reading
+    restores the step bit for bit; otherwise it is stored as in `Step`."""
+
+    num_scheduled: list[int] | None = None  # num_scheduled_tokens' values in batch order (the map stored empty)
+    layout: int = 0  # the bits above
+
+
 class StepImage(msgspec.Struct, tag="step_image", array_like=True, omit_defaults=True):
     """Format 1.3: one step of another engine (vLLM) as that engine's objects, msgpack-encoded by its tap (maps of
     their fields, tensors as `Array`s, the rest as `Opaque`s): the writer stores them as they come, lossless and
@@ -244,13 +266,13 @@ class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
 
 
 # Records as stored (request ids in steps are int handles). `Ids` and `LogprobColumns` never leave the reader.
-WireRecord = (Header | RequestAdded | RequestAborted | Ids | LogprobColumns | Step[int] | PackedStep | StepImage | Crash
-              | Footer)
+WireRecord = (Header | RequestAdded | RequestAborted | Ids | LogprobColumns | Step[int] | PackedStep | AlignedStep
+              | StepImage | Crash | Footer)
 # Records as the reader yields them (ids resolved to vLLM's strings).
 Record = Header | RequestAdded | RequestAborted | Step[str] | Crash | Footer
 RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "logprob_columns", "step", "packed_step",
-                         "step_image", "crash", "footer"})
-STEP_TAGS = ("step", "packed_step", "step_image")
+                         "aligned_step", "step_image", "crash", "footer"})
+STEP_TAGS = ("step", "packed_step", "aligned_step", "step_image")
 
 
 class ChunkInfo(msgspec.Struct, array_like=True, omit_defaults=True):

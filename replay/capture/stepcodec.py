@@ -27,7 +27,15 @@ from replay.capture.columns import (
     xor_col0_inplace,
 )
 from replay.capture.columns import plain as _plain
-from replay.capture.format import Ids, PackedStep, Step
+from replay.capture.format import (
+    COMPUTED_MINUS_OUTPUT,
+    OUTPUT_IDS_IN_BATCH_ORDER,
+    OUTPUT_INDEX_IN_ORDER,
+    AlignedStep,
+    Ids,
+    PackedStep,
+    Step,
+)
 from replay.contracts import (
     Array,
     LogprobsLists,
@@ -265,17 +273,56 @@ def map_request_ids(step: Step[A], f: Callable[[A], B]) -> Step[B]:
     return _map_step(step, f, lambda lp, sampled: lp, lambda t: t)
 
 
-def _packed(step: Step[int]) -> Step[int]:
-    """A `PackedStep` when the computed-token counts can be stored against the output-token counts, else `step`."""
-    cr = step.scheduler_output.scheduled_cached_reqs
+def batch_order(so: SchedulerOutput[A]) -> list[A]:
+    """The step's batch order: `scheduled_cached_reqs.req_ids`, then the new requests' ids (the order our engine and
+    vLLM's scheduler fill `num_scheduled_tokens` in, and that the runner's output follows)."""
+    cached = so.scheduled_cached_reqs.req_ids
+    return cached + [r.req_id for r in so.scheduled_new_reqs] if so.scheduled_new_reqs else list(cached)
+
+
+def _slim(step: Step[str]) -> tuple[Step[str], list[int] | None, int]:
+    """The step without the per-request maps that its batch order gives back (`AlignedStep`), the values of
+    `num_scheduled_tokens` if it was left out, and the layout bits. Checked on the string ids, before interning,
+    so the maps left out are never remapped: list comparisons run at C speed, dict building does not."""
+    so, mro = step.scheduler_output, step.model_runner_output
+    order = batch_order(so)
+    nst = so.num_scheduled_tokens
+    scheduled = None
+    if len(nst) == len(order) and list(nst) == order:  # (keys are distinct, so `order` has no repeats)
+        scheduled = list(nst.values())
+        so = replace(so, num_scheduled_tokens={})
+    layout = 0
+    if mro is not None:
+        ids, index = mro.req_ids, mro.req_id_to_index
+        if ids == order:
+            layout |= OUTPUT_IDS_IN_BATCH_ORDER
+        if len(index) == len(ids) and list(index) == ids and list(index.values()) == list(range(len(ids))):
+            layout |= OUTPUT_INDEX_IN_ORDER
+        if layout:
+            mro = replace(mro, req_ids=[] if layout & OUTPUT_IDS_IN_BATCH_ORDER else ids,
+                          req_id_to_index={} if layout & OUTPUT_INDEX_IN_ORDER else index)
+    if scheduled is None and not layout:
+        return step, None, 0
+    return replace(step, scheduler_output=so, model_runner_output=mro), scheduled, layout
+
+
+def _packed(step: Step[int], scheduled: list[int] | None, layout: int) -> Step[int]:
+    """An `AlignedStep` when anything of the step is left out or packed, else `step`: the computed-token counts are
+    stored against the output-token counts when both lists have one entry per request."""
+    so = step.scheduler_output
+    cr = so.scheduled_cached_reqs
     done, out = cr.num_computed_tokens, cr.num_output_tokens
-    if not done or len(done) != len(out):
+    if done and len(done) == len(out):
+        so = replace(so, scheduled_cached_reqs=replace(cr, num_computed_tokens=list(map(sub, done, out))))
+        layout |= COMPUTED_MINUS_OUTPUT
+    if scheduled is None and not layout:
         return step
-    so = replace(step.scheduler_output, scheduled_cached_reqs=replace(cr, num_computed_tokens=list(map(sub, done, out))))
-    return PackedStep(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
+    return AlignedStep(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]), scheduled, layout)
 
 
 def _unpacked(step: Step[int]) -> Step[int]:
+    if isinstance(step, AlignedStep):
+        return _unaligned(step)
     if not isinstance(step, PackedStep):
         return step
     cr = step.scheduler_output.scheduled_cached_reqs
@@ -286,19 +333,45 @@ def _unpacked(step: Step[int]) -> Step[int]:
     return Step(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
 
 
+def _unaligned(step: AlignedStep) -> Step[int]:
+    """The `Step` an `AlignedStep` was made from (handles as stored). Raises ValueError where the parts left out
+    cannot have been what the batch order gives back."""
+    so, mro, layout = step.scheduler_output, step.model_runner_output, step.layout
+    cr = so.scheduled_cached_reqs
+    if layout & COMPUTED_MINUS_OUTPUT:
+        if len(cr.num_computed_tokens) != len(cr.num_output_tokens):
+            raise ValueError("a packed step's computed- and output-token counts differ in length")
+        cr = replace(cr, num_computed_tokens=list(map(add, cr.num_computed_tokens, cr.num_output_tokens)))
+        so = replace(so, scheduled_cached_reqs=cr)
+    order = batch_order(so)
+    if step.num_scheduled is not None:
+        if len(step.num_scheduled) != len(order) or so.num_scheduled_tokens:
+            raise ValueError("a step's scheduled-token counts do not line up with its batch")
+        so = replace(so, num_scheduled_tokens=dict(zip(order, step.num_scheduled)))
+    if layout & (OUTPUT_IDS_IN_BATCH_ORDER | OUTPUT_INDEX_IN_ORDER):
+        if mro is None or (layout & OUTPUT_IDS_IN_BATCH_ORDER and mro.req_ids) or \
+                (layout & OUTPUT_INDEX_IN_ORDER and mro.req_id_to_index):
+            raise ValueError("a step's output request ids are both stored and left out")
+        ids = order if layout & OUTPUT_IDS_IN_BATCH_ORDER else mro.req_ids
+        mro = replace(mro, req_ids=ids, req_id_to_index=dict(zip(ids, range(len(ids))))
+                      if layout & OUTPUT_INDEX_IN_ORDER else mro.req_id_to_index)
+    return Step(step.index, so, mro, *(getattr(step, f) for f in _STEP_FIELDS[3:]))
+
+
 _STEP_FIELDS = Step.__struct_fields__  # index, scheduler_output, then the rest
 
 
 def step_to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> Step[int]:
-    """The stored form of a step (a `PackedStep` where it can be); new ids are assigned handles in `table` (collect
+    """The stored form of a step (an `AlignedStep` where it can be); new ids are assigned handles in `table` (collect
     them with `take_new`). With `columns` (the open chunk's), its logprob matrices go there and the step keeps
     markers to them."""
+    step, scheduled, layout = _slim(step)
     if columns is None:
-        return _packed(_map_step(step, table.handle, _pack_lp, _pack_plp))
+        return _packed(_map_step(step, table.handle, _pack_lp, _pack_plp), scheduled, layout)
 
     def pack(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
         return columns.add(lp) or _pack_lp(lp, sampled)
-    return _packed(_map_step(step, table.handle, pack, _pack_plp))
+    return _packed(_map_step(step, table.handle, pack, _pack_plp), scheduled, layout)
 
 
 def step_from_wire(step: Step[int], table: IdTable, columns: ColumnSource | None = None) -> Step[str]:

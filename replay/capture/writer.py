@@ -153,8 +153,7 @@ class CaptureWriter(WriterContext):
 
         Returns the encoded size in bytes. Call it before the engine mutates either object again.
         """
-        step = fmt.Step(index, scheduler_output, model_runner_output, **extra)
-        return self.write_step_record(step)
+        return self.write_step_record(fmt.Step(index, scheduler_output, model_runner_output, **extra))
 
     def write_step_record(self, step: fmt.Step) -> int:
         """Record an already built `Step` (in-memory form, string ids)."""
@@ -293,11 +292,12 @@ class CaptureWriter(WriterContext):
     def _encode(self, record: msgspec.Struct) -> bytes:
         try:
             data = fmt.WIRE_ENCODER.encode(record)
+            if len(data) <= fmt.MAX_RECORD_BYTES:
+                return data
+            why = f"a record of {len(data)} bytes exceeds the {fmt.MAX_RECORD_BYTES}-byte limit"
         except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int beyond 64 bits in extra_args
-            raise UsageError(f"cannot record a {type(record).__name__}: {e}") from None
-        if len(data) > fmt.MAX_RECORD_BYTES:
-            raise UsageError(f"a {type(record).__name__} record of {len(data)} bytes exceeds the {fmt.MAX_RECORD_BYTES}-byte limit")
-        return data
+            why = str(e)
+        raise UsageError(f"cannot record a {'Step' if isinstance(record, fmt.Step) else type(record).__name__}: {why}")
 
     def _append(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
                 requests_added: int = 0, header: bool = False,

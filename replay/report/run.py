@@ -4,7 +4,7 @@ prompt, tokens, the steps that scheduled it, how it ended).
 
 It has to be fast on a 100,000-step capture of 256 running requests (25 million step x request pairs), so it does
 not decode what it does not show: a step's ModelRunnerOutput is read only for its request ids and sampled tokens,
-never its logprobs (`_StepHead`), request ids stay the capture's int handles, and per-request work is numpy over
+never its logprobs (`StepHead`), request ids stay the capture's int handles, and per-request work is numpy over
 handles or set arithmetic on who entered and left the batch. The numbers are those of
 `replay.inspect.step_summary` (prefill tokens, preemptions inferred from resumptions, finish reasons), computed
 column-wise. Nothing per (step, request) is kept: a request's steps are runs of consecutive steps (`spans`).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from operator import add
 
 import msgspec
 import numpy as np
@@ -24,97 +23,18 @@ from replay.capture import CaptureReader, Damage, Header
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSource
 from replay.capture.peek import is_unknown_tag
-from replay.capture.step_image import is_nil, restore_output
-from replay.capture.stepcodec import map_request_ids
 from replay.contracts import (
-    ModelRunnerOutput,
-    NewRequestData,
     SamplingParams,
-    SchedulerOutput,
 )
 from replay.contracts.image_decoder import ImageDecoder
 from replay.errors import CaptureDamagedError, LimitExceededError
 from replay.inspect.step_summary import StepSummarizer, prefill_tokens
+from replay.report.heads import DECODER, OutputHead, StepHead, image_head
 
 # the per-step numbers kept, in the order of `RunFacts.series`
 SERIES = ("requests", "prefill", "decode", "schedule_ns", "execute_ns", "update_ns", "preempted", "prefix_hits",
           "new", "finished")
 UNFINISHED, FINISHED, ABORTED = 0, 1, 2
-
-
-class _CachedHead(msgspec.Struct, array_like=True):
-    """The fields of a stored CachedRequestData the report reads; block ids and token lists are skipped."""
-
-    req_ids: list[int]
-    resumed_req_ids: set[int]
-    new_token_ids: msgspec.Raw
-    all_token_ids: msgspec.Raw
-    new_block_ids: msgspec.Raw
-    num_computed_tokens: list[int]
-    num_output_tokens: list[int]
-
-
-class _ScheduleHead(msgspec.Struct, array_like=True):
-    """The leading fields of a stored SchedulerOutput, as far as `preempted_req_ids`."""
-
-    scheduled_new_reqs: list[NewRequestData[int]]
-    scheduled_cached_reqs: _CachedHead
-    num_scheduled_tokens: dict[int, int]
-    total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: msgspec.Raw
-    scheduled_encoder_inputs: msgspec.Raw
-    finished_req_ids: set[int]
-    free_encoder_mm_hashes: msgspec.Raw
-    scheduled_encoder_input_stats: msgspec.Raw = msgspec.Raw(b"")
-    preempted_req_ids: set[int] | None = None
-
-
-class _OutputHead(msgspec.Struct, array_like=True):
-    """The leading fields of a stored ModelRunnerOutput; the rest (logprobs and all) is skipped undecoded."""
-
-    req_ids: list[int]
-    req_id_to_index: msgspec.Raw
-    sampled_token_ids: list[list[int]] = []
-
-
-class _StepHead(msgspec.Struct, tag="step", array_like=True):
-    """A stored Step as far as its timing. Records are arrays whose fields never move (the format's evolution
-    rule: new fields go last), so a prefix of `replay.capture.format.Step`'s fields decodes any version."""
-
-    index: int
-    scheduler_output: _ScheduleHead
-    model_runner_output: _OutputHead | None
-    drawn_seeds: msgspec.Raw = msgspec.Raw(b"")
-    rng_state: msgspec.Raw = msgspec.Raw(b"")
-    timing: fmt.StepTiming | None = None
-
-
-class _PackedStepHead(_StepHead, tag="packed_step"):
-    """A `PackedStep` (format 1.3) as far as its timing: its computed-token counts are stored against its
-    output-token counts (`unpack` restores them)."""
-
-    def unpack(self) -> _StepHead:
-        """The head as a `_StepHead`, its computed-token counts restored."""
-        c = self.scheduler_output.scheduled_cached_reqs
-        c.num_computed_tokens = list(map(add, c.num_computed_tokens, c.num_output_tokens))
-        return self
-
-
-_DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | _StepHead | _PackedStepHead
-                                   | fmt.LogprobColumns | fmt.StepImage | fmt.Crash | fmt.Footer)
-_HEAD = msgspec.msgpack.Decoder(_StepHead)
-
-
-def _image_head(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSource | None, handle) -> _StepHead:
-    """A step stored as another engine's images (format 1.3), as far as `_StepHead` reads a stored step: converted
-    (its sampled tokens may live in the chunk's logprob `columns`), ids given handles (`handle`), logprobs left out."""
-    so = decoder.decode(rec.scheduler_output, SchedulerOutput[str])
-    mro = None
-    if not is_nil(rec.model_runner_output):
-        image, _ = restore_output(rec.model_runner_output, columns)
-        mro = msgspec.structs.replace(decoder.decode(image, ModelRunnerOutput[str]), logprobs=None)
-    step = map_request_ids(fmt.Step(rec.index, so, mro, timing=rec.timing), handle)
-    return _HEAD.decode(fmt.WIRE_ENCODER.encode(step))
 
 
 @dataclass(slots=True)
@@ -173,7 +93,7 @@ class _Scan:
         self.added: dict[str, fmt.RequestAdded] = {}
         self.aborted: list[str] = []
         self.crashes: list[tuple[int, str]] = []
-        self.output: _OutputHead | None = None  # the last step's output
+        self.output: OutputHead | None = None  # the last step's output
 
     def grow(self, need: int) -> None:
         """Make the per-request columns hold handle `need - 1`."""
@@ -207,7 +127,7 @@ class _Scan:
             self._handles.update((s, h) for h, s in enumerate(rec.ids, rec.first))
         self.grow(end)
 
-    def step(self, rec: _StepHead) -> None:
+    def step(self, rec: StepHead) -> None:
         """One step's numbers, and what it did to each request."""
         so, out, pos = rec.scheduler_output, rec.model_runner_output, len(self.index)
         self.index.append(rec.index)
@@ -355,14 +275,14 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
             columns = None  # the chunk's logprob columns: image steps' sampled tokens may be there
             for raw in raws:
                 try:
-                    rec = _DECODER.decode(raw)
+                    rec = DECODER.decode(raw)
                 except msgspec.DecodeError as e:
                     if not is_unknown_tag(raw):  # a newer record kind is skipped; anything else is damage
                         damage.append(Damage("record", f"malformed record ({e})", chunk=ref.number, offset=ref.offset))
                     continue
-                if isinstance(rec, _StepHead):
+                if isinstance(rec, StepHead):
                     try:
-                        scan.step(rec.unpack() if isinstance(rec, _PackedStepHead) else rec)
+                        scan.step(rec.unpack())
                     except (IndexError, KeyError) as e:  # handles declared in a lost chunk
                         damage.append(Damage("record", f"step {rec.index} refers to what a lost chunk held ({e})",
                                              chunk=ref.number, offset=ref.offset, first_step=rec.index,
@@ -371,7 +291,7 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
                     columns = ColumnSource(rec)
                 elif isinstance(rec, fmt.StepImage):
                     try:
-                        scan.step(_image_head(rec, images, columns, scan.handle))
+                        scan.step(image_head(rec, images, columns, scan.handle))
                     except (ValueError, msgspec.MsgspecError) as e:
                         damage.append(Damage("record", f"step {rec.index} has inconsistent contents ({e})",
                                              chunk=ref.number, offset=ref.offset, first_step=rec.index,

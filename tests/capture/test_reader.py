@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import struct
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -20,6 +21,12 @@ from replay.errors import (
     UnsupportedVersionError,
 )
 from replay.provenance import make_header
+from replay.record.synth import SynthShape, record_synth
+
+# Written by this project's writer at commit 178bae1 (format 1.3: steps as `PackedStep`) with `record_synth` of
+# FORMAT_1_3_SHAPE; the writer now stores the same steps as 1.4 `AlignedStep`s.
+FORMAT_1_3 = Path(__file__).parent / "data" / "format-1.3-synth.capture"
+FORMAT_1_3_SHAPE = SynthShape(steps=40, running=8, num_logprobs=3, prompt_len=(8, 40), output_len=(3, 12))
 
 
 def read_all(path):
@@ -112,6 +119,23 @@ def test_unknown_record_tag_is_skipped(tmp_path):
         recs = list(r.records())
         assert r.unknown_records == 1 and r.damage == []
     assert [type(x).__name__ for x in recs] == ["Header", "RequestAborted", "RequestAborted", "Footer"]
+
+
+def _tags(path) -> list[str]:
+    with CaptureReader(path) as r:
+        return [fmt.WIRE_DECODER.decode(raw).__struct_config__.tag for ref in r.iter_chunks()
+                for raw in fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))]
+
+
+def test_a_format_1_3_capture_reads_as_the_records_this_writer_writes_now(tmp_path):
+    new = record_synth(tmp_path / "new.capture", FORMAT_1_3_SHAPE)
+    assert _tags(FORMAT_1_3).count("packed_step") == 39 and _tags(new).count("aligned_step") == 40
+    got = []
+    for path in (FORMAT_1_3, new):
+        with CaptureReader(path) as r:
+            got.append([rec for rec in r.records() if not isinstance(rec, (fmt.Header, fmt.Footer))])
+            assert r.damage == [] and r.unknown_records == 0
+    assert len(got[0]) == 92 and got[0] == got[1]
 
 
 def _rewrite_prologue(path, major, minor):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from msgspec.structs import replace
 
-from replay.capture.format import Step
+from replay.capture import format as fmt
+from replay.capture.format import AlignedStep, PackedStep, Step
 from replay.capture.stepcodec import (
     FILTER_COL0,
     FILTER_COL0_XOR,
@@ -35,7 +37,6 @@ def test_ids_are_stored_once_as_handles_and_restored():
     step = _decode_step(["a", "b"], [[7], [8]], np.array([[7, 7, 1], [8, 2, 8]], np.int32), np.zeros((2, 3), np.float32))
     wire = step_to_wire(step, table)
     assert wire.scheduler_output.scheduled_cached_reqs.req_ids == [0, 1]
-    assert wire.model_runner_output.req_id_to_index == {0: 0, 1: 1}
     assert wire.scheduler_output.finished_req_ids == {2}
     decl = table.take_new()
     assert (decl.first, decl.ids) == (0, ["a", "b", "done"])
@@ -96,3 +97,85 @@ def test_nan_and_signed_zero_logprobs_keep_their_bits():
     r.declare(t.take_new())
     back = step_from_wire(wire, r).model_runner_output.logprobs.logprobs.to_numpy()
     assert back.tobytes() == vals.tobytes()
+
+
+def _round_trip(step: Step) -> Step:
+    table, reader = IdTable(), IdTable()
+    wire = step_to_wire(step, table)
+    reader.declare(table.take_new())
+    back = step_from_wire(fmt.WIRE_DECODER.decode(fmt.WIRE_ENCODER.encode(wire)), reader)
+    assert back == step
+    assert [list(m) for m in _maps(back)] == [list(m) for m in _maps(step)]  # key order too, not only contents
+    return wire
+
+
+def _maps(step: Step) -> tuple:
+    mro = step.model_runner_output
+    return step.scheduler_output.num_scheduled_tokens, {} if mro is None else mro.req_id_to_index
+
+
+def test_maps_in_batch_order_are_stored_as_lists_and_come_back_in_their_order():
+    ids = [f"r{i}" for i in range(5)]
+    step = _decode_step(ids, [[1]] * 5, np.ones((5, 2), np.int32), np.zeros((5, 2), np.float32))
+    so = step.scheduler_output
+    new = replace(so.scheduled_cached_reqs, req_ids=ids[:3], num_computed_tokens=[5] * 3, num_output_tokens=[1] * 3,
+                  new_block_ids=[None] * 3)
+    step = replace(step, scheduler_output=replace(so, scheduled_cached_reqs=new, scheduled_new_reqs=[
+        _new_req("r3"), _new_req("r4")], num_scheduled_tokens={"r0": 1, "r1": 1, "r2": 1, "r3": 7, "r4": 9}))
+    wire = _round_trip(step)
+    assert isinstance(wire, AlignedStep) and wire.num_scheduled == [1, 1, 1, 7, 9]
+    assert wire.layout == fmt.COMPUTED_MINUS_OUTPUT | fmt.OUTPUT_IDS_IN_BATCH_ORDER | fmt.OUTPUT_INDEX_IN_ORDER
+    assert wire.scheduler_output.num_scheduled_tokens == {} and wire.model_runner_output.req_ids == []
+    assert wire.model_runner_output.req_id_to_index == {}
+
+
+def test_maps_in_another_order_are_stored_whole():
+    ids = ["a", "b", "c"]
+    step = _decode_step(ids, [[1], [2], [3]], np.ones((3, 2), np.int32), np.zeros((3, 2), np.float32))
+    so, mro = step.scheduler_output, step.model_runner_output
+    # scheduled in another order, output ids in another order, an index that is not the enumeration of the ids
+    odd = replace(step, scheduler_output=replace(so, num_scheduled_tokens={"b": 1, "a": 1, "c": 1}),
+                  model_runner_output=replace(mro, req_ids=["c", "a", "b"], req_id_to_index={"c": 0, "a": 2, "b": 1}))
+    wire = _round_trip(odd)
+    assert wire.num_scheduled is None and wire.layout == fmt.COMPUTED_MINUS_OUTPUT
+    assert list(wire.scheduler_output.num_scheduled_tokens.values()) == [1, 1, 1]
+    assert wire.model_runner_output.req_ids == [2, 0, 1]
+    # only the index line up: the ids are stored, the index is left out
+    wire = _round_trip(replace(odd, model_runner_output=replace(mro, req_ids=["c", "a", "b"],
+                                                                req_id_to_index={"c": 0, "a": 1, "b": 2})))
+    assert wire.layout == fmt.COMPUTED_MINUS_OUTPUT | fmt.OUTPUT_INDEX_IN_ORDER
+    # a step with nothing to align or pack is a plain Step
+    bare = replace(step, scheduler_output=replace(so, num_scheduled_tokens={"b": 1, "a": 1, "c": 1},
+                   scheduled_cached_reqs=replace(so.scheduled_cached_reqs, num_computed_tokens=[])),
+                   model_runner_output=None)
+    assert type(_round_trip(bare)) is Step
+
+
+def test_a_format_1_3_packed_step_still_reads():
+    step = _decode_step(["a", "b"], [[7], [8]], np.array([[7, 7, 1], [8, 2, 8]], np.int32), np.zeros((2, 3), np.float32))
+    table, reader = IdTable(), IdTable()
+    wire = step_to_wire(replace(step, model_runner_output=None), table)  # handles, as a 1.3 writer gave them
+    cr = wire.scheduler_output.scheduled_cached_reqs
+    so = replace(wire.scheduler_output, num_scheduled_tokens={0: 1, 1: 1})
+    old = PackedStep(0, so, None)  # 1.3: only the computed-token counts packed (they are already: 5 - 1 each)
+    assert cr.num_computed_tokens == [4, 4]
+    reader.declare(table.take_new())
+    back = step_from_wire(fmt.WIRE_DECODER.decode(fmt.WIRE_ENCODER.encode(old)), reader)
+    assert back == replace(step, model_runner_output=None)
+
+
+def test_an_aligned_step_that_cannot_line_up_is_an_error_not_a_wrong_step():
+    step = _decode_step(["a", "b"], [[7], [8]], np.ones((2, 2), np.int32), np.zeros((2, 2), np.float32))
+    table, reader = IdTable(), IdTable()
+    wire = step_to_wire(step, table)
+    reader.declare(table.take_new())
+    with pytest.raises(ValueError, match="line up"):
+        step_from_wire(replace(wire, num_scheduled=[1, 1, 1]), reader)
+    with pytest.raises(ValueError, match="both stored and left out"):
+        step_from_wire(replace(wire, model_runner_output=replace(wire.model_runner_output, req_ids=[1, 0])), reader)
+
+
+def _new_req(rid: str):
+    from replay.contracts import NewRequestData, SamplingParams
+
+    return NewRequestData(rid, [1, 2, 3], [], SamplingParams(), None, ([0],), 0, None)

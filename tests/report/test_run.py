@@ -40,7 +40,15 @@ def _expected(path):
     return per_step, ran, tokens, preempted, finished, aborted, added
 
 
-@pytest.mark.parametrize("which", ["recorded", "big_synthetic"])
+@pytest.fixture
+def format_1_3():
+    """A format 1.3 capture (steps as `PackedStep`): the report's step heads read the older form too."""
+    from tests.capture.test_reader import FORMAT_1_3
+
+    return FORMAT_1_3
+
+
+@pytest.mark.parametrize("which", ["recorded", "big_synthetic", "format_1_3"])
 def test_run_facts_count_what_step_summary_counts(which, request):
     path = request.getfixturevalue(which)
     per_step, ran, tokens, preempted, finished, aborted, added = _expected(path)
