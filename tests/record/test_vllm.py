@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,79 +30,8 @@ ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
 SMALL_ENGINE = ["--block-size", "32", "--max-model-len", "256"]
 
 
-def _record(*args, timeout=600):
-    out = subprocess.run(REPLAY + ["record", "--engine", "vllm", *map(str, args)], capture_output=True, text=True,
-                         env=ENV, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 def _ids(seed: int, n: int) -> list[int]:
     return [(seed * 7 + 13 * j) % 250 + 3 for j in range(n)]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vllm-record")
-    return {"llama": add_tokenizer(tiny_llama(d / "tiny-llama")), "qwen3": tiny_qwen3(d / "tiny-qwen3"), "dir": d}
-
-
-def test_qwen3_vllm_capture_replays_on_the_builtin_runner(models):
-    capture = models["dir"] / "qwen3.capture"
-    _record("--model", models["qwen3"], "--num-requests", 8, "--temperature", 0, "--logprobs", 5,
-            "--out", capture, "--vllm-arg", "gpu_memory_utilization=0.5", "--vllm-arg", "enforce_eager=true",
-            *SMALL_ENGINE)
-    rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
-    assert rep.steps_replayed > 8 and not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
-    assert capture_info(capture).header.model.architecture == "Qwen3ForCausalLM"
-
-
-def test_replay_diff_attributes_alone_vs_batched_differences_to_batch_composition(models):
-    prompts = models["dir"] / "eight.jsonl"
-    # prompt lengths 20..300: float32 batch variance on CPU shows once GEMM shapes grow (reference/vllm-on-cpu.md §6)
-    prompts.write_text("".join(json.dumps({"request_id": f"p{i}", "prompt_token_ids": _ids(10 + i, 20 + 40 * i),
-                                           "temperature": 0, "max_tokens": 16, "logprobs": 5, "ignore_eos": True}) + "\n"
-                               for i in range(8)))
-    alone, batched = models["dir"] / "alone.capture", models["dir"] / "batched.capture"
-    same = ["--model", models["llama"], "--prompts", prompts, "--block-size", 32, "--max-model-len", 512,
-            "--max-num-batched-tokens", 4096, "--no-enable-prefix-caching"]
-    _record(*same, "--max-num-seqs", 1, "--out", alone)
-    _record(*same, "--max-num-seqs", 8, "--out", batched)
-    res = diff_captures(alone, batched)
-    assert res.first_divergence is not None, "float32 on CPU is batch-variant: the two runs should differ somewhere"
-    assert res.first_divergence.batches_differ and res.first_divergence.suspect == "batch variance"
-    cli = subprocess.run(REPLAY + ["diff", str(alone), str(batched)], capture_output=True, text=True)
-    assert cli.returncode == 1 and "batch variance" in cli.stdout
-
-
-def test_an_unknown_vllm_engine_argument_is_one_line_with_the_nearest_names(models, tmp_path):
-    out = subprocess.run(REPLAY + ["record", "--engine", "vllm", "--model", str(models["llama"]), "--out",
-                                   str(tmp_path / "x.capture"), "--vllm-arg", "gpu_memory_utilisation=0.5"],
-                         capture_output=True, text=True, env=ENV, timeout=300)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == ("replay: --vllm-arg gpu_memory_utilisation: not an argument of "
-                                                   "vLLM's engine (did you mean gpu_memory_utilization?)")
-
-
-def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(models):
-    """vllm-cpu 0.32 itself fails when a seeded prefill is chunked; the user gets the cause and the fix."""
-    prompts = models["dir"] / "seeded-long.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": _ids(9, 150), "temperature": 0.8, "seed": 1,
-                                   "max_tokens": 4}) + "\n")
-    capture = models["dir"] / "seeded-long.capture"
-    out = subprocess.run(REPLAY + ["record", "--engine", "vllm", "--model", str(models["llama"]), "--prompts",
-                                   str(prompts), "--max-num-batched-tokens", "64", "--out", str(capture),
-                                   *SMALL_ENGINE], capture_output=True, text=True, env=ENV, timeout=600)
-    if out.returncode == 0:
-        pytest.skip("this vLLM build samples chunked seeded prefills fine")  # fixed upstream: nothing to explain
-    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
-    lines = out.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("replay: ") and "max_num_batched_tokens" in lines[0], out.stderr
-    assert f"vLLM's log: {capture}.vllm.log" in lines[0]
-    log = Path(f"{capture}.vllm.log").read_text()
-    assert "seeded" in log and "does not use offset" in log  # the tap's warning, then vLLM's own error
-    info = capture_info(capture)
-    assert info.complete and info.status.startswith("crashed at step ") and "does not use offset" in info.status
 
 
 FILLS_UP = """
@@ -126,12 +56,92 @@ run()
 """
 
 
-def test_a_capture_that_stops_mid_run_fails_the_recording_in_one_line(models, tmp_path):
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every `replay record --engine vllm` this module checks, run two at a time: a vLLM process spends most of its
+    life in its own single-threaded start-up, so on this 2-core machine two take little longer than one. Name ->
+    (capture, the finished process); each test checks its own run."""
+    d = tmp_path_factory.mktemp("vllm-record")
+    llama, qwen3 = add_tokenizer(tiny_llama(d / "tiny-llama")), tiny_qwen3(d / "tiny-qwen3")
+    # prompt lengths 20..300: float32 batch variance on CPU shows once GEMM shapes grow (reference/vllm-on-cpu.md §6)
+    eight = _jsonl(d / "eight.jsonl", [{"request_id": f"p{i}", "prompt_token_ids": _ids(10 + i, 20 + 40 * i),
+                                        "temperature": 0, "max_tokens": 16, "logprobs": 5, "ignore_eos": True}
+                                       for i in range(8)])
+    same = ["--model", llama, "--prompts", eight, "--block-size", 32, "--max-model-len", 512,
+            "--max-num-batched-tokens", 4096, "--no-enable-prefix-caching"]
+    seeded = _jsonl(d / "seeded-long.jsonl", [{"prompt_token_ids": _ids(9, 150), "temperature": 0.8, "seed": 1,
+                                               "max_tokens": 4}])
+    jobs = {
+        "qwen3": ["--model", qwen3, "--num-requests", 8, "--temperature", 0, "--logprobs", 5, "--vllm-arg",
+                  "gpu_memory_utilization=0.5", "--vllm-arg", "enforce_eager=true", *SMALL_ENGINE],
+        "alone": [*same, "--max-num-seqs", 1],
+        "batched": [*same, "--max-num-seqs", 8],
+        "misspelt": ["--model", llama, "--vllm-arg", "gpu_memory_utilisation=0.5"],
+        "seeded-long": ["--model", llama, "--prompts", seeded, "--max-num-batched-tokens", 64, *SMALL_ENGINE],
+        "full": ["--model", llama, "--num-requests", 2, "--max-tokens", 8, *SMALL_ENGINE],
+    }
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        capture = d / f"{name}.capture"
+        cli = [sys.executable, "-c", FILLS_UP] if name == "full" else REPLAY  # `full`: its disk fills up
+        cmd = [*cli, "record", "--engine", "vllm", *map(str, jobs[name]), "--out", str(capture)]
+        return capture, subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
+
+
+def _recorded(runs, name: str) -> Path:
+    capture, out = runs[name]
+    assert out.returncode == 0, out.stderr[-3000:]
+    return capture
+
+
+def test_qwen3_vllm_capture_replays_on_the_builtin_runner(runs):
+    capture = _recorded(runs, "qwen3")
+    rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
+    assert rep.steps_replayed > 8 and not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
+    assert capture_info(capture).header.model.architecture == "Qwen3ForCausalLM"
+
+
+def test_replay_diff_attributes_alone_vs_batched_differences_to_batch_composition(runs):
+    alone, batched = _recorded(runs, "alone"), _recorded(runs, "batched")
+    res = diff_captures(alone, batched)
+    assert res.first_divergence is not None, "float32 on CPU is batch-variant: the two runs should differ somewhere"
+    assert res.first_divergence.batches_differ and res.first_divergence.suspect == "batch variance"
+    cli = subprocess.run(REPLAY + ["diff", str(alone), str(batched)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "batch variance" in cli.stdout
+
+
+def test_an_unknown_vllm_engine_argument_is_one_line_with_the_nearest_names(runs):
+    _, out = runs["misspelt"]
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == ("replay: --vllm-arg gpu_memory_utilisation: not an argument of "
+                                                   "vLLM's engine (did you mean gpu_memory_utilization?)")
+
+
+def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(runs):
+    """vllm-cpu 0.32 itself fails when a seeded prefill is chunked; the user gets the cause and the fix."""
+    capture, out = runs["seeded-long"]
+    if out.returncode == 0:
+        pytest.skip("this vLLM build samples chunked seeded prefills fine")  # fixed upstream: nothing to explain
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("replay: ") and "max_num_batched_tokens" in lines[0], out.stderr
+    assert f"vLLM's log: {capture}.vllm.log" in lines[0]
+    log = Path(f"{capture}.vllm.log").read_text()
+    assert "seeded" in log and "does not use offset" in log  # the tap's warning, then vLLM's own error
+    info = capture_info(capture)
+    assert info.complete and info.status.startswith("crashed at step ") and "does not use offset" in info.status
+
+
+def test_a_capture_that_stops_mid_run_fails_the_recording_in_one_line(runs):
     """A vLLM server keeps serving when its capture fails; `replay record` must not report success."""
-    capture = tmp_path / "full.capture"
-    out = subprocess.run([sys.executable, "-c", FILLS_UP, "record", "--engine", "vllm", "--model", str(models["llama"]),
-                          "--num-requests", "2", "--max-tokens", "8", "--out", str(capture), *SMALL_ENGINE],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    capture, out = runs["full"]
     assert out.returncode == 2, out.stderr[-2000:]  # as when the builtin engine's capture cannot be written
     lines = out.stderr.splitlines()
     assert lines[-1].startswith("replay: ") and "recording stopped: No space left on device" in lines[-1], lines[-3:]

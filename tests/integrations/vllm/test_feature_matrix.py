@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,23 +128,43 @@ EMBEDS = textwrap.dedent("""
 """)
 
 
-def _script(text: str, out: Path, *args: Path) -> Path:
-    """Run a vLLM script with REPLAY_CAPTURE=out, as a serving process is recorded."""
+MIXED = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                          "prompt_lookup_min": 1})
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8},
+               {"prompt_token_ids": [12, 13] * 5}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    llm.generate(prompts, [greedy, greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2,
+                                                          ignore_eos=True)], use_tqdm=False)
+""")
+
+
+def _script(text: str, out: Path, *args: Path) -> tuple[list[str], Path, dict]:
+    """A vLLM script run with REPLAY_CAPTURE=out, as a serving process is recorded (a job for `_run`)."""
     script = out.with_suffix(".py")
     script.write_text(text)
-    res = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                         env=dict(ENV, REPLAY_CAPTURE=str(out)), timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return out
+    return [sys.executable, str(script), *map(str, args)], out, dict(ENV, REPLAY_CAPTURE=str(out))
 
 
-def _record(model: Path, requests: list[dict], out: Path, *engine: str) -> Path:
+def _record(model: Path, requests: list[dict], out: Path, *engine: str) -> tuple[list[str], Path, dict]:
+    """`replay record --engine vllm` of these requests (a job for `_run`)."""
     prompts = out.with_suffix(".jsonl")
     prompts.write_text("".join(json.dumps(r) + "\n" for r in requests))
-    res = subprocess.run(REPLAY + ["record", "--engine", "vllm", "--model", str(model), "--prompts", str(prompts),
-                                   "--out", str(out), "--block-size", "32", "--max-model-len", "256", *engine],
-                         capture_output=True, text=True, env=ENV, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    return REPLAY + ["record", "--engine", "vllm", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                     "--block-size", "32", "--max-model-len", "256", *engine], out, ENV
+
+
+def _run(cmd: list[str], out: Path, env: dict) -> Path:
+    """Run one recording job; its output goes to a file (two jobs at once must not fill each other's pipes)."""
+    log = out.with_suffix(".out")
+    with open(log, "w") as f:
+        res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+    assert res.returncode == 0, log.read_text()[-3000:]
     return out
 
 
@@ -190,21 +212,31 @@ class Recorded:
 
 
 @pytest.fixture(scope="module")
-def captures(tmp_path_factory) -> dict[str, Recorded]:
+def recordings(tmp_path_factory) -> dict[str, Path]:
+    """Every capture this module reads, recorded two at a time: a vLLM process spends most of its life in its own
+    single-threaded start-up, so on this 2-core machine two of them take little longer than one (162 -> ~100 s)."""
     d = tmp_path_factory.mktemp("matrix")
     llama = add_tokenizer(tiny_llama(d / "tiny-llama"))
-    sampling = _record(llama, SAMPLING, d / "sampling.capture", "--num-blocks", "9", "--max-num-seqs", "4",
-                       "--max-num-batched-tokens", "96")
-    window = _record(tiny_mistral(d / "tiny-mistral"), LONG, d / "window.capture")
-    ngram = _record(llama, NGRAM, d / "ngram.capture", "--vllm-arg", 'speculative_config={"method": "ngram", '
-                    '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}')
-    eagle = _record(llama, NGRAM, d / "eagle.capture", "--vllm-arg", 'speculative_config={"method": "eagle", '
-                    f'"model": "{tiny_eagle_head(llama, d / "eagle-head")}", "num_speculative_tokens": 2}}')
-    lora = _script(LORA, d / "lora.capture", llama, lora_adapter(llama, d / "sql-lora"))
-    embeds = _script(EMBEDS, d / "embeds.capture", llama)
-    return {name: Recorded(p) for name, p in
-            (("sampling", sampling), ("window", window), ("ngram", ngram), ("eagle", eagle), ("lora", lora),
-             ("embeds", embeds))}
+    jobs = {
+        "sampling": _record(llama, SAMPLING, d / "sampling.capture", "--num-blocks", "9", "--max-num-seqs", "4",
+                            "--max-num-batched-tokens", "96"),
+        "window": _record(tiny_mistral(d / "tiny-mistral"), LONG, d / "window.capture"),
+        "ngram": _record(llama, NGRAM, d / "ngram.capture", "--vllm-arg", 'speculative_config={"method": "ngram", '
+                         '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'),
+        "eagle": _record(llama, NGRAM, d / "eagle.capture", "--vllm-arg", 'speculative_config={"method": "eagle", '
+                         f'"model": "{tiny_eagle_head(llama, d / "eagle-head")}", "num_speculative_tokens": 2}}'),
+        "lora": _script(LORA, d / "lora.capture", llama, lora_adapter(llama, d / "sql-lora")),
+        "embeds": _script(EMBEDS, d / "embeds.capture", llama),
+        "mixed": _script(MIXED, d / "mixed.capture", llama),  # not a matrix row: its own test below
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        running = {name: pool.submit(_run, *job) for name, job in jobs.items()}
+        return {name: job.result() for name, job in running.items()}
+
+
+@pytest.fixture(scope="module")
+def captures(recordings) -> dict[str, Recorded]:
+    return {name: Recorded(path) for name, path in recordings.items() if name != "mixed"}
 
 
 @pytest.fixture(scope="module")
@@ -303,20 +335,22 @@ def test_the_cli_recording_keeps_the_engine_config_vllms_field_lists_and_every_s
     assert any(v is not None for s in steps if s.model_runner_output for v in s.model_runner_output.prompt_logprobs_dict.values())
 
 
-def test_vllm_runs_quietly_its_log_beside_the_capture_and_v_shows_it(captures):
+def test_vllm_runs_quietly_its_log_beside_the_capture_and_v_shows_it(captures, tmp_path):
     """`replay run --runner vllm` prints no vLLM line: the first line is ours, vLLM's output is in a log beside the
-    capture, and the warnings that change numerics are notes. `replay -v` shows vLLM's output live."""
-    capture = captures["sampling"].path
-    out = subprocess.run(REPLAY + ["run", str(capture), "--diff", "--runner", "vllm"], capture_output=True,
-                         text=True, env=ENV, timeout=600)
+    capture, and the warnings that change numerics are notes. `replay -v` shows vLLM's output live. (The two runs go
+    side by side, on two copies of the capture, each with its own log.)"""
+    capture, copy = captures["sampling"].path, tmp_path / "sampling.capture"
+    shutil.copyfile(capture, copy)
+    runs = [REPLAY + ["run", str(capture), "--diff", "--runner", "vllm"],
+            REPLAY + ["-v", "run", str(copy), "--diff", "--runner", "vllm", "--steps", "0-1"]]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out, loud = pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600), runs)
     assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
     first = out.stdout.splitlines()[0]
     assert first.startswith(("note: ", "replayed ")), first
     assert "note: vLLM: Enforce eager set, disabling torch.compile" in out.stdout
     assert " INFO " not in out.stdout and "Traceback" not in out.stdout
     assert "Initializing a V1 LLM engine" in Path(f"{capture}.vllm-replay.log").read_text()
-    loud = subprocess.run(REPLAY + ["-v", "run", str(capture), "--diff", "--runner", "vllm", "--steps", "0-1"],
-                          capture_output=True, text=True, env=ENV, timeout=600)
     assert loud.returncode == 0 and "Initializing a V1 LLM engine" in loud.stdout + loud.stderr
 
 
@@ -423,28 +457,12 @@ def test_a_lora_capture_with_its_adapter_changed_is_refused_by_name(captures, ca
         lora_adapter(d / "tiny-llama", d / "sql-lora")  # back as recorded, for any later replay
 
 
-MIXED = textwrap.dedent("""
-    import os, sys
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                          "prompt_lookup_min": 1})
-    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8},
-               {"prompt_token_ids": [12, 13] * 5}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
-    llm.generate(prompts, [greedy, greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2,
-                                                          ignore_eos=True)], use_tqdm=False)
-""")
-
-
-def test_greedy_drafts_verified_beside_a_random_request_are_pinned_on_vllm_cpus_sampler(captures, tmp_path):
+def test_greedy_drafts_verified_beside_a_random_request_are_pinned_on_vllm_cpus_sampler(recordings):
     """A real vllm-cpu 0.32 bug: with ngram speculative decoding, a greedy request verified in the same batch as a
     random one sometimes emits a token that is not its argmax (rank 86 to 1024, differently on every run). The
     builtin replay (greedy verification, vLLM's random draws not compared) finds the first such token and calls it
     a NOT-ARGMAX flip: the sampler decided it, not the numerics."""
-    capture = _script(MIXED, tmp_path / "mixed.capture", captures["lora"].path.parent / "tiny-llama")
+    capture = recordings["mixed"]
     first = None
     with CaptureReader(capture) as r:
         greedy: set[str] = set()

