@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from replay.diff import Tolerance, diff_captures  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from tests.vllm_checkpoints import add_tokenizer, tiny_llama, tiny_qwen3  # noqa: E402
+from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 REPLAY = [sys.executable, "-m", "replay.cli"]
 ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
@@ -63,8 +63,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every `replay record --engine vllm` this module checks, run two at a time: a vLLM process spends most of its
-    life in its own single-threaded start-up, so on this 2-core machine two take little longer than one. Name ->
+    """Every `replay record --engine vllm` this module checks, run side by side (tests/vllm_jobs.py). Name ->
     (capture, the finished process); each test checks its own run."""
     d = tmp_path_factory.mktemp("vllm-record")
     llama, qwen3 = add_tokenizer(tiny_llama(d / "tiny-llama")), tiny_qwen3(d / "tiny-qwen3")
@@ -91,25 +90,18 @@ def runs(tmp_path_factory):
         cli = [sys.executable, "-c", FILLS_UP] if name == "full" else REPLAY  # `full`: its disk fills up
         cmd = [*cli, "record", "--engine", "vllm", *map(str, jobs[name]), "--out", str(capture)]
         return capture, subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(jobs, pool.map(run, jobs)))
-
-
-def _recorded(runs, name: str) -> Path:
-    capture, out = runs[name]
-    assert out.returncode == 0, out.stderr[-3000:]
-    return capture
+    return side_by_side(run, list(jobs))
 
 
 def test_qwen3_vllm_capture_replays_on_the_builtin_runner(runs):
-    capture = _recorded(runs, "qwen3")
+    capture = succeeded(runs, "qwen3")
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert rep.steps_replayed > 8 and not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
     assert capture_info(capture).header.model.architecture == "Qwen3ForCausalLM"
 
 
 def test_replay_diff_attributes_alone_vs_batched_differences_to_batch_composition(runs):
-    alone, batched = _recorded(runs, "alone"), _recorded(runs, "batched")
+    alone, batched = succeeded(runs, "alone"), succeeded(runs, "batched")
     res = diff_captures(alone, batched)
     assert res.first_divergence is not None, "float32 on CPU is batch-variant: the two runs should differ somewhere"
     assert res.first_divergence.batches_differ and res.first_divergence.suspect == "batch variance"

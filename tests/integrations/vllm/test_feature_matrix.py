@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,6 +42,7 @@ from tests.vllm_checkpoints import (  # noqa: E402
     tiny_llama,
     tiny_mistral,
 )
+from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 BEGIN, END = "<!-- feature-matrix:begin -->", "<!-- feature-matrix:end -->"
@@ -145,27 +145,18 @@ MIXED = textwrap.dedent("""
 
 
 def _script(text: str, out: Path, *args: Path) -> tuple[list[str], Path, dict]:
-    """A vLLM script run with REPLAY_CAPTURE=out, as a serving process is recorded (a job for `_run`)."""
+    """A vLLM script run with REPLAY_CAPTURE=out, as a serving process is recorded: (command, capture, env)."""
     script = out.with_suffix(".py")
     script.write_text(text)
     return [sys.executable, str(script), *map(str, args)], out, dict(ENV, REPLAY_CAPTURE=str(out))
 
 
 def _record(model: Path, requests: list[dict], out: Path, *engine: str) -> tuple[list[str], Path, dict]:
-    """`replay record --engine vllm` of these requests (a job for `_run`)."""
+    """`replay record --engine vllm` of these requests: (command, capture, env)."""
     prompts = out.with_suffix(".jsonl")
     prompts.write_text("".join(json.dumps(r) + "\n" for r in requests))
     return REPLAY + ["record", "--engine", "vllm", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
                      "--block-size", "32", "--max-model-len", "256", *engine], out, ENV
-
-
-def _run(cmd: list[str], out: Path, env: dict) -> Path:
-    """Run one recording job; its output goes to a file (two jobs at once must not fill each other's pipes)."""
-    log = out.with_suffix(".out")
-    with open(log, "w") as f:
-        res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
-    assert res.returncode == 0, log.read_text()[-3000:]
-    return out
 
 
 class Recorded:
@@ -229,9 +220,11 @@ def recordings(tmp_path_factory) -> dict[str, Path]:
         "embeds": _script(EMBEDS, d / "embeds.capture", llama),
         "mixed": _script(MIXED, d / "mixed.capture", llama),  # not a matrix row: its own test below
     }
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        running = {name: pool.submit(_run, *job) for name, job in jobs.items()}
-        return {name: job.result() for name, job in running.items()}
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        cmd, out, env = jobs[name]
+        return out, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    runs = side_by_side(run, list(jobs))
+    return {name: succeeded(runs, name) for name in jobs}
 
 
 @pytest.fixture(scope="module")
@@ -341,10 +334,11 @@ def test_vllm_runs_quietly_its_log_beside_the_capture_and_v_shows_it(captures, t
     side by side, on two copies of the capture, each with its own log.)"""
     capture, copy = captures["sampling"].path, tmp_path / "sampling.capture"
     shutil.copyfile(capture, copy)
-    runs = [REPLAY + ["run", str(capture), "--diff", "--runner", "vllm"],
-            REPLAY + ["-v", "run", str(copy), "--diff", "--runner", "vllm", "--steps", "0-1"]]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        out, loud = pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600), runs)
+    runs = {"quiet": REPLAY + ["run", str(capture), "--diff", "--runner", "vllm"],
+            "loud": REPLAY + ["-v", "run", str(copy), "--diff", "--runner", "vllm", "--steps", "0-1"]}
+    done = side_by_side(lambda name: subprocess.run(runs[name], capture_output=True, text=True, env=ENV, timeout=600),
+                        list(runs))
+    out, loud = done["quiet"], done["loud"]
     assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
     first = out.stdout.splitlines()[0]
     assert first.startswith(("note: ", "replayed ")), first

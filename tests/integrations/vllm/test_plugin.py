@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from replay.inspect import capture_info  # noqa: E402
 from replay.provenance import current_hardware  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 RUN = textwrap.dedent("""
     import os, sys
@@ -52,9 +52,8 @@ RUN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Every vLLM script this module records (REPLAY_CAPTURE set, as a serving process is recorded), run two at a
-    time: a vLLM process spends most of its life in its own single-threaded start-up, so on this 2-core machine two
-    take little longer than one. Name -> (capture, the finished process); each test checks its own run."""
+    """Every vLLM script this module records (REPLAY_CAPTURE set, as a serving process is recorded), run side by
+    side (tests/vllm_jobs.py). Name -> (capture, the finished process); each test checks its own run."""
     d = tmp_path_factory.mktemp("vllm")
     tiny_llama(d / "tiny-llama")
     jobs = {"inprocess": (RUN, "inprocess"), "multiprocess": (RUN, "multiprocess"), "rich": (RICH,),
@@ -67,19 +66,12 @@ def recorded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProc
         return capture, subprocess.run([sys.executable, str(script), str(d / "tiny-llama"), *args],
                                        capture_output=True, text=True,
                                        env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(jobs, pool.map(run, jobs)))
-
-
-def _succeeded(recorded, name: str) -> Path:
-    capture, out = recorded[name]
-    assert out.returncode == 0, out.stderr[-3000:]
-    return capture
+    return side_by_side(run, list(jobs))
 
 
 def _outputs(recorded, name: str) -> tuple[Path, list[list[int]]]:
     """A run of RUN: its capture and the tokens vLLM returned."""
-    capture, out = _succeeded(recorded, name), recorded[name][1]
+    capture, out = succeeded(recorded, name), recorded[name][1]
     line = next(x for x in out.stdout.splitlines() if x.startswith("[["))  # vLLM logs to stdout too
     outputs = eval(line)  # noqa: S307 - our own subprocess printed a list of lists
     assert "capture finished before exit: True" in out.stdout  # closed or sealed once the engine was deleted
@@ -216,7 +208,7 @@ RICH = textwrap.dedent("""
 
 
 def test_rich_vllm_workload_replays_bitwise_on_vllm_and_bf16_diverges(recorded):
-    capture = _succeeded(recorded, "rich")
+    capture = succeeded(recorded, "rich")
     seen = {"resumed": 0, "prefix_hits": 0, "prompt_logprobs": 0, "seeded": 0, "random": 0}
     with CaptureReader(capture) as r:
         for s in r.records():
@@ -280,7 +272,7 @@ def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(recorded, monkeypatc
     (not set aside as vLLM's own); without it (the control) they differ."""
     from replay.engine.runner import ModelRunner
 
-    capture = _succeeded(recorded, "seeded")
+    capture = succeeded(recorded, "seeded")
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     print(f"seeded vLLM-CPU draws on the builtin runner: {rep.tokens_compared} tokens compared, "
           f"{sum(s.token_mismatches for s in rep.steps)} differ")
