@@ -325,24 +325,24 @@ def _unpacked(step: Step[int]) -> Step[int]:
         return _unaligned(step)
     if not isinstance(step, PackedStep):
         return step
-    cr = step.scheduler_output.scheduled_cached_reqs
+    return Step(step.index, _computed_restored(step.scheduler_output), *(getattr(step, f) for f in _STEP_FIELDS[2:]))
+
+
+def _computed_restored(so: SchedulerOutput[int]) -> SchedulerOutput[int]:
+    """The scheduler output with its computed-token counts, stored against the output-token counts, added back."""
+    cr = so.scheduled_cached_reqs
     if len(cr.num_computed_tokens) != len(cr.num_output_tokens):
         raise ValueError("a packed step's computed- and output-token counts differ in length")
-    so = replace(step.scheduler_output, scheduled_cached_reqs=replace(
+    return replace(so, scheduled_cached_reqs=replace(
         cr, num_computed_tokens=list(map(add, cr.num_computed_tokens, cr.num_output_tokens))))
-    return Step(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]))
 
 
 def _unaligned(step: AlignedStep) -> Step[int]:
     """The `Step` an `AlignedStep` was made from (handles as stored). Raises ValueError where the parts left out
     cannot have been what the batch order gives back."""
     so, mro, layout = step.scheduler_output, step.model_runner_output, step.layout
-    cr = so.scheduled_cached_reqs
     if layout & COMPUTED_MINUS_OUTPUT:
-        if len(cr.num_computed_tokens) != len(cr.num_output_tokens):
-            raise ValueError("a packed step's computed- and output-token counts differ in length")
-        cr = replace(cr, num_computed_tokens=list(map(add, cr.num_computed_tokens, cr.num_output_tokens)))
-        so = replace(so, scheduled_cached_reqs=cr)
+        so = _computed_restored(so)
     order = batch_order(so)
     if step.num_scheduled is not None:
         if len(step.num_scheduled) != len(order) or so.num_scheduled_tokens:
