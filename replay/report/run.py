@@ -23,9 +23,7 @@ from replay.capture import CaptureReader, Damage, Header
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSource
 from replay.capture.peek import is_unknown_tag
-from replay.contracts import (
-    SamplingParams,
-)
+from replay.contracts import SamplingParams
 from replay.contracts.image_decoder import ImageDecoder
 from replay.errors import CaptureDamagedError, LimitExceededError
 from replay.inspect.step_summary import StepSummarizer, prefill_tokens
