@@ -8,13 +8,12 @@ claims beyond the configured limits.
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import msgspec
 import zstandard
@@ -30,7 +29,9 @@ from replay.capture.frames import (
     find_next_frame,
     parse_frame,
 )
+from replay.capture.inflate import ChunkInflater, ChunkUnreadable
 from replay.capture.peek import is_unknown_tag, peek
+from replay.capture.read_ahead import ReadAhead, default_workers
 from replay.capture.step_image import image_as_sent, step_from_image
 from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
 from replay.errors import (
@@ -52,15 +53,13 @@ class ChunkRef(NamedTuple):
     info: fmt.ChunkInfo | None
 
 
-class _ChunkUnreadable(Exception):
-    pass
-
-
 class CaptureReader:
     """Reads a capture file. Use as a context manager; `header` is read on open."""
 
     def __init__(self, path: str | os.PathLike, *, max_frame_bytes: int = fmt.MAX_FRAME_BYTES,
-                 max_record_bytes: int = fmt.MAX_RECORD_BYTES):
+                 max_record_bytes: int = fmt.MAX_RECORD_BYTES, read_ahead: int | None = None):
+        """`read_ahead`: worker threads that decompress chunks ahead of a walk over many of them (`records()`,
+        `chunk_bytes()`); None picks by the machine's cores, 0 decompresses every chunk on the caller's thread."""
         self.path = Path(path)
         self.max_frame_bytes = max_frame_bytes
         self.max_record_bytes = max_record_bytes
@@ -69,8 +68,10 @@ class CaptureReader:
         self.footer: fmt.Footer | None = None
         self._images = None  # ImageDecoder for StepImage records
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max(1 << 20, max_frame_bytes))
+        self._ahead = ReadAhead(default_workers() if read_ahead is None else read_ahead)
         self._file = None
         self._buf: mmap.mmap | bytes = b""
+        self._inflater: ChunkInflater | None = None  # made once the file is mapped
         self._open()
         try:
             self.format_version = self._read_prologue()
@@ -100,6 +101,7 @@ class CaptureReader:
             raise NotACaptureError(p, "empty file, not a capture")
         self.file_size = size
         self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._inflater = ChunkInflater(self.path, self._buf, self._dctx, self.max_frame_bytes)
 
     def _read_prologue(self) -> tuple[int, int]:
         buf = self._buf
@@ -159,7 +161,7 @@ class CaptureReader:
             raise HeaderLostError(self.path, "truncated before its header: nothing to read")
         try:
             recs = self._decode_chunk(ref)
-        except (_ChunkUnreadable, LimitExceededError) as e:
+        except (ChunkUnreadable, LimitExceededError) as e:
             raise HeaderLostError(self.path, f"header chunk unreadable: {getattr(e, 'reason', e)}") from None
         if not recs or not isinstance(recs[0], fmt.Header):
             raise HeaderLostError(self.path, "first record is not a header")
@@ -216,63 +218,36 @@ class CaptureReader:
         """Decompress one chunk, verifying its checksum. Raises CaptureDamagedError / LimitExceededError."""
         try:
             return self._decompress(ref)
-        except _ChunkUnreadable as e:
+        except ChunkUnreadable as e:
             raise CaptureDamagedError(self.path, str(e), chunk=ref.number, offset=ref.offset) from None
 
+    def chunk_bytes(self, chunks: Iterable[ChunkRef] | None = None
+                    ) -> Iterator[tuple[ChunkRef, bytes | None, CaptureError | None]]:
+        """(chunk, its decompressed and checksum-verified bytes, None) for every chunk in file order (or those of
+        `chunks`), decompressed ahead on worker threads; (chunk, None, error) for one that cannot be read
+        (CaptureDamagedError, LimitExceededError): what a whole-capture scan uses."""
+        for ref, data, e in self._ahead.map(self._decompress, self.iter_chunks() if chunks is None else chunks,
+                                            (ChunkUnreadable, LimitExceededError)):
+            if isinstance(e, ChunkUnreadable):
+                e = CaptureDamagedError(self.path, str(e), chunk=ref.number, offset=ref.offset)
+            yield ref, data, e
+
     def _decompress(self, ref: ChunkRef) -> bytes:
-        frame = self._buf[ref.offset:ref.end]  # a copy: the mapped pages can go right away
-        self._release(ref.offset, ref.end)
-        try:
-            fr = parse_frame(frame, 0)
-        except FrameError as e:
-            raise _ChunkUnreadable(e.reason) from None
-        if fr.skippable_magic is not None or fr.end != len(frame):
-            raise _ChunkUnreadable("chunk frame boundaries do not match")
-        if fr.content_size is not None and fr.content_size > self.max_frame_bytes:
-            raise LimitExceededError(self.path, f"chunk claims {fr.content_size} bytes decompressed, over the "
-                                     f"{self.max_frame_bytes}-byte limit", chunk=ref.number, offset=ref.offset)
-        try:
-            if fr.content_size is not None:
-                data = self._dctx.decompress(frame)
-            else:  # no declared size (not written by us): stream with a hard cap
-                out, reader = io.BytesIO(), self._dctx.stream_reader(frame)
-                while True:
-                    piece = reader.read(1 << 20)
-                    if not piece:
-                        break
-                    out.write(piece)
-                    if out.tell() > self.max_frame_bytes:
-                        raise LimitExceededError(self.path, f"chunk expands past the {self.max_frame_bytes}-byte limit",
-                                                 chunk=ref.number, offset=ref.offset)
-                data = out.getvalue()
-        except zstandard.ZstdError as e:
-            raise _ChunkUnreadable(f"corrupt chunk ({e})") from None
-        if len(data) > self.max_frame_bytes:
-            raise LimitExceededError(self.path, "chunk expands past the limit", chunk=ref.number, offset=ref.offset)
-        return data
+        """One chunk's bytes (any thread). Raises ChunkUnreadable / LimitExceededError."""
+        return self._inflater.inflate(ref.offset, ref.end, ref.number)
 
-    def _release(self, start: int, end: int) -> None:
-        """Drop mapped pages we are done with, so a full scan's resident memory stays flat (file-backed pages
-        would otherwise count towards it until the scan ends)."""
-        if isinstance(self._buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-            page = mmap.PAGESIZE
-            a = start - start % page
-            if end > a:
-                try:
-                    self._buf.madvise(mmap.MADV_DONTNEED, a, min(end, self.file_size) - a)
-                except (OSError, ValueError):  # advice only
-                    pass
-
-    def _decode_chunk(self, ref: ChunkRef, keep_step=None) -> list:
-        """Wire records of one chunk (unknown tags skipped). Raises _ChunkUnreadable.
+    def _decode_chunk(self, ref: ChunkRef, keep_step=None, data: bytes | None = None) -> list:
+        """Wire records of one chunk (unknown tags skipped; `data`: its bytes, if already decompressed). Raises
+        ChunkUnreadable.
 
         With an index, `Ids` records are skipped (handles resolve from the index) and `keep_step(index) -> bool`,
         when given, selects steps by their index *before* decoding them: random access decodes one record."""
-        data = self._decompress(ref)
+        if data is None:
+            data = self._decompress(ref)
         try:
             raws = fmt.CHUNK_DECODER.decode(data)
         except msgspec.DecodeError as e:
-            raise _ChunkUnreadable(f"chunk content is not a record list ({e})") from None
+            raise ChunkUnreadable(f"chunk content is not a record list ({e})") from None
         out = []
         for raw in raws:
             if len(raw) > self.max_record_bytes:
@@ -289,7 +264,7 @@ class CaptureReader:
                 if is_unknown_tag(raw):
                     self.unknown_records += 1
                     continue
-                raise _ChunkUnreadable(f"malformed record ({e})") from None
+                raise ChunkUnreadable(f"malformed record ({e})") from None
         return out
 
     # -- records --------------------------------------------------------------------------------------------------
@@ -304,11 +279,16 @@ class CaptureReader:
         if self.index is None:
             keep_step = None  # handles are declared in-band: every Ids record must be read
         saw_footer = False
-        for ref in (chunks if chunks is not None else self.iter_chunks()):
-            try:
-                recs = self._decode_chunk(ref, keep_step)
-            except (_ChunkUnreadable, LimitExceededError) as e:
-                self._add_damage(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(e, "reason", str(e))))
+        unreadable = (ChunkUnreadable, LimitExceededError)
+        for ref, data, err in self._ahead.map(self._decompress, chunks if chunks is not None else self.iter_chunks(),
+                                              unreadable):
+            if err is None:
+                try:
+                    recs = self._decode_chunk(ref, keep_step, data)
+                except unreadable as e:
+                    err = e
+            if err is not None:
+                self._add_damage(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(err, "reason", str(err))))
                 continue
             columns = None  # a chunk's steps refer to their own chunk's logprob columns only
             for rec in recs:
@@ -384,7 +364,10 @@ class CaptureReader:
             self.damage.append(d)
 
     def close(self) -> None:
-        """Release the file."""
+        """Release the file (after the read-ahead workers have stopped reading it)."""
+        self._ahead.close()
+        if self._inflater is not None:
+            self._inflater.close()
         if isinstance(self._buf, mmap.mmap):
             self._buf.close()
         self._buf = b""

@@ -9,7 +9,6 @@ import msgspec
 from replay.capture import CaptureReader, Damage, Header, RequestAdded, Step
 from replay.capture.format import Footer
 from replay.contracts import DraftCounts, draft_counts
-from replay.errors import CaptureDamagedError, LimitExceededError
 
 
 class CaptureInfo(msgspec.Struct):
@@ -49,10 +48,10 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
         if r.index is not None:
             chunks = r.index.chunks
             raw = 0
-            for ref in r.iter_chunks():
-                try:
-                    raw += len(r.read_chunk_bytes(ref))
-                except (CaptureDamagedError, LimitExceededError) as e:
+            for ref, data, e in r.chunk_bytes():
+                if e is None:
+                    raw += len(data)
+                else:
                     r.damage.append(Damage.chunk_lost(ref.number, ref.offset, ref.info, e.reason))
             good = [c for i, c in enumerate(chunks) if not any(d.chunk == i for d in r.damage)]
             steps = [c for c in good if c.num_steps]
@@ -91,11 +90,8 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             num_requests = len(ids)
             chunk_refs = list(r.iter_chunks())
             num_chunks = len(chunk_refs)
-            for ref in chunk_refs:
-                try:
-                    raw += len(r.read_chunk_bytes(ref))
-                except (CaptureDamagedError, LimitExceededError):  # already recorded as damage by records()
-                    pass
+            # (a chunk that cannot be read was already recorded as damage by records())
+            raw += sum(len(data) for _, data, e in r.chunk_bytes(chunk_refs) if e is None)
         size = r.file_size
         return CaptureInfo(
             path=str(path),

@@ -25,7 +25,6 @@ from replay.capture.columns import ColumnSource
 from replay.capture.peek import is_unknown_tag
 from replay.contracts import SamplingParams
 from replay.contracts.image_decoder import ImageDecoder
-from replay.errors import CaptureDamagedError, LimitExceededError
 from replay.inspect.step_summary import StepSummarizer, prefill_tokens
 from replay.report.heads import DECODER, OutputHead, StepHead, image_head
 
@@ -264,10 +263,12 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
         scan = _Scan(r.index.ids if r.index is not None else [])
         images = ImageDecoder()
         damage: list[Damage] = []
-        for ref in r.iter_chunks():
+        for ref, data, e in r.chunk_bytes():
             try:
-                raws = fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))
-            except (CaptureDamagedError, LimitExceededError, msgspec.DecodeError) as e:
+                raws = fmt.CHUNK_DECODER.decode(data) if e is None else None
+            except msgspec.DecodeError as bad:
+                e = bad
+            if e is not None:
                 damage.append(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(e, "reason", str(e))))
                 continue
             columns = None  # the chunk's logprob columns: image steps' sampled tokens may be there

@@ -1,0 +1,86 @@
+"""Decompressing a capture's chunks ahead of the code that reads them, on worker threads.
+
+zstd releases the GIL while it decompresses, so a reader that walks every chunk (`records()`, `replay info`, the
+report) need not wait for one chunk's decompression before it starts the next: the workers decompress the next
+chunks while the caller decodes this one, or side by side when the caller only verifies them (a scan). On the
+2-core development machine a full scan went from one core's zstd speed (0.8-1.1 GB/s) to 1.2-1.6 GB/s
+(`bench/capture_bench.py`). Results come back in the order of the chunks, and at most `ahead` chunks are held
+decompressed at a time, so a scan's memory stays flat however long the capture is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+MAX_WORKERS = 4  # zstd decompresses at ~1 GB/s a core; past a few cores the caller's own work is what limits
+
+
+def default_workers() -> int:
+    """Worker threads for this machine: none on one core (nothing runs beside the caller), else up to four."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if cores < 2 else min(MAX_WORKERS, cores)
+
+
+class ReadAhead:
+    """An ordered, bounded `map` over worker threads (threads start on first use; `close` stops them).
+
+    `workers=0` runs every call inline, on the caller's thread."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.ahead = workers + 1  # one more than the workers: the next result is ready when the caller wants it
+        self._pool: ThreadPoolExecutor | None = None
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T], catch: tuple[type[BaseException], ...]
+            ) -> Iterator[tuple[T, R | None, BaseException | None]]:
+        """(item, fn(item), None) for each item in order, or (item, None, error) where fn raised one of `catch`
+        (anything else propagates). Items are drawn from `items` on the caller's thread, `ahead` at most ahead of
+        what was yielded; results never yielded (the caller stopped early) are cancelled or dropped."""
+        if self.workers == 0:
+            for item in items:
+                try:
+                    yield item, fn(item), None
+                except catch as e:
+                    yield item, None, e
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="replay-capture-read")
+        pool = self._pool
+        pending: deque[tuple[T, Future]] = deque()
+        source = iter(items)
+
+        def top_up() -> None:
+            while len(pending) < self.ahead:
+                item = next(source, _END)
+                if item is _END:
+                    return
+                pending.append((item, pool.submit(fn, item)))
+
+        try:
+            top_up()
+            while pending:
+                item, fut = pending.popleft()
+                try:
+                    result, error = fut.result(), None
+                except catch as e:
+                    result, error = None, e
+                top_up()
+                yield item, result, error
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+    def close(self) -> None:
+        """Stop the worker threads, waiting for calls already running (they may still read the file)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+_END = object()
