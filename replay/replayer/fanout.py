@@ -9,6 +9,7 @@ forked child would inherit torch's thread pools and any vLLM engine in this proc
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -65,6 +66,21 @@ def _in_processes(fn: Callable[[Any], Any], args: list[Any], jobs: int) -> Itera
                 f.cancel()
 
 
+class _DefaultAuthNotice(logging.Filter):
+    """Ray's notice that the local node it starts has token authentication on (its default since Ray 2.60), which
+    its own stderr handler prints beside our one-line errors: dropped. Ray's other warnings (authentication off, a
+    token missing) still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.funcName != "_warn_token_auth_enabled"
+
+
+def _quiet_default_auth_notice() -> None:
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DefaultAuthNotice) for f in log.filters):
+        log.addFilter(_DefaultAuthNotice())
+
+
 def _on_ray(fn: Callable[[Any], Any], args: list[Any], how: FanOut,
             resources: Callable[[Any], dict[str, float]] | None) -> Iterator[tuple[int, Any]]:
     try:
@@ -73,6 +89,7 @@ def _on_ray(fn: Callable[[Any], Any], args: list[Any], how: FanOut,
         raise UsageError("--ray needs Ray installed (pip install 'ray[default]')") from None
     address = how.ray_address or os.environ.get("RAY_ADDRESS") or None
     if not ray.is_initialized():
+        _quiet_default_auth_notice()
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         except Exception as e:  # noqa: BLE001 - no cluster at that address, a version mismatch: one line
