@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from itertools import chain, islice
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain, islice
 from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")

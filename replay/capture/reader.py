@@ -53,6 +53,9 @@ class ChunkRef(NamedTuple):
     info: fmt.ChunkInfo | None
 
 
+_ONE_AT_A_TIME = ReadAhead(0)  # (no threads: nothing to close)
+
+
 class CaptureReader:
     """Reads a capture file. Use as a context manager; `header` is read on open."""
 
@@ -205,6 +208,9 @@ class CaptureReader:
             if fr.end < n and not self._frame_starts_at(fr.end):
                 nxt = find_next_frame(buf, fr.start + 4)
                 pos = n if nxt is None else nxt
+                if pos > fr.end:  # bytes past that frame that start no frame: a lost chunk, never skipped silently
+                    self._add_damage(Damage("garbage", "unreadable bytes (no frame magic where a frame ends)",
+                                            chunk=k, offset=fr.end))
             else:
                 pos = fr.end
 
@@ -226,11 +232,16 @@ class CaptureReader:
         """(chunk, its decompressed and checksum-verified bytes, None) for every chunk in file order (or those of
         `chunks`), decompressed ahead on worker threads; (chunk, None, error) for one that cannot be read
         (CaptureDamagedError, LimitExceededError): what a whole-capture scan uses."""
-        for ref, data, e in self._ahead.map(self._decompress, self.iter_chunks() if chunks is None else chunks,
-                                            (ChunkUnreadable, LimitExceededError)):
+        for ref, data, e in self._walker().map(self._decompress, self.iter_chunks() if chunks is None else chunks,
+                                               (ChunkUnreadable, LimitExceededError)):
             if isinstance(e, ChunkUnreadable):
                 e = CaptureDamagedError(self.path, str(e), chunk=ref.number, offset=ref.offset)
             yield ref, data, e
+
+    def _walker(self) -> ReadAhead:
+        """How a walk over many chunks decompresses them: ahead, with the index; without it, one at a time, as the
+        linear scan finds them, so its damage is reported in the order it is met."""
+        return self._ahead if self.index is not None else _ONE_AT_A_TIME
 
     def _decompress(self, ref: ChunkRef) -> bytes:
         """One chunk's bytes (any thread). Raises ChunkUnreadable / LimitExceededError."""
@@ -280,8 +291,8 @@ class CaptureReader:
             keep_step = None  # handles are declared in-band: every Ids record must be read
         saw_footer = False
         unreadable = (ChunkUnreadable, LimitExceededError)
-        for ref, data, err in self._ahead.map(self._decompress, chunks if chunks is not None else self.iter_chunks(),
-                                              unreadable):
+        for ref, data, err in self._walker().map(self._decompress, chunks if chunks is not None else self.iter_chunks(),
+                                                 unreadable):
             if err is None:
                 try:
                     recs = self._decode_chunk(ref, keep_step, data)

@@ -133,3 +133,18 @@ def test_caught_errors_come_with_their_item_and_others_propagate():
                             (5, 5, None), (6, 6, None)]
         finally:
             ahead.close()
+
+
+def test_without_the_index_damage_is_reported_in_the_order_the_scan_meets_it(small_capture, tmp_path):
+    with CaptureReader(small_capture) as r:
+        chunks = r.index.chunks
+    data = bytearray(small_capture.read_bytes())
+    index_at = struct.unpack_from("<Q", data, len(data) - 16)[0]
+    data[chunks[2].offset + chunks[2].length // 2] ^= 0xFF  # a checksum failure, found when chunk 2 is read
+    data[chunks[5].offset:chunks[5].offset + 4] = b"JUNK"  # garbage, found by the scan itself
+    p = tmp_path / "noindex.capture"
+    p.write_bytes(bytes(data[:index_at]))
+    alone = everything(p, 0)
+    assert everything(p, 2) == alone
+    kinds = [d.kind for d in alone[1]]
+    assert "chunk" in kinds and "garbage" in kinds and kinds.index("chunk") < kinds.index("garbage")
