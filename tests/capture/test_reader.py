@@ -259,3 +259,16 @@ def test_reader_never_leaks_foreign_exceptions_on_random_bytes(tmp_path):
                 list(r.records())
         except CaptureError:
             pass
+
+
+def test_a_chunk_whose_frame_magic_is_gone_is_reported_by_the_linear_scan(small_capture, tmp_path):
+    data = bytearray(small_capture.read_bytes())
+    index_at = struct.unpack_from("<Q", data, len(data) - 16)[0]
+    lost = chunk_extents(small_capture)[5][2]
+    data[lost.offset:lost.offset + 4] = b"JUNK"  # the scan cannot find this frame: its steps are gone
+    p = tmp_path / "noindex.capture"
+    p.write_bytes(bytes(data[:index_at]))
+    steps, damage = read_all(p)
+    gone = set(range(lost.first_step, lost.last_step + 1))
+    assert gone and not gone & set(steps)
+    assert ("garbage", lost.offset) in [(d.kind, d.offset) for d in damage]
