@@ -138,7 +138,9 @@ def test_a_builtin_replay_after_a_vllm_engine_in_the_same_process_gets_its_threa
     replay_capture(vllm_capture[0], ReplayOptions(overrides={"runner": "vllm"}))  # a vLLM engine in this process
     golden = Path(__file__).resolve().parents[3] / "captures" / "tiny-mixed.capture"
     torch.set_num_threads(2)  # vLLM's no-op now: what a user's code would try
-    assert check_capture(golden).code == 0 and torch.get_num_threads() == 1
+    # bitwise on the golden's hardware, within the measured cross-hardware tolerance on another processor
+    res = check_capture(golden, ReplayOptions(auto_tolerance=True))
+    assert res.code == 0 and torch.get_num_threads() == 1, res.reason
 
 
 def test_builtin_capture_replays_on_vllm(vllm_capture, tmp_path):
