@@ -3,9 +3,9 @@
 zstd releases the GIL while it decompresses, so a reader that walks every chunk (`records()`, `replay info`, the
 report) need not wait for one chunk's decompression before it starts the next: the workers decompress the next
 chunks while the caller decodes this one, or side by side when the caller only verifies them (a scan). On the
-2-core development machine a full scan went from one core's zstd speed (0.8-1.1 GB/s) to 1.2-1.6 GB/s
-(`bench/capture_bench.py`). Results come back in the order of the chunks, and at most `ahead` chunks are held
-decompressed at a time, so a scan's memory stays flat however long the capture is.
+2-core development machine a scan of 8 to 40 chunks ran 1.15-1.5x as fast as on one thread (`bench/capture_bench.py`,
+the "scan" rows). Results come back in the order of the chunks, and at most `ahead` chunks are held decompressed at
+a time, so a scan's memory stays flat however long the capture is.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 MAX_WORKERS = 4  # zstd decompresses at ~1 GB/s a core; past a few cores the caller's own work is what limits
-INLINE_FIRST = 3  # items run on the caller's thread before any worker starts (starting two takes ~0.35 ms)
+# A walk over fewer items runs on the caller's thread. A capture's first chunk holds little but its header and
+# its last is seldom full, so a 4-chunk capture is about two chunks of work: too little for threads that start
+MIN_AHEAD = 5
 
 
 def default_workers() -> int:
@@ -45,15 +47,14 @@ class ReadAhead:
         (anything else propagates). Items are drawn from `items` on the caller's thread, `ahead` at most ahead of
         what was yielded; results never yielded (the caller stopped early) are cancelled or dropped."""
         source = iter(items)
-        # The first items run inline, and a walk with fewer than two more after them runs inline to its end: a short
-        # walk (one step's chunk, a small capture) never pays for starting threads, which cost more than they save
-        # on a few chunks (a 4-chunk scan ran at 0.7-0.8x with them)
-        first = list(islice(source, INLINE_FIRST + 2)) if self.workers else []
-        if len(first) < INLINE_FIRST + 2:  # (then `source` is exhausted, unless there are no workers)
+        # A short walk (one step's chunk, a small capture) runs inline: starting threads costs more than they save
+        # on a few items (starting two took ~0.35 ms here, about a third of a 1 MiB chunk's decompression; a
+        # 4-chunk scan ran at 0.8x with them)
+        first = list(islice(source, MIN_AHEAD)) if self.workers else []
+        if len(first) < MIN_AHEAD:  # (then `source` is exhausted, unless there are no workers)
             yield from _inline(fn, chain(first, source), catch)
             return
-        yield from _inline(fn, first[:INLINE_FIRST], catch)
-        source = chain(first[INLINE_FIRST:], source)
+        source = chain(first, source)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="replay-capture-read")
         pool = self._pool
