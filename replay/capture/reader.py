@@ -290,13 +290,11 @@ class CaptureReader:
         if self.index is None:
             keep_step = None  # handles are declared in-band: every Ids record must be read
         saw_footer = False
-        unreadable = (ChunkUnreadable, LimitExceededError)
-        for ref, data, err in self._walker().map(self._decompress, chunks if chunks is not None else self.iter_chunks(),
-                                                 unreadable):
+        for ref, data, err in self.chunk_bytes(chunks):
             if err is None:
                 try:
                     recs = self._decode_chunk(ref, keep_step, data)
-                except unreadable as e:
+                except (ChunkUnreadable, LimitExceededError) as e:
                     err = e
             if err is not None:
                 self._add_damage(Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(err, "reason", str(err))))
