@@ -41,6 +41,7 @@ def _cases() -> list[OutputParts]:
         _parts([[int(small[0, 0])], [int(small[1, 0]) + 1], [int(small[2, 0])]], small),
         _parts([[int(col0[0]), int(col0[1])], [int(col0[2])]], ids[:3], cu=[0, 2, 3]),
         _parts([[int(t)] for t in col0[:5]], ids[:5, :3]),
+        _parts([[-1], [int(small[1, 0])]], np.array([[-1, 4], [int(small[1, 0]), 5]])),  # (checked step by step)
     ]
 
 
@@ -75,7 +76,7 @@ def test_batched_steps_are_stored_byte_for_byte_as_step_by_step(tmp_path, monkey
         assert _bodies(a) == _bodies(b)
     else:
         assert len(_bodies(a)) >= 3
-    assert _figures(a) == _figures(b) == (11, 2 * (20 + 2 + 3 + 3 + 5) + 1, 55)
+    assert _figures(a) == _figures(b) == (13, 2 * (20 + 2 + 3 + 3 + 5 + 2) + 1, 65)
     with CaptureReader(a) as r, CaptureReader(b) as r2:
         got = list(r.steps())
         assert got == list(r2.steps())
@@ -92,6 +93,18 @@ def test_a_synthetic_run_sent_in_parts_reads_back_as_its_steps(tmp_path, monkeyp
     assert _bodies(a) == _bodies(b) and _figures(a) == _figures(b)
     with CaptureReader(a) as r:
         assert [s.model_runner_output.logprobs for s in r.steps()] == [ev.model_runner_output.logprobs for ev in events]
+
+
+def test_the_chunks_one_token_images_are_msgspecs_own():
+    """The per-chunk images that a step's sampled tokens are compared with are what msgspec makes of `[t]`, at every
+    int width; a token msgpack would store otherwise (negative, beyond 32 bits) leaves the check to each step."""
+    rng = np.random.default_rng(5)
+    edges = [0, 1, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1]
+    col0 = np.array(edges + list(rng.integers(0, 1 << 32, 300)) + list(rng.integers(0, 300, 300)), np.int64)
+    images, offsets = image_batch.one_token_each_images(col0)
+    assert [images[a:b] for a, b in zip(offsets, offsets[1:])] == [ENC.encode([int(t)]) for t in col0]
+    assert image_batch.one_token_each_images(np.array([3, -1])) is None
+    assert image_batch.one_token_each_images(np.array([1 << 32])) is None
 
 
 @pytest.mark.parametrize("tokens", [ENC.encode([["five"], ["seven"]]), ENC.encode("x")])
