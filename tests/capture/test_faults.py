@@ -42,8 +42,8 @@ def _writers(out: Path) -> list[int]:
     return pids
 
 
-def _start_record(out: Path) -> subprocess.Popen:
-    return subprocess.Popen(REPLAY + ["record", "--num-requests", "96", "--output-len", "32:96", "--threads", "1",
+def _start_record(out: Path, output_len: str = "32:96") -> subprocess.Popen:
+    return subprocess.Popen(REPLAY + ["record", "--num-requests", "96", "--output-len", output_len, "--threads", "1",
                                       "--flush-interval", "0.2", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -101,9 +101,11 @@ def test_a_killed_writer_leaves_a_partial_that_recover_restores(tmp_path):
     `recover` keeps every flushed step, and the recovered capture replays bitwise."""
     out = tmp_path / "w.capture"
     partial = out.with_name(out.name + ".partial")
-    proc = _start_record(out)
+    proc = _start_record(out, output_len="64:192")  # ~3 s of steps here: still recording when the writer dies
     _wait_until_recording(proc, partial)
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60
+    while partial.stat().st_size < 30_000 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # until some chunks are flushed (one is ~25 KB here): a fixed sleep outran a fast machine
     writers = _writers(out)
     assert writers, "no writer process found"
     for pid in writers:
