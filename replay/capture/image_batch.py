@@ -109,14 +109,14 @@ def one_token_each_images(column_0: np.ndarray) -> tuple[bytes, list[int]] | Non
     out = np.zeros(int(offsets[-1]), np.uint8)
     at = offsets[:-1]
     out[at] = 0x91  # a one-element array
-    for w, marker in ((1, None), (2, 0xCC), (3, 0xCD), (5, 0xCE)):
+    for w, marker, size in ((1, None, 1), (2, 0xCC, 1), (3, 0xCD, 2), (5, 0xCE, 4)):  # size: the value's bytes
         sel = width == w
         where, x = at[sel] + 1, v[sel]
         if marker is not None:
             out[where] = marker
             where = where + 1
-        for i in range(max(w - 1, 1)):  # big-endian bytes of the value
-            out[where + i] = (x >> (8 * (max(w - 1, 1) - 1 - i))) & 0xFF
+        for i in range(size):  # big-endian
+            out[where + i] = (x >> (8 * (size - 1 - i))) & 0xFF
     return out.tobytes(), offsets.tolist()
 
 
@@ -129,10 +129,9 @@ def _repeats_column_0(tokens: bytes, each: tuple[bytes, list[int]] | None, row: 
     if each is None:
         return tokens == _ENCODER.encode(ids[row:row + n, :1].tolist())
     images, offsets = each
-    head = _array_head(n)
+    head, seen = _array_head(n), memoryview(tokens)
     a, b = offsets[row], offsets[row + n]
-    return len(tokens) == len(head) + b - a and tokens.startswith(head) and \
-        memoryview(tokens)[len(head):] == memoryview(images)[a:b]
+    return len(seen) == len(head) + b - a and seen[:len(head)] == head and seen[len(head):] == memoryview(images)[a:b]
 
 
 def _other_layout(s: _Pending, column_0: list[int], decoder: ImageDecoder) -> tuple[bytes, int]:
