@@ -156,7 +156,8 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     writer process does with those frames: store the images, move logprobs into columns, compress, write), timed
     in-process as process CPU (its compression thread included) over the run's steps played 10 times, as a longer
     recording sees it; its close (last chunk, index, fsync) is reported apart, as open/close is for wall time.
-    Min, median and max over `repeats`."""
+    Beside them, the engine thread's sends alone (the same images sent again, into the writer process and into
+    /dev/null), which tell what the pipe costs the engine thread. Min, median and max over `repeats`."""
     from replay.capture.writer import CaptureWriter
     from replay.capture.writer_process import (
         ProcessCaptureWriter,
@@ -174,7 +175,7 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
                 steps.append(pickle.load(f))
             except EOFError:
                 break
-    ours, naive, background, closing = [], [], [], []
+    ours, naive, background, closing, sends, null_sends = [], [], [], [], [], []
     laps = 10
 
     def engine_thread(r: int) -> list:
@@ -189,7 +190,24 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
                 w.output_image(i, b, 0, 0)
                 images.append((a, b))
             ours.append((time.thread_time_ns() - t) / len(steps) / 1e3)
+            sends.append(timed_sends(w, images, len(steps)))
+            # the same frames by the same code into /dev/null: what the pipe and the process reading it add to the
+            # engine thread (the most a shared-memory ring in place of the pipe could take off it)
+            pipe, w._fd = w._fd, os.open(os.devnull, os.O_WRONLY)
+            try:
+                null_sends.append(timed_sends(w, images, 2 * len(steps)))
+            finally:
+                os.close(w._fd)
+                w._fd = pipe
         return images
+
+    def timed_sends(w, images: list, first: int) -> float:
+        """The engine thread's sends alone, the images made beforehand: thread CPU per step, in µs."""
+        t = time.thread_time_ns()
+        for i, (a, b) in enumerate(images, start=first):
+            w.scheduled_image(i, a, 0, 0)
+            w.output_image(i, b, 0, 0)
+        return (time.thread_time_ns() - t) / len(images) / 1e3
 
     def naive_tap(r: int) -> None:
         with open(tmp / f"cost-{r}.pkl", "wb") as f:
@@ -223,7 +241,8 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     paired = {"engine": spread([o / n for o, n in zip(ours, naive)]),
               "total": spread([(o + b) / n for o, b, n in zip(ours, background, naive)])}
     return {"ours_engine_us": spread(ours), "naive_engine_us": spread(naive), "ours_background_us": spread(background),
-            "ours_close_ms": spread(closing), "steps": len(steps), "paired_ratio": paired}
+            "ours_close_ms": spread(closing), "ours_sends_us": spread(sends), "ours_sends_null_us": spread(null_sends),
+            "steps": len(steps), "paired_ratio": paired}
 
 
 def main() -> None:
@@ -344,6 +363,8 @@ def main() -> None:
           f"process {mmm(c['ours_background_us'])} (its close: {c['ours_close_ms']['median']:.1f} ms); ours in all "
           f"{own_total:.0f} = {own_total / naive_own:.2f}x the naive tap's (vLLM's own step: "
           f"{med['none'] / c['steps'] * 1e6:.0f} us)")
+    print(f"of ours' engine thread, the sends alone (images made beforehand): into the writer process "
+          f"{mmm(c['ours_sends_us'])}, the same into /dev/null {mmm(c['ours_sends_null_us'])} us")
     r = out["replay"]
     print(f"replay on vLLM's runner: {'bitwise' if r['bitwise'] else 'DIVERGED'}, {r['steps']} steps in "
           f"{r['step_s']:.3f} s ({r['vs_record']:.2f}x the recorded run's generate; {r['wall_s']:.1f} s with engine "
