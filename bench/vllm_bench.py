@@ -18,7 +18,10 @@ Wall time is `LLM.generate` only: opening and closing each tap (writer start and
 flush) is reported apart. Next to it, CPU time, which a stall of this shared machine does not inflate: the engine
 process's (every thread, OpenMP's included), the engine thread's alone (where a tap's in-thread work lands), and
 the writer process's past its start-up (it reports its own: it is no child of the engine's). Every figure is the
-min / median / max over the rounds, per engine step.
+min / median / max over the rounds, per engine step. And the taps' own calls, timed where vLLM's loop makes them
+(thread CPU around each entry point the plugin calls, and around the naive tap's dump): the tap's engine-thread
+cost between real model steps, whose caches those steps left cold (here 3-4x what the same calls cost back to back
+on the run's objects, `tap_costs`, for both taps).
 Sizes are bytes per generated token: our capture as written, the naive pickle stream raw and compressed with
 zstd-3 and gzip-6. Then our capture is replayed on vLLM's own runner (`--set runner=vllm`, forced mode, diff
 on): its step time against the recorded run's generate wall time, and whether it is bitwise.
@@ -62,11 +65,43 @@ NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
 SETTLE_S = float(os.environ.get("VLLM_BENCH_SETTLE_S", "0.3"))
 
 
+def _clock_ns() -> int:
+    """What two thread-CPU clock reads cost (subtracted from every timed call)."""
+    xs = []
+    for _ in range(2000):
+        t = time.thread_time_ns()
+        xs.append(time.thread_time_ns() - t)
+    return int(statistics.median(xs))
+
+
+CLOCK_NS = _clock_ns()
+_ENGINE_THREAD_CALLS = ("scheduled", "check_seeded_chunks", "grammar", "encode_output", "output", "add_request",
+                        "abort", "crashed")
+
+
+def time_calls(tap) -> dict[str, int]:
+    """Time our tap's calls where vLLM's loop makes them, between its real steps (caches as the model's step left
+    them): each entry point the plugin calls on the engine thread, wrapped on this instance; their thread CPU in ns,
+    summed per entry point."""
+    acc = dict.fromkeys(_ENGINE_THREAD_CALLS, 0)
+    clock = time.thread_time_ns
+    for name in _ENGINE_THREAD_CALLS:
+        def timed(*args, _fn=getattr(tap, name), _name=name, **kwargs):
+            t = clock()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                acc[_name] += clock() - t - CLOCK_NS
+        setattr(tap, name, timed)
+    return acc
+
+
 class NaiveTap:
     """Pickles both objects of every step into a file (the baseline)."""
 
     def __init__(self):
         self.file = None
+        self.cpu_ns = 0  # the dumps' thread CPU in this run
 
     def install(self) -> None:
         """Wrap (after our plugin's patch) the Scheduler's update_from_output."""
@@ -77,7 +112,9 @@ class NaiveTap:
 
         def update_from_output(sched, scheduler_output, model_runner_output):
             if tap.file is not None:
+                t = time.thread_time_ns()
                 pickle.dump((scheduler_output, model_runner_output), tap.file, protocol=pickle.HIGHEST_PROTOCOL)
+                tap.cpu_ns += time.thread_time_ns() - t - CLOCK_NS
             return orig(sched, scheduler_output, model_runner_output)
 
         Scheduler.update_from_output = update_from_output
@@ -102,9 +139,11 @@ def run_once(llm, scheduler, variant: str, tmp: Path, naive: NaiveTap, i: int) -
     tap = None
     if variant.startswith("ours"):
         tap = attach(scheduler, path, level=17 if variant == "ours-z17" else 3)
+        calls = time_calls(tap)
         time.sleep(SETTLE_S)  # past the writer's start-up transient: the steady state is what a long run sees
     elif variant == "naive":
         naive.file = open(path, "wb")
+        naive.cpu_ns = 0
     t1, c1, th1 = time.perf_counter(), time.process_time(), time.thread_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     t2, c2, th2 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -119,6 +158,8 @@ def run_once(llm, scheduler, variant: str, tmp: Path, naive: NaiveTap, i: int) -
     # included), its engine thread alone (where a tap's in-thread work lands), and our writer process
     return {"wall_s": t2 - t1, "cpu_s": c2 - c1, "thread_s": th2 - th1,
             "writer_cpu_s": tap.writer.cpu_s - tap.writer.startup_cpu_s if tap is not None else 0.0,
+            "tap_calls_s": sum(calls.values()) / 1e9 if tap is not None else naive.cpu_ns / 1e9 if variant == "naive"
+            else 0.0, "calls_s": {k: v / 1e9 for k, v in calls.items()} if tap is not None else {},
             "open_close_s": (t1 - t0) + (t3 - t2), "generated": generated,
             "path": str(path) if variant != "none" else None}
 
@@ -151,20 +192,17 @@ def sizes(ours: list[Path], ours17: list[Path], naive: Path, generated: int) -> 
 def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     """CPU cost per step of each tap, measured on the very objects of a run (unpickled from the naive stream), so
     engine noise does not enter. CPU time, not wall time: a stall of this shared machine does not count. The engine
-    thread's share (ours: the plugin's path, a msgspec encode and a pipe write at schedule() and again at
+    thread's share (ours: the plugin's path, a msgspec encode and a copy into the ring at schedule() and again at
     update_from_output(), to a live writer process; naive: one pickle.dump), and ours' background share (what the
     writer process does with those frames: store the images, move logprobs into columns, compress, write), timed
     in-process as process CPU (its compression thread included) over the run's steps played 10 times, as a longer
     recording sees it; its close (last chunk, index, fsync) is reported apart, as open/close is for wall time.
-    Beside them, the engine thread's sends alone (the same images sent again, into the writer process and into
-    /dev/null), which tell what the pipe costs the engine thread. Min, median and max over `repeats`."""
+    Beside them, the engine thread's sends alone (the same images sent again, through the shared-memory ring and
+    through the pipe), which tell what the transport costs the engine thread. Min, median and max over `repeats`."""
+    from replay.capture.image_frames import ImageFrames
+    from replay.capture.wire import output_frame, scheduled_frame
     from replay.capture.writer import CaptureWriter
-    from replay.capture.writer_process import (
-        ProcessCaptureWriter,
-        _Images,
-        output_frame,
-        scheduled_frame,
-    )
+    from replay.capture.writer_process import ProcessCaptureWriter
     from replay.integrations.vllm.convert import ENCODER, output_image
     from replay.provenance import make_header
 
@@ -175,7 +213,7 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
                 steps.append(pickle.load(f))
             except EOFError:
                 break
-    ours, naive, background, closing, sends, null_sends = [], [], [], [], [], []
+    ours, naive, background, closing, sends, pipe_sends, transport = [], [], [], [], [], [], []
     laps = 10
 
     def engine_thread(r: int) -> list:
@@ -191,14 +229,12 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
                 images.append((a, b))
             ours.append((time.thread_time_ns() - t) / len(steps) / 1e3)
             sends.append(timed_sends(w, images, len(steps)))
-            # the same frames by the same code into /dev/null: what the pipe and the process reading it add to the
-            # engine thread (the most a shared-memory ring in place of the pipe could take off it)
-            pipe, w._fd = w._fd, os.open(os.devnull, os.O_WRONLY)
-            try:
-                null_sends.append(timed_sends(w, images, 2 * len(steps)))
-            finally:
-                os.close(w._fd)
-                w._fd = pipe
+        transport.append(w.transport)
+        # the same frames by the same code through the writer's pipe (the transport where the ring is not
+        # available): what the shared-memory ring takes off the engine thread
+        with ProcessCaptureWriter(tmp / f"cost-pipe-{r}.capture", make_header("bench"), overwrite=True, nice=19,
+                                  images=True, transport="pipe") as w:
+            pipe_sends.append(timed_sends(w, images, 0))
         return images
 
     def timed_sends(w, images: list, first: int) -> float:
@@ -223,7 +259,7 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
         if not r % 2:
             naive_tap(r)
         cw = CaptureWriter(tmp / f"cost-bg-{r}.capture", make_header("bench"), overwrite=True)
-        conv = _Images()
+        conv = ImageFrames()
         conv.warm()  # the writer process does this before it says "ready"
         payloads = [(kind, b"".join(parts)) for lap in range(laps) for i, (a, b) in enumerate(images)
                     for kind, *parts in (scheduled_frame(lap * len(steps) + i, a, 0, 0),
@@ -241,7 +277,8 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     paired = {"engine": spread([o / n for o, n in zip(ours, naive)]),
               "total": spread([(o + b) / n for o, b, n in zip(ours, background, naive)])}
     return {"ours_engine_us": spread(ours), "naive_engine_us": spread(naive), "ours_background_us": spread(background),
-            "ours_close_ms": spread(closing), "ours_sends_us": spread(sends), "ours_sends_null_us": spread(null_sends),
+            "ours_close_ms": spread(closing), "ours_sends_us": spread(sends), "ours_sends_pipe_us": spread(pipe_sends),
+            "transport": transport[0],
             "steps": len(steps), "paired_ratio": paired}
 
 
@@ -283,7 +320,7 @@ def main() -> None:
 
     num_steps = capture_info(results["ours"][-1]["path"]).num_steps  # the same workload, the same steps, each run
     per_step = {key: {v: spread([r[key] / num_steps * 1e6 for r in results[v]]) for v in variants}
-                for key in ("wall_s", "cpu_s", "thread_s", "writer_cpu_s")}
+                for key in ("wall_s", "cpu_s", "thread_s", "writer_cpu_s", "tap_calls_s")}
     generated = results["ours"][-1]["generated"]
     size = sizes([Path(r["path"]) for r in results["ours"]], [Path(r["path"]) for r in results["ours-z17"]],
                  Path(results["naive"][-1]["path"]), generated)
@@ -300,6 +337,7 @@ def main() -> None:
     own_total = c["ours_engine_us"]["median"] + c["ours_background_us"]["median"]  # the tap's own CPU, precise
     naive_own = c["naive_engine_us"]["median"]
     size_ratio = size["ours_b_per_tok"] / size["naive_zstd3_b_per_tok"]
+    in_run = {v: per_step["tap_calls_s"][v]["median"] for v in ("ours", "naive")}
     size_ratio17 = size["ours_z17_b_per_tok"] / size["naive_zstd3_b_per_tok"]
     out = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, vllm {vllm.__version__}",
@@ -330,6 +368,10 @@ def main() -> None:
             {"target": "engine-thread CPU per step, ours vs the naive tap's (on the run's objects, medians; goal <= 0.5x)",
              "measured": round(c["ours_engine_us"]["median"] / naive_own, 3),
              "pass": c["ours_engine_us"]["median"] <= 0.5 * naive_own, "note": _per_round(c["paired_ratio"]["engine"])},
+            {"target": "the same in the runs: the taps' calls timed where vLLM's loop makes them, between its real "
+                       "steps (medians; goal <= 0.5x)",
+             "measured": round(in_run["ours"] / in_run["naive"], 3), "pass": in_run["ours"] <= 0.5 * in_run["naive"],
+             "note": f"ours {in_run['ours']:.0f} us, naive {in_run['naive']:.0f} us a step"},
             {"target": "vLLM-runner replay: bitwise, step time vs the recorded run (x)",
              "measured": round(rep.replay_s / med["ours"], 3), "pass": not rep.diverged},
         ],
@@ -363,8 +405,15 @@ def main() -> None:
           f"process {mmm(c['ours_background_us'])} (its close: {c['ours_close_ms']['median']:.1f} ms); ours in all "
           f"{own_total:.0f} = {own_total / naive_own:.2f}x the naive tap's (vLLM's own step: "
           f"{med['none'] / c['steps'] * 1e6:.0f} us)")
-    print(f"of ours' engine thread, the sends alone (images made beforehand): into the writer process "
-          f"{mmm(c['ours_sends_us'])}, the same into /dev/null {mmm(c['ours_sends_null_us'])} us")
+    calls = {v: per_step["tap_calls_s"][v] for v in ("ours", "ours-z17", "naive")}
+    print(f"the taps' calls timed in the runs, where vLLM's loop makes them (engine thread CPU per step, min / median / "
+          f"max, us): ours {mmm(calls['ours'])}, ours-z17 {mmm(calls['ours-z17'])}, naive {mmm(calls['naive'])}: "
+          f"ours {calls['ours']['median'] / calls['naive']['median']:.2f}x")
+    print("  of ours, by entry point (medians, us per step): " + ", ".join(
+        f"{k} {statistics.median(r['calls_s'][k] for r in results['ours']) / num_steps * 1e6:.1f}"
+        for k in _ENGINE_THREAD_CALLS))
+    print(f"of ours' engine thread, the sends alone (images made beforehand): through the {c['transport']} "
+          f"{mmm(c['ours_sends_us'])}, the same through the writer's pipe {mmm(c['ours_sends_pipe_us'])} us")
     r = out["replay"]
     print(f"replay on vLLM's runner: {'bitwise' if r['bitwise'] else 'DIVERGED'}, {r['steps']} steps in "
           f"{r['step_s']:.3f} s ({r['vs_record']:.2f}x the recorded run's generate; {r['wall_s']:.1f} s with engine "

@@ -11,7 +11,9 @@ own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and 
 kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
 sealed; it exits as soon as it has.
 
-Wire protocol on the child's stdin: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
+Transport: on x86-64 Linux the frames go through a shared-memory ring (`ring`: a copy, no system call on the
+engine thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
+REPLAY_WRITER_TRANSPORT=pipe) they go through the pipe itself. Frames, either way: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
 added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with string ids), `F` flush, `C` close
 (payload: the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts
 (its objects msgpack-encoded as they are, which is all the engine thread pays for); the child stores a step's
@@ -23,7 +25,8 @@ model_runner_output, execute_ns, update_ns]` (the step is written then), or `L` 
 parts (`OutputParts`: its logprob matrices apart, which the child moves into its columns undecoded; frames built
 in `replay.capture.wire`), `E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash`
 record and the scheduled step are written then); `V` a whole step `[index, scheduler_output, model_runner_output,
-grammar_output, timing]`. The child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}`.
+grammar_output, timing]`. The child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}`
+(and, through the ring, sets its `failed` word first, so the engine's next send stops).
 """
 
 from __future__ import annotations
@@ -39,20 +42,19 @@ from typing import Any
 import msgspec
 
 from replay.capture import format as fmt
+from replay.capture import ring
+from replay.capture.image_frames import IMAGE_FRAMES, ImageFrames
 from replay.capture.process import FrameReader, cpu_s, detach, grow_pipe
 from replay.capture.step_image import OutputParts
 from replay.capture.wire import output_frame, scheduled_frame
 from replay.capture.writer import WriterContext
-from replay.contracts import (
-    EngineCoreRequest,
-    GrammarOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 
 _FRAME = struct.Struct("<cI")
 _ENCODER = msgspec.msgpack.Encoder()
+TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "ring" or "pipe"; unset: the ring where `ring.available()`
+_NOW = frozenset((b"H", b"F", b"C", b"Q"))  # frames the child is woken for (the others wait for its next poll)
 
 
 class ProcessCaptureWriter(WriterContext):
@@ -60,20 +62,43 @@ class ProcessCaptureWriter(WriterContext):
 
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
-                 level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False):
+                 level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False, transport: str | None = None,
+                 ring_bytes: int = ring.DEFAULT_RING_BYTES):
         self.path = Path(path)
         self.partial_path = self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
             raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
         options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
                    "flush_interval": flush_interval, "level": level, "nice": nice, "images": images}
+        asked = transport or os.environ.get(TRANSPORT_ENV)
+        transport = asked or ("ring" if ring.available() else "pipe")
+        if transport not in ("ring", "pipe") or (transport == "ring" and not ring.available()):
+            raise UsageError(f"writer transport {transport!r}: 'pipe'" + (" or 'ring'" if ring.available() else ""))
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # the child must import this very package
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
-        self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writer_process", json.dumps(options)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._fd = self._proc.stdin.fileno()
-        grow_pipe(self._fd)
+        read_end, self._fd = os.pipe()
+        self._ring = None
+        if transport == "ring":
+            try:
+                self._ring = ring.RingSender(self._fd, ring_bytes)
+            except OSError as e:  # no memfd here (a sandbox's seccomp, no memory): the pipe, unless the ring was asked
+                if asked:
+                    os.close(read_end)
+                    os.close(self._fd)
+                    raise CaptureError(self.partial_path, f"cannot make the writer's shared-memory ring: {e}") from None
+                transport = "pipe"
+        if self._ring is not None:
+            options.update(ring_fd=self._ring.fd, ring_bytes=ring_bytes)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writer_process", json.dumps(options)],
+                                          stdin=read_end, stdout=subprocess.PIPE, env=env,
+                                          pass_fds=(self._ring.fd,) if self._ring else ())
+        finally:
+            os.close(read_end)
+        if self._ring is None:
+            grow_pipe(self._fd)
+        self.transport = transport
         self._num_steps = 0
         self._last_step = -1
         self._closed = False
@@ -81,7 +106,15 @@ class ProcessCaptureWriter(WriterContext):
         self.startup_cpu_s = 0.0  # of which its start-up, before the first record
         self._send(b"H", _ENCODER.encode(header))
         # the child reports whether it could create the file before we go on
-        self.startup_cpu_s = float(self._answer().get("cpu_s", 0.0))
+        try:
+            ready = self._answer()
+        except CaptureError:
+            self._end_pipe()
+            raise
+        self.startup_cpu_s = float(ready.get("cpu_s", 0.0))
+        self.writer_pid = int(ready.get("pid", 0))  # the writer process (detached: no child of ours)
+        if self._ring is not None:
+            self._ring.populate()
 
     # -- the CaptureWriter API ------------------------------------------------------------------------------------
 
@@ -167,7 +200,7 @@ class ProcessCaptureWriter(WriterContext):
             return self.path
         self._closed = True
         self._send(b"C", status.encode())
-        self._proc.stdin.close()
+        self._end_pipe()
         answer = self._answer()
         self._proc.wait()
         self._num_records = answer.get("records", 0)
@@ -181,9 +214,9 @@ class ProcessCaptureWriter(WriterContext):
         self._closed = True
         try:
             self._send(b"Q", b"")
-            self._proc.stdin.close()
         except CaptureError:
             pass
+        self._end_pipe()
         self._proc.wait()
 
     @property
@@ -198,8 +231,23 @@ class ProcessCaptureWriter(WriterContext):
 
     # -- plumbing -------------------------------------------------------------------------------------------------
 
+    def _end_pipe(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._ring is not None:
+            self._ring.release()
+            if self._ring.fd >= 0:
+                os.close(self._ring.fd)
+                self._ring.fd = -1
+
     def _send(self, kind: bytes, *parts: bytes) -> None:
         try:
+            if self._ring is not None:
+                self._ring.send(kind, parts, sum(map(len, parts)))
+                if kind in _NOW:
+                    self._ring.wake()
+                return
             # one unbuffered write per record: nothing waits in our buffer if the engine crashes
             size = sum(map(len, parts))
             frame = [_FRAME.pack(kind, size), *parts]
@@ -208,7 +256,7 @@ class ProcessCaptureWriter(WriterContext):
                 view = memoryview(b"".join(frame))[done:]
                 while view:
                     view = view[os.write(self._fd, view):]
-        except (BrokenPipeError, OSError, ValueError):
+        except (OSError, ValueError, ring.WriterGone):  # (BrokenPipeError is an OSError)
             answer = self._answer()
             raise CaptureError(self.partial_path, answer.get("error", "capture writer process died")) from None
 
@@ -222,75 +270,6 @@ class ProcessCaptureWriter(WriterContext):
             self._closed = True
             raise CaptureError(self.partial_path, answer["error"])
         return answer
-
-
-_RAW = msgspec.Raw
-# Image frames decoded as far as their envelope: the images stay raw bytes for `ImageDecoder`
-_P = msgspec.msgpack.Decoder(tuple[int, _RAW, int, int])  # index, SchedulerOutput, start_ns, schedule_ns
-_G = msgspec.msgpack.Decoder(tuple[int, _RAW])  # index, GrammarOutput
-_O = msgspec.msgpack.Decoder(tuple[int, _RAW, int, int])  # index, ModelRunnerOutput (or nil), execute_ns, update_ns
-_L = msgspec.msgpack.Decoder(tuple[int, OutputParts, int, int])  # the same, the output in parts
-_E = msgspec.msgpack.Decoder(tuple[int, str, str, str])  # index, error type, message, traceback
-_V = msgspec.msgpack.Decoder(tuple[int, _RAW, _RAW, _RAW, list[int] | None])  # output and grammar may be nil
-
-_R = msgspec.msgpack.Decoder(tuple[int, _RAW])  # step, request
-
-
-class _Images:
-    """The child's side of image frames: steps stored as the images they are (`StepImage`), arrivals converted
-    into contracts (`ImageDecoder`: typed, else tolerant)."""
-
-    def __init__(self):
-        self.dec = None
-        self.pending: dict[int, list] = {}  # index -> [scheduler_output image, grammar image, start, schedule_ns]
-        self.crash: fmt.Crash | None = None
-
-    def crash_status(self) -> str:
-        """The footer status once the engine raised during a step ("" when it did not)."""
-        return self.crash.status() if self.crash else ""
-
-    def warm(self) -> None:
-        """Import and compile the decoders now, before the engine's first step rather than during it."""
-        if self.dec is None:
-            from replay.contracts.image_decoder import ImageDecoder
-
-            self.dec = ImageDecoder()
-            self.dec.prepare(SchedulerOutput[str], ModelRunnerOutput[str], GrammarOutput[str], EngineCoreRequest)
-
-    def write(self, writer, kind: bytes, payload: bytes) -> None:
-        """Hand what one image frame completes to `writer`."""
-        self.warm()
-        writer.image_decoder = self.dec
-        if kind == b"R":
-            step, request = _R.decode(payload)
-            writer.add_request(self.dec.decode(request, EngineCoreRequest), step)
-            return
-        if kind == b"P":
-            index, so, start, schedule_ns = _P.decode(payload)
-            self.pending[index] = [so, None, start, schedule_ns]
-            return
-        if kind == b"G":
-            index, go = _G.decode(payload)
-            if index in self.pending:
-                self.pending[index][1] = go
-            return
-        if kind in (b"O", b"L", b"E"):
-            head = _O.decode(payload) if kind == b"O" else _L.decode(payload) if kind == b"L" else _E.decode(payload)
-            index = head[0]
-            so, go, start, schedule_ns = self.pending.pop(index)
-            if kind == b"E":  # the step raised: a Crash record, then the step as scheduled, with no output
-                self.crash = fmt.Crash(*head)
-                writer.write_crash(self.crash)
-                writer.write_step_image(index, so, None, go, fmt.StepTiming(start, schedule_ns))
-                return
-            _, mro, execute_ns, update_ns = head
-            writer.write_step_image(index, so, mro, go, fmt.StepTiming(start, schedule_ns, execute_ns, update_ns))
-            return
-        index, so, mro, go, timing = _V.decode(payload)
-        writer.write_step_image(index, so, mro, go, None if timing is None else fmt.StepTiming(*timing))
-
-
-_IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"L", b"E")
 
 
 def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
@@ -314,17 +293,21 @@ def _child(options: dict) -> int:
     if options.get("nice"):
         os.nice(options["nice"])  # the engine's threads come first; the deep pipe absorbs what waits
     out = sys.stdout
-    frames = FrameReader(sys.stdin.fileno())  # never read through sys.stdin: frames would hide in its buffer
+    # never read through sys.stdin: frames would hide in its buffer
+    frames = (ring.RingReader(options["ring_fd"], options["ring_bytes"], sys.stdin.fileno()) if "ring_fd" in options
+              else FrameReader(sys.stdin.fileno()))
     decoders = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
                 b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
 
     def say(obj: dict) -> None:
+        if "error" in obj and isinstance(frames, ring.RingReader):
+            frames.fail()  # the engine's next send stops, as a write into a closed pipe does
         out.write(json.dumps(obj) + "\n")
         out.flush()
 
     before_fork = detach()
     writer = None
-    images = _Images()
+    images = ImageFrames()
     try:
         kind, payload = frames.next()
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
@@ -333,7 +316,7 @@ def _child(options: dict) -> int:
                                level=options["level"])
         if options.get("images"):
             images.warm()  # one-time work before "ready", not on the engine's first steps
-        say({"ok": "ready", "cpu_s": before_fork + cpu_s()})  # its start-up CPU (imports, converters): for bench/
+        say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})  # its start-up CPU (imports, converters): for bench/
         while True:
             kind, payload = frames.next()
             if kind is None:  # the engine went away without closing: seal what it sent
@@ -352,7 +335,7 @@ def _child(options: dict) -> int:
             if kind == b"F":
                 writer.flush()
                 continue
-            if kind in _IMAGE_FRAMES:
+            if kind in IMAGE_FRAMES:
                 images.write(writer, kind, payload)
                 continue
             if kind == b"K":

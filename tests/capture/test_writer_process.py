@@ -3,6 +3,8 @@ that reached the writer process."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ import time
 import msgspec
 import pytest
 
-from replay.capture import CaptureReader, CaptureWriter, Step
+from replay.capture import CaptureReader, CaptureWriter, Step, ring
 from replay.capture.writer_process import ProcessCaptureWriter
 from replay.errors import CaptureError, UsageError
 from replay.provenance import make_header
@@ -20,8 +22,17 @@ from tests.images import as_map, as_parts
 WL = SynthShape(steps=30, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=9)
 
 
-def _write(writer_cls, path):
-    with writer_cls(path, make_header("test"), chunk_bytes=2000) as w:
+# the transports between the engine and the writer process: the shared-memory ring (x86-64 Linux), one so small that
+# it fills, wraps and splits steps into pieces all the time, and the pipe (every other machine)
+TRANSPORTS = [pytest.param({"transport": "ring"}, id="ring"),
+              pytest.param({"transport": "ring", "ring_bytes": 4096}, id="small-ring"),
+              pytest.param({"transport": "pipe"}, id="pipe")]
+if not ring.available():
+    TRANSPORTS = TRANSPORTS[2:]
+
+
+def _write(writer_cls, path, **options):
+    with writer_cls(path, make_header("test"), chunk_bytes=2000, **options) as w:
         for ev in synth_events(WL):
             if ev.request is not None:
                 w.add_request(ev.request, ev.step)
@@ -36,9 +47,11 @@ def _records(path):
         return [x for x in r.records() if type(x).__name__ not in ("Header", "Footer")]
 
 
-def test_same_records_as_the_in_process_writer(tmp_path):
+@pytest.mark.parametrize("options", TRANSPORTS)
+def test_same_records_as_the_in_process_writer(tmp_path, options):
     _write(CaptureWriter, tmp_path / "thread.capture")
-    w = _write(ProcessCaptureWriter, tmp_path / "process.capture")
+    w = _write(ProcessCaptureWriter, tmp_path / "process.capture", **options)
+    assert w.transport == options["transport"]
     assert _records(tmp_path / "thread.capture") == _records(tmp_path / "process.capture")
     # the writer process says what it cost (it is no child of ours: its CPU is not in our rusage), for bench/
     assert 0 < w.startup_cpu_s < w.cpu_s
@@ -51,6 +64,26 @@ def test_errors_surface_in_the_engine_process(tmp_path, small_capture):
     blocker.write_text("x")
     with pytest.raises(CaptureError, match="cannot create capture"):
         ProcessCaptureWriter(blocker / "sub" / "x.capture", make_header("test"))
+    with pytest.raises(UsageError, match="writer transport 'carrier pigeon'"):
+        ProcessCaptureWriter(tmp_path / "y.capture", make_header("test"), transport="carrier pigeon")
+
+
+@pytest.mark.parametrize("options", TRANSPORTS)
+def test_a_killed_writer_process_stops_the_engine_with_one_error(tmp_path, options):
+    """The writer process dies under the engine (SIGKILL): the engine's sends raise CaptureError soon after (the
+    pipe: at once; the ring: within its liveness period), never silently into nowhere."""
+    events = [ev for ev in synth_events(WL) if ev.request is None]
+    w = ProcessCaptureWriter(tmp_path / "k.capture", make_header("test"), **options)
+    os.kill(w.writer_pid, signal.SIGKILL)
+    time.sleep(0.2)
+    sent = 0
+    with pytest.raises(CaptureError, match="capture writer process"):
+        for _ in range(40):
+            for ev in events:
+                w.write_step(sent, ev.scheduler_output, ev.model_runner_output)
+                sent += 1
+    assert sent <= ring.RingSender.LIVENESS_EVERY
+    w.abandon()
 
 
 _KILLED = r"""
@@ -71,9 +104,11 @@ os.kill(os.getpid(), signal.SIGKILL)   # the engine dies: no close, no flush
 """
 
 
-def test_an_engine_killed_without_closing_leaves_a_sealed_capture_of_every_record_sent(tmp_path):
+@pytest.mark.parametrize("options", TRANSPORTS)
+def test_an_engine_killed_without_closing_leaves_a_sealed_capture_of_every_record_sent(tmp_path, options):
     path = tmp_path / "crash.capture"
-    out = subprocess.run([sys.executable, "-c", _KILLED, str(path)], capture_output=True, text=True, timeout=120)
+    code = _KILLED.replace('make_header("test")', f'make_header("test"), **{options!r}')
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     written = int(out.stdout.strip())
     deadline = time.monotonic() + 30
     while not path.exists() and time.monotonic() < deadline:  # the orphaned writer process seals on its own
@@ -102,8 +137,9 @@ def test_images_of_foreign_objects_give_the_same_records(tmp_path):
     assert _records(tmp_path / "contracts.capture") == _records(tmp_path / "images.capture")
 
 
+@pytest.mark.parametrize("options", TRANSPORTS)
 @pytest.mark.parametrize("parts", [False, True])
-def test_steps_sent_as_the_engine_lives_them_give_the_same_records(tmp_path, parts):
+def test_steps_sent_as_the_engine_lives_them_give_the_same_records(tmp_path, parts, options):
     """The vLLM tap's frames: each step's SchedulerOutput image when scheduled, its output (whole, or with the
     logprob matrices apart) when it ends."""
     from replay.capture import format as fmt
@@ -115,7 +151,8 @@ def test_steps_sent_as_the_engine_lives_them_give_the_same_records(tmp_path, par
             else:
                 w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output, timing=fmt.StepTiming(1, 2, 3, 4))
     enc = msgspec.msgpack.Encoder()
-    with ProcessCaptureWriter(tmp_path / "frames.capture", make_header("test"), chunk_bytes=2000, images=True) as w:
+    with ProcessCaptureWriter(tmp_path / "frames.capture", make_header("test"), chunk_bytes=2000, images=True,
+                              **options) as w:
         for ev in synth_events(WL):
             if ev.request is not None:
                 w.add_request_image(enc.encode(as_map(ev.request)), ev.step)
