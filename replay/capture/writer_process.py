@@ -1,12 +1,12 @@
 """`ProcessCaptureWriter`: the `CaptureWriter` API, with interning, compression and I/O in a child process.
 
-The engine thread only msgspec-encodes each record (tens of µs) and writes the bytes into a pipe. Everything
-else (id interning, the logprob transforms, zstd, the file) runs in a separate Python process, so it can never
-take the engine's interpreter lock: a background *thread* doing the same Python work measurably slows a
+The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (a shared-memory ring,
+or a pipe; below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python
+process, so it can never take the engine's interpreter lock: a background *thread* doing the same Python work measurably slows a
 Python-heavy engine step (measurements §3). A bonus: if the engine process goes away without closing the capture
 (a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a SIGKILL; an
 interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the capture
-itself: footer, seek index, rename, with the status "engine stopped" (nothing it received is lost). It runs in its
+itself: footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs in its
 own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C, nor a
 kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
 sealed; it exits as soon as it has.
