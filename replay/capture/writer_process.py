@@ -1,32 +1,32 @@
 """`ProcessCaptureWriter`: the `CaptureWriter` API, with interning, compression and I/O in a child process.
 
-The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (a shared-memory ring,
-or a pipe; below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python
-process, so it can never take the engine's interpreter lock: a background *thread* doing the same Python work measurably slows a
-Python-heavy engine step (measurements §3). A bonus: if the engine process goes away without closing the capture
-(a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a SIGKILL; an
-interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the capture
-itself: footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs in its
-own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C, nor a
-kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
+The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (a shared-memory ring, or a
+pipe; below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python
+process, so it can never take the engine's interpreter lock: a background *thread* doing the same Python work
+measurably slows a Python-heavy engine step (measurements §3). A bonus: if the engine process goes away without
+closing the capture (a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a
+SIGKILL; an interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the
+capture itself: footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs
+in its own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C,
+nor a kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
 sealed; it exits as soon as it has.
 
-Transport: on x86-64 Linux the frames go through a shared-memory ring (`ring`: a copy, no system call on the
-engine thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
-REPLAY_WRITER_TRANSPORT=pipe) they go through the pipe itself. Frames, either way: frames of `kind (1 byte) + length (u32 LE) + payload`; kinds `A` request
-added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with string ids), `F` flush, `C` close
-(payload: the footer status), `Q` quit without a footer. Another engine's tap may send images instead of contracts
-(its objects msgpack-encoded as they are, which is all the engine thread pays for); the child stores a step's
-images as they are (`StepImage`, format 1.3: readers convert them) and converts arrivals into contracts
-(`replay.contracts.image_decoder`): `R` an arrival `[step, request]`; a step in the order the
-engine lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output,
-start_ns, schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index,
-model_runner_output, execute_ns, update_ns]` (the step is written then), or `L` the same with the output in
-parts (`OutputParts`: its logprob matrices apart, which the child moves into its columns undecoded; frames built
-in `replay.capture.wire`), `E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash`
-record and the scheduled step are written then); `V` a whole step `[index, scheduler_output, model_runner_output,
-grammar_output, timing]`. The child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}`
-(and, through the ring, sets its `failed` word first, so the engine's next send stops).
+Transport: on x86-64 Linux the frames go through a shared-memory ring (`ring`: a copy, no system call on the engine
+thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
+REPLAY_WRITER_TRANSPORT=pipe) they go through the pipe itself. Either way, frames of `kind (1 byte) + length (u32
+LE) + payload`; kinds `A` request added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with
+string ids), `F` flush, `C` close (payload: the footer status), `Q` quit without a footer. Another engine's tap may
+send images instead of contracts (its objects msgpack-encoded as they are, which is all the engine thread pays for);
+the child stores a step's images as they are (`StepImage`, format 1.3: readers convert them) and converts arrivals
+into contracts (`replay.contracts.image_decoder`): `R` an arrival `[step, request]`; a step in the order the engine
+lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output, start_ns,
+schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index, model_runner_output,
+execute_ns, update_ns]` (the step is written then), or `L` the same with the output in parts (`OutputParts`: its
+logprob matrices apart, which the child moves into its columns undecoded; frames built in `replay.capture.wire`),
+`E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash` record and the scheduled step
+are written then); `V` a whole step `[index, scheduler_output, model_runner_output, grammar_output, timing]`. The
+child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}` (and, through the ring, sets its
+`failed` word first, so the engine's next send stops).
 """
 
 from __future__ import annotations
@@ -199,8 +199,10 @@ class ProcessCaptureWriter(WriterContext):
         if self._closed:
             return self.path
         self._closed = True
-        self._send(b"C", status.encode())
-        self._end_pipe()
+        try:
+            self._send(b"C", status.encode())
+        finally:
+            self._end_pipe()
         answer = self._answer()
         self._proc.wait()
         self._num_records = answer.get("records", 0)
@@ -316,7 +318,8 @@ def _child(options: dict) -> int:
                                level=options["level"])
         if options.get("images"):
             images.warm()  # one-time work before "ready", not on the engine's first steps
-        say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})  # its start-up CPU (imports, converters): for bench/
+        # its start-up CPU (imports, converters), for bench/; its pid (detached, it is no child of the engine's)
+        say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})
         while True:
             kind, payload = frames.next()
             if kind is None:  # the engine went away without closing: seal what it sent

@@ -101,3 +101,15 @@ def test_a_ring_size_that_is_no_power_of_two_is_refused():
         ring.RingSender(write_end, 5000)
     os.close(read_end)
     os.close(write_end)
+
+
+def test_a_pipe_full_of_unread_wake_ups_does_not_block_the_sender():
+    """A writer busy for long, its ring never empty, never reads the pipe: the wake-ups it has not read must not
+    fill the pipe and block the engine."""
+    sender, reader, read_end, write_end = _pair()
+    for _ in range(100_000):  # far more than a pipe holds (64 KiB by default)
+        sender.wake()
+    sender.send(b"S", (b"still",), 5)
+    assert reader.next() == (b"S", b"still")
+    os.close(read_end)
+    os.close(write_end)
