@@ -65,7 +65,8 @@ class ChunkInflater:
             if fr.content_size is not None:
                 data = dctx.decompress(frame)
             else:  # no declared size (not written by us): stream with a hard cap
-                out, reader = io.BytesIO(), dctx.stream_reader(frame)
+                # (a copy: the stream reader would keep the mapping's view exported past its release)
+                out, reader = io.BytesIO(), dctx.stream_reader(bytes(frame))
                 while True:
                     piece = reader.read(1 << 20)
                     if not piece:

@@ -33,7 +33,8 @@ from replay.capture.inflate import ChunkInflater, ChunkUnreadable
 from replay.capture.peek import is_unknown_tag, peek
 from replay.capture.read_ahead import ReadAhead, default_workers
 from replay.capture.step_image import image_as_sent, step_from_image
-from replay.capture.stepcodec import IdTable, UnknownHandleError, step_from_wire
+from replay.capture.ids import IdTable, UnknownHandleError
+from replay.capture.stepcodec import step_from_wire
 from replay.errors import (
     CaptureDamagedError,
     CaptureError,

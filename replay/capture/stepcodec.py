@@ -12,7 +12,7 @@ Two lossless transforms, both undone exactly on read:
 from __future__ import annotations
 
 from itertools import chain
-from operator import add, sub
+from operator import add
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -27,12 +27,13 @@ from replay.capture.columns import (
     xor_col0_inplace,
 )
 from replay.capture.columns import plain as _plain
+from replay.capture.fastwire import COMPILED, PYTHON, PythonPasses
+from replay.capture.ids import IdTable
 from replay.capture.format import (
     COMPUTED_MINUS_OUTPUT,
     OUTPUT_IDS_IN_BATCH_ORDER,
     OUTPUT_INDEX_IN_ORDER,
     AlignedStep,
-    Ids,
     PackedStep,
     Step,
 )
@@ -54,63 +55,6 @@ FILTER_COL0 = "col0-minus-sampled"  # ids: column 0 holds (id - the row's sample
 # log-softmax value, so the stored column becomes zeros. (Logprob columns use it too: `replay.capture.columns`.)
 
 
-class UnknownHandleError(KeyError):
-    """A stored step refers to a request-id handle whose `Ids` record was never read (it sat in a lost chunk)."""
-
-
-class _Handles(dict):
-    """id -> handle; a missing id gets the next handle, so `dict.__getitem__` interns at C speed in `map`."""
-
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: list[str]):
-        super().__init__((s, i) for i, s in enumerate(ids))
-        self.ids = ids
-
-    def __missing__(self, req_id: str) -> int:
-        h = self[req_id] = len(self.ids)
-        self.ids.append(req_id)
-        return h
-
-
-class _Resolver(dict):
-    """handle -> id; a handle never declared raises UnknownHandleError."""
-
-    __slots__ = ()
-
-    def __missing__(self, h: int) -> str:
-        raise UnknownHandleError(h)
-
-
-class IdTable:
-    """Request id <-> handle, handles given in order of first appearance."""
-
-    def __init__(self, ids: list[str] | None = None):
-        self.ids: list[str] = []
-        self._handles = _Handles(self.ids)
-        self._resolver = _Resolver()
-        for s in ids or []:
-            self._handles[s]
-        self._resolver.update(enumerate(self.ids))
-        self._pending_first = len(self.ids)
-        self.handle = self._handles.__getitem__  # str -> int, assigning new handles
-        self.resolve = self._resolver.__getitem__  # int -> str, UnknownHandleError if undeclared
-
-    def take_new(self) -> Ids | None:
-        """An `Ids` record declaring every handle assigned since the last call, or None."""
-        first = self._pending_first
-        if first == len(self.ids):
-            return None
-        self._pending_first = len(self.ids)
-        new = self.ids[first:]
-        self._resolver.update(enumerate(new, first))
-        return Ids(first, new)
-
-    def declare(self, rec: Ids) -> None:
-        """Learn the handles an `Ids` record declares (reader side). Gaps from lost chunks stay unknown."""
-        self._resolver.update(enumerate(rec.ids, rec.first))
-
-
 # Mapping helpers: `map` with a C-level callable (a dict's __getitem__) keeps interning off the Python loop.
 def _ml(f, xs):
     return list(map(f, xs)) if xs else xs
@@ -124,10 +68,11 @@ def _md(f, d):
     return dict(zip(map(f, d), d.values())) if d else d
 
 
-def _map_so(so: SchedulerOutput, f: Callable[[A], B]) -> SchedulerOutput:
+def _map_so(so: SchedulerOutput, f: Callable[[A], B], cached: Callable | None = None) -> SchedulerOutput:
     cr = so.scheduled_cached_reqs
     if cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
-        cr = replace(cr, req_ids=_ml(f, cr.req_ids), resumed_req_ids=_ms(f, cr.resumed_req_ids),
+        cr = replace(cr, req_ids=_ml(f, cr.req_ids) if cached is None else cached(cr.req_ids),
+                     resumed_req_ids=_ms(f, cr.resumed_req_ids),
                      all_token_ids=_md(f, cr.all_token_ids))
     return replace(
         so,
@@ -257,11 +202,11 @@ def _unpack_plp(t: LogprobsTensors) -> LogprobsTensors:
     )
 
 
-def _map_step(step: Step, f: Callable, lp: Callable, plp: Callable) -> Step:
+def _map_step(step: Step, f: Callable, lp: Callable, plp: Callable, cached: Callable | None = None) -> Step:
     go = step.grammar_output
     return replace(
         step,
-        scheduler_output=_map_so(step.scheduler_output, f),
+        scheduler_output=_map_so(step.scheduler_output, f, cached),
         model_runner_output=None if step.model_runner_output is None else _map_mro(step.model_runner_output, f, lp, plp),
         drawn_seeds=_md(f, step.drawn_seeds),
         grammar_output=None if go is None else replace(go, structured_output_request_ids=_ml(f, go.structured_output_request_ids)),
@@ -280,23 +225,23 @@ def batch_order(so: SchedulerOutput[A]) -> list[A]:
     return cached + [r.req_id for r in so.scheduled_new_reqs] if so.scheduled_new_reqs else list(cached)
 
 
-def _slim(step: Step[str]) -> tuple[Step[str], list[int] | None, int]:
+def _slim(step: Step[str], p: PythonPasses) -> tuple[Step[str], list[int] | None, int]:
     """The step without the per-request maps that its batch order gives back (`AlignedStep`), the values of
     `num_scheduled_tokens` if it was left out, and the layout bits. Checked on the string ids, before interning,
     so the maps left out are never remapped: list comparisons run at C speed, dict building does not."""
     so, mro = step.scheduler_output, step.model_runner_output
-    order = batch_order(so)
+    order = so.scheduled_cached_reqs.req_ids if not so.scheduled_new_reqs else batch_order(so)  # (only read)
     nst = so.num_scheduled_tokens
     scheduled = None
-    if len(nst) == len(order) and list(nst) == order:  # (keys are distinct, so `order` has no repeats)
-        scheduled = list(nst.values())
+    if p.same_order(nst, order):  # (keys are distinct, so `order` has no repeats)
+        scheduled = p.values(nst)
         so = replace(so, num_scheduled_tokens={})
     layout = 0
     if mro is not None:
         ids, index = mro.req_ids, mro.req_id_to_index
         if ids == order:
             layout |= OUTPUT_IDS_IN_BATCH_ORDER
-        if len(index) == len(ids) and list(index) == ids and list(index.values()) == list(range(len(ids))):
+        if p.is_index(index, ids):
             layout |= OUTPUT_INDEX_IN_ORDER
         if layout:
             mro = replace(mro, req_ids=[] if layout & OUTPUT_IDS_IN_BATCH_ORDER else ids,
@@ -306,14 +251,13 @@ def _slim(step: Step[str]) -> tuple[Step[str], list[int] | None, int]:
     return replace(step, scheduler_output=so, model_runner_output=mro), scheduled, layout
 
 
-def _packed(step: Step[int], scheduled: list[int] | None, layout: int) -> Step[int]:
+def _packed(step: Step[int], scheduled: list[int] | None, layout: int, counts: tuple | None) -> Step[int]:
     """An `AlignedStep` when anything of the step is left out or packed, else `step`: the computed-token counts are
-    stored against the output-token counts when both lists have one entry per request."""
+    stored against the output-token counts (`counts`: both as stored) when both lists have one entry per request."""
     so = step.scheduler_output
-    cr = so.scheduled_cached_reqs
-    done, out = cr.num_computed_tokens, cr.num_output_tokens
-    if done and len(done) == len(out):
-        so = replace(so, scheduled_cached_reqs=replace(cr, num_computed_tokens=list(map(sub, done, out))))
+    if counts is not None:
+        cr = so.scheduled_cached_reqs
+        so = replace(so, scheduled_cached_reqs=replace(cr, num_computed_tokens=counts[0], num_output_tokens=counts[1]))
         layout |= COMPUTED_MINUS_OUTPUT
     if scheduled is None and not layout:
         return step
@@ -364,14 +308,39 @@ _STEP_FIELDS = Step.__struct_fields__  # index, scheduler_output, then the rest
 def step_to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> Step[int]:
     """The stored form of a step (an `AlignedStep` where it can be); new ids are assigned handles in `table` (collect
     them with `take_new`). With `columns` (the open chunk's), its logprob matrices go there and the step keeps
-    markers to them."""
-    step, scheduled, layout = _slim(step)
-    if columns is None:
-        return _packed(_map_step(step, table.handle, _pack_lp, _pack_plp), scheduled, layout)
+    markers to them. The Python passes; the writer's `stored_step` stores the same bytes, faster."""
+    return _to_wire(step, table, columns, PYTHON)[0]
 
-    def pack(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
-        return columns.add(lp) or _pack_lp(lp, sampled)
-    return _packed(_map_step(step, table.handle, pack, _pack_plp), scheduled, layout)
+
+def stored_step(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> tuple[Step[int], int]:
+    """`step_to_wire` with the compiled passes where they take the step (its columns then msgpack already, as
+    `msgspec.Raw`: the same bytes once encoded), and the step's count of generated tokens."""
+    if COMPILED is not None:
+        try:
+            return _to_wire(step, table, columns, COMPILED)
+        except (TypeError, OverflowError):  # raised before anything is interned or joins `columns`
+            pass
+    return _to_wire(step, table, columns, PYTHON)
+
+
+def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: PythonPasses) -> tuple[Step[int], int]:
+    mro = step.model_runner_output
+    # the pure passes first: with the compiled ones, any of them may raise for the Python passes to take the step
+    tokens, generated = p.tokens(mro.sampled_token_ids) if mro is not None else (None, 0)
+    step, scheduled, layout = _slim(step, p)
+    cr = step.scheduler_output.scheduled_cached_reqs
+    done, out = cr.num_computed_tokens, cr.num_output_tokens
+    counts = (p.minus(done, out), p.ints(out)) if done and len(done) == len(out) else None
+    if columns is None:
+        pack = _pack_lp
+    else:
+        def pack(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
+            return columns.add(lp) or _pack_lp(lp, sampled)
+    f = table.handle
+    wire = _map_step(step, f, pack, _pack_plp, lambda ids: p.handles(ids, f, table.interning))
+    if tokens is not None and tokens is not mro.sampled_token_ids:
+        wire = replace(wire, model_runner_output=replace(wire.model_runner_output, sampled_token_ids=tokens))
+    return _packed(wire, scheduled, layout, counts), generated
 
 
 def step_from_wire(step: Step[int], table: IdTable, columns: ColumnSource | None = None) -> Step[str]:

@@ -26,7 +26,8 @@ from replay.capture.columns import ColumnSink
 from replay.capture.frames import skippable_frame
 from replay.capture.image_batch import PartsBatch
 from replay.capture.step_image import OutputParts, is_nil, store_step_image
-from replay.capture.stepcodec import IdTable, step_to_wire
+from replay.capture.ids import IdTable
+from replay.capture.stepcodec import stored_step
 from replay.contracts import (
     DraftCounts,
     EngineCoreRequest,
@@ -160,12 +161,11 @@ class CaptureWriter(WriterContext):
         if step.index <= self._last_step:
             raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
         mro = step.model_runner_output
-        generated = sum(map(len, mro.sampled_token_ids)) if mro is not None else 0
         drafts = draft_counts(step.scheduler_output, mro) if step.scheduler_output.scheduled_spec_decode_tokens else None
         self._check()
         with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
             self._seal_if_old_locked()
-            wire = step_to_wire(step, self._ids, self._chunk.columns)
+            wire, generated = stored_step(step, self._ids, self._chunk.columns)
             new_ids = self._ids.take_new()
             parts = [self._encode(new_ids)] if new_ids is not None else []
             parts.append(self._encode(wire))

@@ -8,11 +8,10 @@ from msgspec.structs import replace
 
 from replay.capture import format as fmt
 from replay.capture.format import AlignedStep, PackedStep, Step
+from replay.capture.ids import IdTable, UnknownHandleError
 from replay.capture.stepcodec import (
     FILTER_COL0,
     FILTER_COL0_XOR,
-    IdTable,
-    UnknownHandleError,
     step_from_wire,
     step_to_wire,
 )

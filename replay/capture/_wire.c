@@ -1,0 +1,280 @@
+/* The recording thread's per-request passes over a step, compiled (`replay.capture.fastwire` wraps them).
+ *
+ * Why: a 256-request decode step is ~18 passes of 256 elements in Python builtins (map, list(), ==, sum, msgspec's
+ * encode), about 70 us a step of capture_bench's builtin write path. Here each column is one C pass that writes
+ * its msgpack bytes directly, byte for byte what msgspec writes for the same list (ints in their narrowest form,
+ * arrays with fixarray/array16/array32 heads), so a step stores the same bytes whichever path made them.
+ *
+ * Anything these functions do not take as msgspec would (a bool, a float, an int beyond 64 bits, an object that
+ * is not a list or tuple) raises TypeError or OverflowError; the caller then takes the Python path for the step.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    char *p;
+    Py_ssize_t n, cap;
+} Buf;
+
+static int buf_reserve(Buf *b, Py_ssize_t more) {
+    if (b->n + more <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 256;
+    while (cap < b->n + more) cap *= 2;
+    char *p = PyMem_Realloc(b->p, cap);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static void put_be(char *at, uint64_t v, int bytes) {
+    for (int i = bytes - 1; i >= 0; i--) {
+        at[i] = (char)(v & 0xFF);
+        v >>= 8;
+    }
+}
+
+/* msgpack's array head for n elements, as msgspec writes it. */
+static int put_array_head(Buf *b, Py_ssize_t n) {
+    if (buf_reserve(b, 5) < 0) return -1;
+    char *at = b->p + b->n;
+    if (n < 16) {
+        at[0] = (char)(0x90 | n);
+        b->n += 1;
+    } else if (n < 65536) {
+        at[0] = (char)0xDC;
+        put_be(at + 1, (uint64_t)n, 2);
+        b->n += 3;
+    } else {
+        at[0] = (char)0xDD;
+        put_be(at + 1, (uint64_t)n, 4);
+        b->n += 5;
+    }
+    return 0;
+}
+
+static void put_i64(Buf *b, long long v) { /* room for 9 bytes already reserved */
+    char *at = b->p + b->n;
+    if (v >= 0) {
+        uint64_t u = (uint64_t)v;
+        if (u < 128) { at[0] = (char)u; b->n += 1; }
+        else if (u < 256) { at[0] = (char)0xCC; put_be(at + 1, u, 1); b->n += 2; }
+        else if (u < 65536) { at[0] = (char)0xCD; put_be(at + 1, u, 2); b->n += 3; }
+        else if (u < 4294967296ULL) { at[0] = (char)0xCE; put_be(at + 1, u, 4); b->n += 5; }
+        else { at[0] = (char)0xCF; put_be(at + 1, u, 8); b->n += 9; }
+    } else if (v >= -32) { at[0] = (char)(v & 0xFF); b->n += 1; }
+    else if (v >= -128) { at[0] = (char)0xD0; put_be(at + 1, (uint64_t)v, 1); b->n += 2; }
+    else if (v >= -32768) { at[0] = (char)0xD1; put_be(at + 1, (uint64_t)v, 2); b->n += 3; }
+    else if (v >= -2147483648LL) { at[0] = (char)0xD2; put_be(at + 1, (uint64_t)v, 4); b->n += 5; }
+    else { at[0] = (char)0xD3; put_be(at + 1, (uint64_t)v, 8); b->n += 9; }
+}
+
+/* One Python int as msgspec encodes it: int64, or uint64 beyond. Exact ints only (a bool is encoded otherwise). */
+static int put_int(Buf *b, PyObject *x) {
+    if (!PyLong_CheckExact(x)) {
+        PyErr_SetString(PyExc_TypeError, "not an int");
+        return -1;
+    }
+    if (buf_reserve(b, 9) < 0) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred()) return -1;
+        put_i64(b, v);
+        return 0;
+    }
+    if (overflow < 0) {
+        PyErr_SetString(PyExc_OverflowError, "int below int64");
+        return -1;
+    }
+    unsigned long long u = PyLong_AsUnsignedLongLong(x);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1; /* beyond uint64: OverflowError */
+    char *at = b->p + b->n;
+    at[0] = (char)0xCF;
+    put_be(at + 1, (uint64_t)u, 8);
+    b->n += 9;
+    return 0;
+}
+
+static PyObject *finish(Buf *b) {
+    PyObject *out = PyBytes_FromStringAndSize(b->p, b->n);
+    PyMem_Free(b->p);
+    return out;
+}
+
+static PyObject *fail(Buf *b) {
+    PyMem_Free(b->p);
+    return NULL;
+}
+
+/* A list or tuple's items (borrowed) and count; TypeError for anything else (msgspec's encode would differ). */
+static int items_of(PyObject *seq, PyObject ***items, Py_ssize_t *n) {
+    if (PyList_CheckExact(seq)) {
+        *items = ((PyListObject *)seq)->ob_item;
+        *n = PyList_GET_SIZE(seq);
+        return 0;
+    }
+    if (PyTuple_CheckExact(seq)) {
+        *items = ((PyTupleObject *)seq)->ob_item;
+        *n = PyTuple_GET_SIZE(seq);
+        return 0;
+    }
+    PyErr_SetString(PyExc_TypeError, "not a list or tuple");
+    return -1;
+}
+
+static PyObject *int_array(PyObject *self, PyObject *seq) {
+    PyObject **items;
+    Py_ssize_t n;
+    Buf b = {0};
+    if (items_of(seq, &items, &n) < 0 || put_array_head(&b, n) < 0) return fail(&b);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (put_int(&b, items[i]) < 0) return fail(&b);
+    return finish(&b);
+}
+
+static PyObject *int_values(PyObject *self, PyObject *d) {
+    if (!PyDict_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "not a dict");
+        return NULL;
+    }
+    Buf b = {0};
+    if (put_array_head(&b, PyDict_GET_SIZE(d)) < 0) return fail(&b);
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value))
+        if (put_int(&b, value) < 0) return fail(&b);
+    return finish(&b);
+}
+
+static PyObject *handle_array(PyObject *self, PyObject *args) {
+    PyObject *ids, *handles, **items;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OO", &ids, &handles)) return NULL;
+    Buf b = {0};
+    if (items_of(ids, &items, &n) < 0 || put_array_head(&b, n) < 0) return fail(&b);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyObject_GetItem(handles, items[i]); /* a mapping that interns on a miss */
+        if (h == NULL) return fail(&b);
+        int bad = put_int(&b, h);
+        Py_DECREF(h);
+        if (bad < 0) return fail(&b);
+    }
+    return finish(&b);
+}
+
+static PyObject *diff_array(PyObject *self, PyObject *args) {
+    PyObject *a, *c, **xs, **ys;
+    Py_ssize_t n, m;
+    if (!PyArg_ParseTuple(args, "OO", &a, &c)) return NULL;
+    Buf b = {0};
+    if (items_of(a, &xs, &n) < 0 || items_of(c, &ys, &m) < 0) return fail(&b);
+    if (n != m) {
+        PyErr_SetString(PyExc_ValueError, "lists of different lengths");
+        return fail(&b);
+    }
+    if (put_array_head(&b, n) < 0) return fail(&b);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_CheckExact(xs[i]) || !PyLong_CheckExact(ys[i])) {
+            PyErr_SetString(PyExc_TypeError, "not an int");
+            return fail(&b);
+        }
+        int o1 = 0, o2 = 0;
+        long long x = PyLong_AsLongLongAndOverflow(xs[i], &o1), y = PyLong_AsLongLongAndOverflow(ys[i], &o2);
+        long long d;
+        if (o1 || o2 || __builtin_sub_overflow(x, y, &d)) { /* the Python path handles big ints */
+            PyErr_SetString(PyExc_OverflowError, "beyond int64");
+            return fail(&b);
+        }
+        if (buf_reserve(&b, 9) < 0) return fail(&b);
+        put_i64(&b, d);
+    }
+    return finish(&b);
+}
+
+static PyObject *token_lists(PyObject *self, PyObject *seq) {
+    PyObject **rows;
+    Py_ssize_t n, total = 0;
+    Buf b = {0};
+    if (items_of(seq, &rows, &n) < 0 || put_array_head(&b, n) < 0) return fail(&b);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject **items;
+        Py_ssize_t k;
+        if (items_of(rows[i], &items, &k) < 0 || put_array_head(&b, k) < 0) return fail(&b);
+        for (Py_ssize_t j = 0; j < k; j++)
+            if (put_int(&b, items[j]) < 0) return fail(&b);
+        total += k;
+    }
+    PyObject *data = finish(&b);
+    if (data == NULL) return NULL;
+    return Py_BuildValue("(Nn)", data, total);
+}
+
+/* Whether the dict's keys, in order, are `order` (same length, each key == its entry). */
+static int keys_are(PyObject *d, PyObject *order) {
+    PyObject **items;
+    Py_ssize_t n;
+    if (!PyDict_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "not a dict");
+        return -1;
+    }
+    if (items_of(order, &items, &n) < 0) return -1;
+    if (PyDict_GET_SIZE(d) != n) return 0;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        if (key != items[i]) {
+            int eq = PyObject_RichCompareBool(key, items[i], Py_EQ);
+            if (eq <= 0) return eq;
+        }
+        i++;
+    }
+    return 1;
+}
+
+static PyObject *same_order(PyObject *self, PyObject *args) {
+    PyObject *d, *order;
+    if (!PyArg_ParseTuple(args, "OO", &d, &order)) return NULL;
+    int r = keys_are(d, order);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+/* Whether `d` is {ids[i]: i}, in that order. */
+static PyObject *is_index(PyObject *self, PyObject *args) {
+    PyObject *d, *ids;
+    if (!PyArg_ParseTuple(args, "OO", &d, &ids)) return NULL;
+    int r = keys_are(d, ids);
+    if (r < 0) return NULL;
+    if (r == 0) Py_RETURN_FALSE;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        if (!PyLong_CheckExact(value)) Py_RETURN_FALSE;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow || v != i) Py_RETURN_FALSE;
+        i++;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"int_array", int_array, METH_O, "msgpack of a list of ints, as msgspec encodes it."},
+    {"int_values", int_values, METH_O, "msgpack of a dict's int values, in order, as an array."},
+    {"handle_array", handle_array, METH_VARARGS, "msgpack of [handles[x] for x in ids] (handles may intern)."},
+    {"diff_array", diff_array, METH_VARARGS, "msgpack of [x - y for x, y in zip(a, b)] (int64 only)."},
+    {"token_lists", token_lists, METH_O, "(msgpack of a list of int lists, the count of their ints)."},
+    {"same_order", same_order, METH_VARARGS, "Whether a dict's keys, in order, equal a list."},
+    {"is_index", is_index, METH_VARARGS, "Whether a dict is {ids[i]: i}, in that order."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire", "Compiled column passes (see fastwire).", -1, methods};
+
+PyMODINIT_FUNC PyInit__wire(void) { return PyModule_Create(&module); }

@@ -1,0 +1,107 @@
+"""The per-request passes of a step's stored form (`stepcodec.step_to_wire`), in two implementations that store the
+same bytes: `PYTHON` (builtins: map, list(), ==) and `COMPILED` (`replay.capture._wire`, built with the package; None
+where it was not built, or with REPLAY_NO_COMPILED=1).
+
+Why compiled: a 256-request decode step was ~18 passes of 256 elements through Python builtins, most of the ~80 µs a
+step capture_bench's builtin write path took. The compiled passes hand back the columns as msgpack (`msgspec.Raw`,
+which msgspec's encoder writes as they are), each in one C pass, byte for byte what msgspec writes for the lists.
+
+Each pass is pure but for `handles`, which interns new ids, so a step whose pure passes raise TypeError or
+OverflowError (a bool, a float, an int beyond 64 bits: what the compiled passes leave to msgspec) is made again with
+the Python passes, from the start, with nothing interned twice.
+"""
+
+from __future__ import annotations
+
+import os
+from operator import sub
+from typing import Any, Callable
+
+from msgspec import Raw
+
+NO_COMPILED_ENV = "REPLAY_NO_COMPILED"  # "1": the Python passes only (benchmarks compare the two)
+
+
+class PythonPasses:
+    """The passes in Python builtins: the stored lists themselves."""
+
+    @staticmethod
+    def same_order(d: dict, order: list) -> bool:
+        """Whether the dict's keys, in order, are `order`."""
+        return len(d) == len(order) and list(d) == order
+
+    @staticmethod
+    def values(d: dict) -> list[int]:
+        """The dict's values as stored (a list in key order)."""
+        return list(d.values())
+
+    @staticmethod
+    def is_index(index: dict, ids: list) -> bool:
+        """Whether `index` is {ids[i]: i}, in that order."""
+        return len(index) == len(ids) and list(index) == ids and list(index.values()) == list(range(len(ids)))
+
+    @staticmethod
+    def minus(done: list[int], out: list[int]) -> list[int]:
+        """done[i] - out[i], as stored."""
+        return list(map(sub, done, out))
+
+    @staticmethod
+    def ints(xs: list[int]) -> list[int]:
+        """A list of ints as stored (itself)."""
+        return xs
+
+    @staticmethod
+    def tokens(sampled: list[list[int]]) -> tuple[list[list[int]], int]:
+        """The sampled tokens as stored (themselves) and how many there are."""
+        return sampled, sum(map(len, sampled))
+
+    @staticmethod
+    def handles(ids: list, intern: Callable[[Any], int], table: dict) -> list[int]:
+        """Each id's handle (`intern` assigns new ones; `table` is the mapping it reads)."""
+        return list(map(intern, ids)) if ids else ids
+
+
+class CompiledPasses:
+    """The passes in C (`replay.capture._wire`): each column as its msgpack bytes (`msgspec.Raw`)."""
+
+    def __init__(self, c: Any):
+        self._c = c
+        self.same_order = c.same_order
+        self.is_index = c.is_index
+
+    def values(self, d: dict) -> Raw:
+        """The dict's values, as msgspec encodes their list."""
+        return Raw(self._c.int_values(d))
+
+    def minus(self, done: list[int], out: list[int]) -> Raw:
+        """[done[i] - out[i]], encoded."""
+        return Raw(self._c.diff_array(done, out))
+
+    def ints(self, xs: list[int]) -> Raw:
+        """The list of ints, encoded."""
+        return Raw(self._c.int_array(xs))
+
+    def tokens(self, sampled: list[list[int]]) -> tuple[Raw, int]:
+        """The sampled tokens, encoded, and how many there are."""
+        data, n = self._c.token_lists(sampled)
+        return Raw(data), n
+
+    def handles(self, ids: list, intern: Callable[[Any], int], table: dict) -> Raw | list:
+        """Each id's handle, encoded (a miss in `table` interns, as `intern` would)."""
+        return Raw(self._c.handle_array(ids, table)) if ids else ids
+
+
+PYTHON = PythonPasses()
+
+
+def _compiled() -> CompiledPasses | None:
+    if os.environ.get(NO_COMPILED_ENV) == "1":
+        return None
+    try:
+        from replay.capture import _wire
+    except ImportError:  # built without a C compiler: the Python passes store the same bytes
+        return None
+    return CompiledPasses(_wire)
+
+
+COMPILED = _compiled()

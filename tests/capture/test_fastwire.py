@@ -1,0 +1,123 @@
+"""The compiled passes (`replay.capture._wire`) store the very bytes the Python passes store, and give way to them
+for what they do not take (bools, floats, ints beyond 64 bits), with nothing interned or added twice."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from msgspec.structs import replace
+
+from replay.capture import format as fmt
+from replay.capture import stepcodec
+from replay.capture.columns import ColumnSink
+from replay.capture.fastwire import COMPILED, NO_COMPILED_ENV, PYTHON
+from replay.capture.ids import IdTable
+from replay.record.synth import SynthShape, synth_events
+
+ENC = fmt.WIRE_ENCODER.encode
+needs_compiled = pytest.mark.skipif(COMPILED is None, reason="replay.capture._wire was not built (no C compiler)")
+INT64 = st.integers(-(2**63), 2**64 - 1)  # what msgspec encodes: int64, and uint64 beyond
+
+
+def test_the_compiled_passes_are_built_where_there_is_a_compiler():
+    if os.environ.get(NO_COMPILED_ENV) == "1" or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here (or REPLAY_NO_COMPILED=1): the Python passes store the same bytes")
+    assert COMPILED is not None, "`pip install -e .` did not build replay.capture._wire"
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None)
+@given(st.lists(INT64, max_size=40) | st.sampled_from([list(range(15)), list(range(16)), list(range(70000))]))
+def test_ints_encode_as_msgspec_encodes_them(xs):
+    assert COMPILED.ints(xs) == msgspec.Raw(ENC(xs))
+    assert COMPILED.ints(tuple(xs)) == msgspec.Raw(ENC(xs))
+    assert COMPILED.values(dict(zip(map(str, range(len(xs))), xs))) == msgspec.Raw(ENC(xs))
+
+
+@needs_compiled
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**32), max_size=4), max_size=30))
+def test_token_lists_encode_and_count(sampled):
+    data, n = COMPILED.tokens(sampled)
+    assert data == msgspec.Raw(ENC(sampled)) and n == sum(map(len, sampled))
+
+
+@needs_compiled
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(2**62), 2**62), max_size=20), st.lists(st.integers(-(2**62), 2**62), max_size=20))
+def test_differences_encode_as_the_python_pass_stores_them(a, b):
+    a, b = a[:len(b)], b[:len(a)]
+    assert COMPILED.minus(a, b) == msgspec.Raw(ENC(PYTHON.minus(a, b)))
+
+
+@needs_compiled
+@pytest.mark.parametrize("bad, error", [([True], TypeError), ([1.0], TypeError), ([2**64], OverflowError),
+                                        ([-(2**63) - 1], OverflowError), ([[1]], TypeError)])
+def test_what_msgspec_would_encode_otherwise_is_refused(bad, error):
+    with pytest.raises(error):
+        COMPILED.ints(bad)
+    with pytest.raises(error):
+        COMPILED.tokens([bad])
+
+
+@needs_compiled
+def test_order_and_index_checks_agree_with_python():
+    ids = ["a", "b", "c"]
+    for d, order in (({"a": 1, "b": 1, "c": 2}, ids), ({"b": 1, "a": 1, "c": 2}, ids), ({"a": 1}, ids),
+                     ({"a": 0, "b": 1, "c": 2}, ids), ({}, [])):
+        assert COMPILED.same_order(d, order) == PYTHON.same_order(d, order)
+        assert COMPILED.is_index(d, order) == PYTHON.is_index(d, order)
+    assert not COMPILED.is_index({"a": 0, "b": 2, "c": 1}, ids)
+    assert not COMPILED.is_index({"a": 0, "b": 1, "c": 2**70}, ids)
+
+
+def _stored(events, passes) -> tuple[list[bytes], list[int], list[str], list[int]]:
+    """Every step of `events` stored as the writer stores it, with one set of passes: records, counts, the id table,
+    and the rows each chunk's columns hold."""
+    table, sink, records, counts = IdTable(), ColumnSink(), [], []
+    for ev in events:
+        if ev.request is not None:
+            table.handle(ev.request.request_id)
+            continue
+        step = fmt.Step(ev.step, ev.scheduler_output, ev.model_runner_output)
+        if passes is PYTHON:
+            wire, n = stepcodec._to_wire(step, table, sink, PYTHON)
+        else:
+            wire, n = stepcodec.stored_step(step, table, sink)
+        records.append(ENC(wire))
+        counts.append(n)
+    sealed = sink.seal()
+    rows = [] if sealed is None else [len(g.ranks.data) for g in sealed.groups]
+    return records, counts, table.ids, rows
+
+
+@needs_compiled
+@pytest.mark.parametrize("shape", [SynthShape(steps=60, running=40, num_logprobs=None, seed=3),
+                                   SynthShape(steps=40, running=20, num_logprobs=3, seed=5),
+                                   SynthShape(steps=30, running=8, prompt_len=(40, 200), num_logprobs=2, seed=7)],
+                         ids=["decode, no logprobs", "decode, logprobs", "prefill-heavy"])
+def test_steps_store_the_same_bytes_either_way(shape):
+    events = list(synth_events(shape))
+    assert _stored(events, COMPILED) == _stored(events, PYTHON)
+
+
+@needs_compiled
+def test_a_step_the_compiled_passes_refuse_is_stored_by_the_python_passes_once():
+    events = list(synth_events(SynthShape(steps=12, running=6, num_logprobs=2, seed=9)))
+    odd = []
+    for ev in events:  # a bool among the tokens (msgspec encodes it as true): the C pass refuses the step
+        if ev.request is None and ev.model_runner_output is not None and ev.model_runner_output.sampled_token_ids:
+            mro = ev.model_runner_output
+            sampled = [list(x) for x in mro.sampled_token_ids]
+            sampled[0] = [True] + sampled[0][1:] if sampled[0] else [True]
+            ev = dataclasses.replace(ev, model_runner_output=replace(mro, sampled_token_ids=sampled))
+        odd.append(ev)
+    got, want = _stored(odd, COMPILED), _stored(odd, PYTHON)
+    assert got == want  # the same records, ids and column rows: nothing interned or added twice
+    assert b"\xc3" in b"".join(got[0])
