@@ -230,7 +230,8 @@ def _slim(step: Step[str], p: PythonPasses) -> tuple[Step[str], list[int] | None
     `num_scheduled_tokens` if it was left out, and the layout bits. Checked on the string ids, before interning,
     so the maps left out are never remapped: list comparisons run at C speed, dict building does not."""
     so, mro = step.scheduler_output, step.model_runner_output
-    order = so.scheduled_cached_reqs.req_ids if not so.scheduled_new_reqs else batch_order(so)  # (only read)
+    cached = so.scheduled_cached_reqs.req_ids
+    order = cached if not so.scheduled_new_reqs and type(cached) is list else batch_order(so)  # (only read)
     nst = so.num_scheduled_tokens
     scheduled = None
     if p.same_order(nst, order):  # (keys are distinct, so `order` has no repeats)
