@@ -26,14 +26,9 @@ class PythonPasses:
     """The passes in Python builtins: the stored lists themselves."""
 
     @staticmethod
-    def same_order(d: dict, order: list) -> bool:
-        """Whether the dict's keys, in order, are `order`."""
-        return len(d) == len(order) and list(d) == order
-
-    @staticmethod
-    def values(d: dict) -> list[int]:
-        """The dict's values as stored (a list in key order)."""
-        return list(d.values())
+    def ordered_values(d: dict, order: list) -> list[int] | None:
+        """The dict's values as stored when its keys, in order, are `order`; else None."""
+        return list(d.values()) if len(d) == len(order) and list(d) == order else None
 
     @staticmethod
     def is_index(index: dict, ids: list) -> bool:
@@ -66,12 +61,15 @@ class CompiledPasses:
 
     def __init__(self, c: Any):
         self._c = c
-        self.same_order = c.same_order
         self.is_index = c.is_index
+        # (an image step's check, `image_batch`: whether msgpack bytes are [[ids[r, 0]] for r in row..row+n-1];
+        # TypeError for a matrix that is not 2-D integers)
+        self.one_token_rows = c.one_token_rows
 
-    def values(self, d: dict) -> Raw:
-        """The dict's values, as msgspec encodes their list."""
-        return Raw(self._c.int_values(d))
+    def ordered_values(self, d: dict, order: list) -> Raw | None:
+        """The dict's values, encoded, when its keys in order are `order` (one pass); else None."""
+        data = self._c.ordered_values(d, order)
+        return None if data is None else Raw(data)
 
     def minus(self, done: list[int], out: list[int]) -> Raw:
         """[done[i] - out[i]], encoded."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink, markers
+from replay.capture.fastwire import COMPILED
 from replay.capture.step_image import (
     _SCHEDULE,
     NIL,
@@ -77,11 +78,11 @@ class PartsBatch:
         afterwards. Call it before `columns.seal()`: it reads the column groups' sampled tokens."""
         steps, self._steps = self._steps, []
         ids = {g: columns.token_ids(g) for g in {s.group for s in steps}}
-        each = {g: one_token_each_images(m[:, 0]) for g, m in ids.items()}
+        each: dict[int, tuple[bytes, list[int]] | None] = {}  # the Python check's per-group images, made if needed
         records, generated = [], 0
         for s in steps:
             n = s.parts.shape[0]
-            if _repeats_column_0(s.parts.tokens, each[s.group], s.row, n, ids[s.group]):  # one token per row
+            if _one_token_a_row(s, n, ids[s.group], each):
                 reference, count = _one_token_each(n), n
             else:
                 reference, count = _other_layout(s, ids[s.group][s.row:s.row + n, 0].tolist(), decoder)
@@ -118,6 +119,19 @@ def one_token_each_images(column_0: np.ndarray) -> tuple[bytes, list[int]] | Non
         for i in range(size):  # big-endian
             out[where + i] = (x >> (8 * (size - 1 - i))) & 0xFF
     return out.tobytes(), offsets.tolist()
+
+
+def _one_token_a_row(s: _Pending, n: int, ids: np.ndarray, each: dict) -> bool:
+    """Whether the step sampled its logprob rows' column 0, one token a row: one compiled pass over its tokens'
+    image where `_wire` is built (and takes the matrix), else a comparison with the chunk's images of `[t]`."""
+    if COMPILED is not None:
+        try:
+            return COMPILED.one_token_rows(s.parts.tokens, ids, s.row, n)
+        except TypeError:  # a matrix the compiled pass does not read
+            pass
+    if s.group not in each:
+        each[s.group] = one_token_each_images(ids[:, 0])
+    return _repeats_column_0(s.parts.tokens, each[s.group], s.row, n, ids)
 
 
 def _array_head(n: int) -> bytes:

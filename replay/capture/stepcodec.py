@@ -233,9 +233,8 @@ def _slim(step: Step[str], p: PythonPasses) -> tuple[Step[str], list[int] | None
     cached = so.scheduled_cached_reqs.req_ids
     order = cached if not so.scheduled_new_reqs and type(cached) is list else batch_order(so)  # (only read)
     nst = so.num_scheduled_tokens
-    scheduled = None
-    if p.same_order(nst, order):  # (keys are distinct, so `order` has no repeats)
-        scheduled = p.values(nst)
+    scheduled = p.ordered_values(nst, order)  # (keys are distinct, so `order` has no repeats)
+    if scheduled is not None:
         so = replace(so, num_scheduled_tokens={})
     layout = 0
     if mro is not None:

@@ -8,6 +8,7 @@ import os
 import shutil
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,7 +38,8 @@ def test_the_compiled_passes_are_built_where_there_is_a_compiler():
 def test_ints_encode_as_msgspec_encodes_them(xs):
     assert COMPILED.ints(xs) == msgspec.Raw(ENC(xs))
     assert COMPILED.ints(tuple(xs)) == msgspec.Raw(ENC(xs))
-    assert COMPILED.values(dict(zip(map(str, range(len(xs))), xs))) == msgspec.Raw(ENC(xs))
+    keys = list(map(str, range(len(xs))))
+    assert COMPILED.ordered_values(dict(zip(keys, xs)), keys) == msgspec.Raw(ENC(xs))
 
 
 @needs_compiled
@@ -46,6 +48,44 @@ def test_ints_encode_as_msgspec_encodes_them(xs):
 def test_token_lists_encode_and_count(sampled):
     data, n = COMPILED.tokens(sampled)
     assert data == msgspec.Raw(ENC(sampled)) and n == sum(map(len, sampled))
+
+
+_INT_DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_INT_DTYPES), st.data())
+def test_one_token_rows_is_msgspecs_image_of_column_0(dtype, data):
+    """The image step's check: true exactly for msgspec's bytes of [[ids[r, 0]] for the rows], on every int width
+    and edge of msgpack's forms, whatever the matrix's strides; false for any other bytes."""
+    info = np.iinfo(dtype)
+    ids = np.array(data.draw(st.lists(st.lists(st.integers(int(info.min), int(info.max)), min_size=2, max_size=2),
+                                      min_size=1, max_size=40)), dtype)
+    ids = data.draw(st.sampled_from([ids, np.asfortranarray(ids), np.repeat(ids, 2, axis=0)[::2]]))
+    row = data.draw(st.integers(0, len(ids)))
+    n = data.draw(st.integers(0, len(ids) - row))
+    good = ENC([[int(t)] for t in ids[row:row + n, 0]])
+    assert COMPILED.one_token_rows(good, ids, row, n)
+    assert not COMPILED.one_token_rows(good + b"\x00", ids, row, n)
+    if n:
+        assert not COMPILED.one_token_rows(good[:-1], ids, row, n)
+        assert not COMPILED.one_token_rows(ENC([[int(t)] for t in ids[row:row + n, 0]] + [[0]]), ids, row, n)
+        assert not COMPILED.one_token_rows(ENC([[int(t), 0] for t in ids[row:row + n, 0]]), ids, row, n)
+
+
+@needs_compiled
+@pytest.mark.parametrize("ids", [np.zeros(3, np.int64), np.zeros((3, 2), np.float32), np.zeros((3, 2), bool),
+                                 np.zeros((3, 2, 1), np.int32)])
+def test_one_token_rows_refuses_what_is_not_an_int_matrix(ids):
+    with pytest.raises(TypeError):
+        COMPILED.one_token_rows(b"\x90", ids, 0, 0)
+
+
+@needs_compiled
+def test_one_token_rows_refuses_rows_beyond_the_matrix():
+    with pytest.raises(ValueError):
+        COMPILED.one_token_rows(b"\x90", np.zeros((3, 2), np.int32), 2, 2)
 
 
 @needs_compiled
@@ -70,8 +110,11 @@ def test_what_msgspec_would_encode_otherwise_is_refused(bad, error):
 def test_order_and_index_checks_agree_with_python():
     ids = ["a", "b", "c"]
     for d, order in (({"a": 1, "b": 1, "c": 2}, ids), ({"b": 1, "a": 1, "c": 2}, ids), ({"a": 1}, ids),
-                     ({"a": 0, "b": 1, "c": 2}, ids), ({}, [])):
-        assert COMPILED.same_order(d, order) == PYTHON.same_order(d, order)
+                     ({"a": 0, "b": 1, "c": 2}, ids), ({}, []), ({"a": 0, "b": 1, "d": 2}, ids),
+                     (dict(zip([f"req-{i}" for i in range(3)], range(3))), [f"req-{i}" for i in range(3)])):
+        # (the last: keys equal to the order's ids, not the same objects)
+        python = PYTHON.ordered_values(d, order)
+        assert COMPILED.ordered_values(d, order) == (None if python is None else msgspec.Raw(ENC(python)))
         assert COMPILED.is_index(d, order) == PYTHON.is_index(d, order)
     assert not COMPILED.is_index({"a": 0, "b": 2, "c": 1}, ids)
     assert not COMPILED.is_index({"a": 0, "b": 1, "c": 2**70}, ids)
