@@ -10,7 +10,6 @@ CaptureError, on the next call.
 from __future__ import annotations
 
 import os
-import queue
 import struct
 import threading
 import time
@@ -23,6 +22,7 @@ import zstandard
 
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
+from replay.capture.emitter import ChunkEmitter
 from replay.capture.frames import skippable_frame
 from replay.capture.image_batch import PartsBatch
 from replay.capture.step_image import OutputParts, is_nil, store_step_image
@@ -36,8 +36,6 @@ from replay.contracts import (
     draft_counts,
 )
 from replay.errors import CaptureError, UsageError
-
-_ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
 
 
 class _Chunk:
@@ -108,28 +106,24 @@ class CaptureWriter(WriterContext):
         self.chunk_bytes = chunk_bytes
         self.flush_interval = flush_interval
         self._fsync = fsync
-        self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+        self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = IdTable()
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = _Chunk()
-        self._chunks: list[fmt.ChunkInfo] = []
         self._num_steps = 0
         self._num_records = 0
         self._last_step = -1
-        self._error: BaseException | None = None
         self._closed = False
-        self.bytes_written = 0
         try:
             self.partial_path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.partial_path, "wb")
+            self._out = ChunkEmitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal)
             prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
-            self._write_bytes(skippable_frame(fmt.PROLOGUE_MAGIC, prologue))
+            self._out.write(skippable_frame(fmt.PROLOGUE_MAGIC, prologue))
         except OSError as e:
             raise CaptureError(self.partial_path, f"cannot create capture: {e.strerror or e}") from None
-        self._queue: queue.Queue[_Chunk | None] = queue.Queue(maxsize=8)
-        self._thread = threading.Thread(target=self._run, name="replay-capture-writer", daemon=True)
-        self._thread.start()
+        self._out.start()
         self._append([self._encode(header)], header=True)
         self.flush()  # the header is durable as soon as the writer exists
 
@@ -246,15 +240,14 @@ class CaptureWriter(WriterContext):
         with self._lock:
             self._seal_locked()
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        self._out.stop()
         self._check()
         try:
-            index = fmt.Index(list(self._chunks), list(self._ids.ids), self._num_steps, status)  # type: ignore[arg-type]
+            index = fmt.Index(list(self._out.chunks), list(self._ids.ids), self._num_steps, status)  # type: ignore[arg-type]
             body = self._cctx.compress(fmt.WIRE_ENCODER.encode(index))
             offset = self.bytes_written
             trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ZSTD
-            self._write_bytes(skippable_frame(fmt.INDEX_MAGIC, body + trailer))
+            self._out.write(skippable_frame(fmt.INDEX_MAGIC, body + trailer))
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
@@ -270,12 +263,16 @@ class CaptureWriter(WriterContext):
         self._closed = True
         with self._lock:
             self._seal_locked()
-        self._queue.put(None)
-        self._thread.join()
+        self._out.stop()
         try:
             self._f.close()
         except OSError:
             pass
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file so far (frames written, not those still being compressed)."""
+        return self._out.bytes_written
 
     @property
     def num_steps(self) -> int:
@@ -345,55 +342,26 @@ class CaptureWriter(WriterContext):
             return
         self._chunk = _Chunk()
         c.seal(self.image_decoder)
-        self._queue.put(c)  # blocks when the writer thread is 8 chunks behind: back-pressure, not unbounded memory
+        self._out.put(c)  # blocks while the background threads are 8 chunks behind
 
-    def _run(self) -> None:
-        while True:
-            try:
-                c = self._queue.get(timeout=self.flush_interval)
-            except queue.Empty:
-                # An idle engine must not keep a chunk open forever. Never block on the lock here: a producer
-                # holding it may itself be blocked on our full queue.
-                if not self._lock.acquire(blocking=False):
-                    continue
-                try:
-                    c = self._chunk
-                    if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
-                        continue
-                    self._chunk = _Chunk()
-                    c.seal(self.image_decoder)
-                except Exception as e:  # noqa: BLE001 - handed to the caller's thread by _check; this one goes on
-                    self._error = e
-                    continue
-                finally:
-                    self._lock.release()
-            if c is None:
-                return
-            if self._error is None:  # (after an error it keeps draining, so producers never block on a dead writer)
-                self._emit(c)
-
-    def _emit(self, c: _Chunk) -> None:
-        """Compress and write a sealed chunk; an error is kept for the caller's thread (`_check`)."""
+    def _idle_seal(self) -> tuple[int, _Chunk] | None:
+        """The open chunk, sealed and numbered, once it is older than `flush_interval` (a background thread asks
+        when it has waited that long for work). Never blocks on the lock: a producer holding it may itself be
+        blocked on the full queue."""
+        if not self._lock.acquire(blocking=False):
+            return None
         try:
-            body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
-            frame = self._cctx.compress(body)
-            c.info.offset = self.bytes_written
-            c.info.length = len(frame)
-            c.info.raw_size = len(body)
-            self._write_bytes(frame)
-            self._f.flush()
-            if self._fsync:
-                os.fsync(self._f.fileno())
-            self._chunks.append(c.info)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by _check
-            self._error = e
-
-    def _write_bytes(self, data: bytes) -> None:
-        self._f.write(data)
-        self.bytes_written += len(data)
+            c = self._chunk
+            if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
+                return None
+            self._chunk = _Chunk()
+            c.seal(self.image_decoder)
+            return self._out.number(), c
+        finally:
+            self._lock.release()
 
     def _check(self) -> None:
-        e = self._error
+        e = self._out.error
         if e is not None:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise CaptureError(self.partial_path, f"writing failed: {why}; what was flushed before stays readable") from None

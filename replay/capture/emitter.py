@@ -1,0 +1,115 @@
+"""`ChunkEmitter`: compress and write a writer's sealed chunks off the recording thread, in the order they were
+sealed.
+
+Why more than one thread: zstd and file writes run without the GIL, but a thread needs it back after each, and a
+busy recording thread (capture_bench's builtin loop: a step every ~40 µs, nothing that blocks) gives it up only
+at the interpreter's switch interval (5 ms). One thread then spent ~15 ms of waits on each 1 MiB chunk that a
+recording loop sealed every ~8 ms, fell chunks behind, and left ~25 ms of them to catch up at close (a fifth of
+the run). Two threads wait for the GIL at the same time, so their waits overlap; each compresses with its own
+context (a ZstdCompressor is not thread-safe), and a frame is written once every chunk sealed before it is.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import threading
+from typing import Any, Callable
+
+import zstandard
+
+from replay.capture import format as fmt
+
+_ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
+WORKERS = 2
+DEPTH = 8  # sealed chunks waiting at most: then the recording thread waits (back-pressure, not unbounded memory)
+
+
+class ChunkEmitter:
+    """Background threads that turn sealed chunks (`.parts`: encoded records, `.info`: their ChunkInfo) into zstd
+    frames in file `f`, in order. `idle()` is called by a thread that found nothing to do for `interval` seconds,
+    and returns a chunk it sealed (numbered by `number()`) or None: an idle engine must not keep a chunk open
+    forever. An error (a full disk) is kept in `error` for the recording thread; the threads go on draining."""
+
+    def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
+                 idle: Callable[[], tuple[int, Any] | None], workers: int = WORKERS):
+        self.f = f
+        self.bytes_written = 0
+        self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
+        self.error: BaseException | None = None
+        self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
+        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue(maxsize=DEPTH)
+        self._seq = 0  # the next chunk's number (given under the writer's lock)
+        self._next = 0  # the number of the next frame to write
+        self._ready: dict[int, tuple[Any, bytes, int]] = {}  # compressed, waiting for the chunks before them
+        self._order = threading.Lock()  # held while frames are written: one writer, in order
+        self._threads = [threading.Thread(target=self._run, name=f"replay-capture-writer-{i}", daemon=True)
+                         for i in range(workers)]
+
+    def start(self) -> None:
+        """Start the threads (after what the file starts with is written, `write`)."""
+        for t in self._threads:
+            t.start()
+
+    def write(self, data: bytes) -> None:
+        """Write bytes directly: only before `start` or after `stop`, when no frame is being written."""
+        self.f.write(data)
+        self.bytes_written += len(data)
+
+    def number(self) -> int:
+        """The next sealed chunk's place in the file (call it under the lock that seals chunks)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def put(self, chunk: Any) -> None:
+        """Hand a sealed chunk over (call it under the lock that seals chunks, so numbers follow the seals).
+        Blocks while DEPTH chunks wait."""
+        self._queue.put((self.number(), chunk))
+
+    def stop(self) -> None:
+        """Write every chunk handed over, then end the threads."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _run(self) -> None:
+        cctx = zstandard.ZstdCompressor(level=self._level, write_checksum=True, write_content_size=True)
+        while True:
+            try:
+                item = self._queue.get(timeout=self._interval)
+            except queue.Empty:
+                try:
+                    item = self._idle()
+                except Exception as e:  # noqa: BLE001 - handed to the recording thread; this one goes on
+                    self.error = e
+                    continue
+                if item is None:
+                    continue
+            if item is None:
+                return
+            if self.error is None:  # (after an error it keeps draining, so producers never block on a dead writer)
+                self._emit(cctx, *item)
+
+    def _emit(self, cctx: zstandard.ZstdCompressor, seq: int, c: Any) -> None:
+        """Compress chunk `seq`, then write every frame that is next in order."""
+        try:
+            body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
+            frame = cctx.compress(body)
+            with self._order:
+                self._ready[seq] = (c, frame, len(body))
+                while self._next in self._ready and self.error is None:
+                    c, frame, raw = self._ready.pop(self._next)
+                    c.info.offset = self.bytes_written
+                    c.info.length = len(frame)
+                    c.info.raw_size = raw
+                    self.write(frame)
+                    self.f.flush()
+                    if self._fsync:
+                        os.fsync(self.f.fileno())
+                    self.chunks.append(c.info)
+                    self._next += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the recording thread (CaptureWriter._check)
+            self.error = e
