@@ -33,7 +33,7 @@ class ChunkEmitter:
     forever. An error (a full disk) is kept in `error` for the recording thread; the threads go on draining."""
 
     def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
-                 idle: Callable[[], tuple[int, Any] | None], workers: int = WORKERS):
+                 idle: Callable[[], tuple[int, Any] | None], workers: int | None = None):
         self.f = f
         self.bytes_written = 0
         self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
@@ -45,7 +45,7 @@ class ChunkEmitter:
         self._ready: dict[int, tuple[Any, bytes, int]] = {}  # compressed, waiting for the chunks before them
         self._order = threading.Lock()  # held while frames are written: one writer, in order
         self._threads = [threading.Thread(target=self._run, name=f"replay-capture-writer-{i}", daemon=True)
-                         for i in range(workers)]
+                         for i in range(WORKERS if workers is None else workers)]
 
     def start(self) -> None:
         """Start the threads (after what the file starts with is written, `write`)."""

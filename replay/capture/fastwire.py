@@ -33,7 +33,10 @@ class PythonPasses:
     @staticmethod
     def is_index(index: dict, ids: list) -> bool:
         """Whether `index` is {ids[i]: i}, in that order."""
-        return len(index) == len(ids) and list(index) == ids and list(index.values()) == list(range(len(ids)))
+        if len(index) != len(ids) or list(index) != ids:
+            return False
+        values = list(index.values())  # ints exactly: 1.0 or True == 1, but would not be stored as they came
+        return values == list(range(len(ids))) and all(type(v) is int for v in values)
 
     @staticmethod
     def minus(done: list[int], out: list[int]) -> list[int]:

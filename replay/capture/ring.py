@@ -30,11 +30,12 @@ import mmap
 import os
 import platform
 import select
-import struct
 import time
 from collections.abc import Sequence
 
-HEAD = struct.Struct("<cI")
+from replay.capture.process import FRAME_HEAD
+
+HEAD = FRAME_HEAD
 CONTROL = 4096
 DEFAULT_RING_BYTES = 8 << 20  # 8 MiB: ~700 of vllm_bench's 64-request steps (11-12 KB each), 2.3x the pipe it replaces
 _WRITTEN, _RESERVED, _CONSUMED, _FAILED = 0, 64, 128, 192

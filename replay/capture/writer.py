@@ -1,10 +1,10 @@
 """`CaptureWriter`: append records to a capture from any engine.
 
 Encoding (msgspec, id interning) runs on the caller's thread: it is cheap and it must see the objects before the
-engine mutates them. Compression and I/O run on a background thread, which zstd and file writes let run without
-the GIL. Chunks close by size or by age, so a crash loses at most the open chunk (at most `flush_interval` seconds
-of steps, or `chunk_bytes` of records). Errors of the background thread (a full disk) surface, as one
-CaptureError, on the next call.
+engine mutates them. Compression and I/O run on background threads (`emitter`), which zstd and file writes let
+run without the GIL. Chunks close by size or by age, so a crash loses at most the open chunk (at most
+`flush_interval` seconds of steps, or `chunk_bytes` of records). Errors of the background threads (a full disk)
+surface, as one CaptureError, on the next call.
 """
 
 from __future__ import annotations
@@ -105,7 +105,6 @@ class CaptureWriter(WriterContext):
             raise UsageError("chunk_bytes and flush_interval must be positive")
         self.chunk_bytes = chunk_bytes
         self.flush_interval = flush_interval
-        self._fsync = fsync
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = IdTable()
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
@@ -227,7 +226,7 @@ class CaptureWriter(WriterContext):
             self.write_crash(record)
 
     def flush(self) -> None:
-        """Close the open chunk now and hand it to the background thread."""
+        """Close the open chunk now and hand it to the background threads."""
         self._check()
         with self._lock:
             self._seal_locked()

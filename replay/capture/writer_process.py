@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -44,14 +43,14 @@ import msgspec
 from replay.capture import format as fmt
 from replay.capture import ring
 from replay.capture.image_frames import IMAGE_FRAMES, ImageFrames
-from replay.capture.process import FrameReader, cpu_s, detach, grow_pipe
+from replay.capture.process import FRAME_HEAD, FrameReader, cpu_s, detach, grow_pipe
 from replay.capture.step_image import OutputParts
 from replay.capture.wire import output_frame, scheduled_frame
 from replay.capture.writer import WriterContext
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 
-_FRAME = struct.Struct("<cI")
+_FRAME = FRAME_HEAD
 _ENCODER = msgspec.msgpack.Encoder()
 TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "ring" or "pipe"; unset: the ring where `ring.available()`
 _NOW = frozenset((b"H", b"F", b"C", b"Q"))  # frames the child is woken for (the others wait for its next poll)

@@ -117,6 +117,8 @@ def test_order_and_index_checks_agree_with_python():
         assert COMPILED.ordered_values(d, order) == (None if python is None else msgspec.Raw(ENC(python)))
         assert COMPILED.is_index(d, order) == PYTHON.is_index(d, order)
     assert not COMPILED.is_index({"a": 0, "b": 2, "c": 1}, ids)
+    for lossy in ({"a": 0, "b": 1.0, "c": 2}, {"a": 0, "b": True, "c": 2}):  # equal to the index, not stored as it
+        assert not COMPILED.is_index(lossy, ids) and not PYTHON.is_index(lossy, ids)
     assert not COMPILED.is_index({"a": 0, "b": 1, "c": 2**70}, ids)
 
 
