@@ -337,13 +337,20 @@ static PyObject *one_token_rows(PyObject *self, PyObject *args) {
         long long v = 0;
         unsigned long long u = 0;
         int big = 0;
+        /* (memcpy: a buffer's items need not be aligned) */
         switch (m.itemsize) {
-        case 1: v = is_signed ? (long long)*(const int8_t *)x : (long long)*(const uint8_t *)x; break;
-        case 2: v = is_signed ? (long long)*(const int16_t *)x : (long long)*(const uint16_t *)x; break;
-        case 4: v = is_signed ? (long long)*(const int32_t *)x : (long long)*(const uint32_t *)x; break;
+        case 1: { int8_t s8; uint8_t u8; memcpy(&s8, x, 1); memcpy(&u8, x, 1); v = is_signed ? s8 : u8; break; }
+        case 2: { int16_t s16; uint16_t u16; memcpy(&s16, x, 2); memcpy(&u16, x, 2); v = is_signed ? s16 : u16; break; }
+        case 4: {
+            int32_t s32; uint32_t u32;
+            memcpy(&s32, x, 4); memcpy(&u32, x, 4);
+            v = is_signed ? (long long)s32 : (long long)u32;
+            break;
+        }
         default:
-            if (is_signed) v = *(const int64_t *)x;
-            else { u = *(const uint64_t *)x; big = u > (unsigned long long)INT64_MAX; v = (long long)u; }
+            memcpy(&u, x, 8);
+            if (is_signed) { int64_t s64; memcpy(&s64, x, 8); v = s64; u = 0; }
+            else { big = u > (unsigned long long)INT64_MAX; v = (long long)u; }
         }
         char one[10];
         Buf e = {one, 1, sizeof one};

@@ -50,7 +50,6 @@ from replay.capture.writer import WriterContext
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 
-_FRAME = FRAME_HEAD
 _ENCODER = msgspec.msgpack.Encoder()
 TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "ring" or "pipe"; unset: the ring where `ring.available()`
 _NOW = frozenset((b"H", b"F", b"C", b"Q"))  # frames the child is woken for (the others wait for its next poll)
@@ -251,9 +250,9 @@ class ProcessCaptureWriter(WriterContext):
                 return
             # one unbuffered write per record: nothing waits in our buffer if the engine crashes
             size = sum(map(len, parts))
-            frame = [_FRAME.pack(kind, size), *parts]
+            frame = [FRAME_HEAD.pack(kind, size), *parts]
             done = os.writev(self._fd, frame) if hasattr(os, "writev") else 0
-            if done < size + _FRAME.size:  # (rare: a write cut short by a signal; or no writev)
+            if done < size + FRAME_HEAD.size:  # (rare: a write cut short by a signal; or no writev)
                 view = memoryview(b"".join(frame))[done:]
                 while view:
                     view = view[os.write(self._fd, view):]
