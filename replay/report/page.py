@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from replay.report.script import SCRIPT
+from replay.report.script import SCRIPT, WATCH
 
 CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
 STYLE = """
@@ -192,7 +192,8 @@ def render_page(p: Page) -> str:
     bisect = _card(p.bisect) if p.bisect is not None else ""
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><meta http-equiv="Content-Security-Policy" content="{CSP}">
-<meta name=viewport content="width=device-width, initial-scale=1"><title>{esc(p.title)}</title><style>{STYLE}</style></head>
+<meta name=viewport content="width=device-width, initial-scale=1"><title>{esc(p.title)}</title><style>{STYLE}</style>
+<script>{WATCH}</script></head>
 <body data-status=loading><main>
 <h1>{esc(p.title)}</h1><p class=sub>{esc(p.subtitle)}</p>
 <div id=errors hidden></div>

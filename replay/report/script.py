@@ -4,18 +4,37 @@ and filterable. Plain ES2017 with no library, inline in the page, so the file op
 Dense plots (the heat map, the timeline) are <canvas> elements fed at most one value per column of pixels
 (`replay.report.bins`); the heat map is one canvas pixel per cell, scaled up with `image-rendering: pixelated`.
 After drawing, each canvas carries `data-painted` (its non-transparent pixels) and the body `data-status="ready"`;
-an error or a blocked load goes into #errors and sets `data-status="error"`: what the browser tests read.
+an error or a blocked load goes into #errors and sets `data-status="error"`: what the browser tests read. The
+listeners for those are in <head> (WATCH), so they are there before anything in the body can fail.
+"""
+
+# In <head>, before any content: a blocked load or an error in the body is dispatched while the body is parsed, before
+# the main script (at its end) exists, and a listener added then would miss it. What fails before #errors is parsed
+# waits in `queued`; the main script shows it first thing (fail.flush), and DOMContentLoaded does if that never ran.
+WATCH = r"""
+(function () {
+"use strict";
+var queued = [];
+function show(msg) {
+  var box = document.getElementById("errors");
+  if (!box || !document.body) { queued.push(msg); return; }
+  box.hidden = false; box.textContent += msg + "\n"; document.body.setAttribute("data-status", "error");
+}
+function fail(msg) { fail.flush(); show(msg); }
+fail.flush = function () { var q = queued; queued = []; q.forEach(show); };
+window.addEventListener("error", function (e) { fail("script error: " + e.message + " (line " + e.lineno + ")"); });
+document.addEventListener("securitypolicyviolation", function (e) { fail("blocked by the page's policy: " + e.blockedURI); });
+document.addEventListener("DOMContentLoaded", fail.flush);
+window.replayFail = fail;
+})();
 """
 
 SCRIPT = r"""
 (function () {
 "use strict";
 var errors = document.getElementById("errors");
-function fail(msg) {
-  errors.hidden = false; errors.textContent += msg + "\n"; document.body.setAttribute("data-status", "error");
-}
-window.addEventListener("error", function (e) { fail("script error: " + e.message + " (line " + e.lineno + ")"); });
-document.addEventListener("securitypolicyviolation", function (e) { fail("blocked by the page's policy: " + e.blockedURI); });
+var fail = window.replayFail;
+fail.flush();
 var D = JSON.parse(document.getElementById("report-data").textContent);
 var tip = document.getElementById("tip");
 function $(id) { return document.getElementById(id); }
