@@ -68,6 +68,9 @@ class CompiledPasses:
         # (an image step's check, `image_batch`: whether msgpack bytes are [[ids[r, 0]] for r in row..row+n-1];
         # TypeError for a matrix that is not 2-D integers)
         self.one_token_rows = c.one_token_rows
+        # (whether two lists or tuples hold the very same objects in order: `prompts`, a prompt encoded at arrival)
+        self.same_items = c.same_items
+        self.ints_held = c.int_array_held  # (the list's msgpack, a tuple of the items encoded)
 
     def ordered_values(self, d: dict, order: list) -> Raw | None:
         """The dict's values, encoded, when its keys in order are `order` (one pass); else None."""
@@ -88,8 +91,18 @@ class CompiledPasses:
         return Raw(data), n
 
     def handles(self, ids: list, intern: Callable[[Any], int], table: dict) -> Raw | list:
-        """Each id's handle, encoded (a miss in `table` interns, as `intern` would)."""
-        return Raw(self._c.handle_array(ids, table)) if ids else ids
+        """Each id's handle, encoded (a miss in `table` interns, as `intern` would). A table with a `last` slot
+        (`ids._Handles`) remembers the last list: the very same id objects again are the very same handles (a handle
+        never changes once given), found by a memcmp of item pointers instead of a lookup each."""
+        if not ids:
+            return ids
+        last = getattr(table, "last", False)
+        if last and self._c.same_items(ids, last[0]):
+            return last[1]
+        data = Raw(self._c.handle_array(ids, table))
+        if last is not False:
+            table.last = (tuple(ids), data)  # (held: an id freed and its address reused would not be the same id)
+        return data
 
 
 PYTHON = PythonPasses()

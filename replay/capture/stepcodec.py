@@ -29,6 +29,7 @@ from replay.capture.columns import (
 from replay.capture.columns import plain as _plain
 from replay.capture.fastwire import COMPILED, PYTHON, PythonPasses
 from replay.capture.ids import IdTable
+from replay.capture.prompts import ArrivedPrompts
 from replay.capture.format import (
     COMPUTED_MINUS_OUTPUT,
     OUTPUT_IDS_IN_BATCH_ORDER,
@@ -68,17 +69,32 @@ def _md(f, d):
     return dict(zip(map(f, d), d.values())) if d else d
 
 
-def _map_so(so: SchedulerOutput, f: Callable[[A], B], cached: Callable | None = None) -> SchedulerOutput:
+def _map_so(so: SchedulerOutput, f: Callable[[A], B], cached: Callable | None = None, prompt: Callable | None = None,
+            scheduled_left_out: bool = False, counts: tuple | None = None) -> SchedulerOutput:
+    """`so` with its request ids mapped through `f` (`cached`: the cached requests' ids at once); writing, also
+    `prompt(req_id, prompt_token_ids)` for each new request's prompt as stored, `num_scheduled_tokens` stored empty
+    (`scheduled_left_out`) and the cached requests' (computed - output, output) token counts (`counts`)."""
     cr = so.scheduled_cached_reqs
-    if cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
+    if counts is not None:  # one replace for the ids and the counts
+        cr = replace(cr, req_ids=_ml(f, cr.req_ids) if cached is None else cached(cr.req_ids),
+                     resumed_req_ids=_ms(f, cr.resumed_req_ids), all_token_ids=_md(f, cr.all_token_ids),
+                     num_computed_tokens=counts[0], num_output_tokens=counts[1])
+    elif cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
         cr = replace(cr, req_ids=_ml(f, cr.req_ids) if cached is None else cached(cr.req_ids),
                      resumed_req_ids=_ms(f, cr.resumed_req_ids),
                      all_token_ids=_md(f, cr.all_token_ids))
+    new = so.scheduled_new_reqs
+    if not new:
+        pass
+    elif prompt is None:
+        new = [replace(r, req_id=f(r.req_id)) for r in new]
+    else:
+        new = [replace(r, req_id=f(r.req_id), prompt_token_ids=prompt(r.req_id, r.prompt_token_ids)) for r in new]
     return replace(
         so,
-        scheduled_new_reqs=[replace(r, req_id=f(r.req_id)) for r in so.scheduled_new_reqs],
+        scheduled_new_reqs=new,
         scheduled_cached_reqs=cr,
-        num_scheduled_tokens=_md(f, so.num_scheduled_tokens),
+        num_scheduled_tokens={} if scheduled_left_out else _md(f, so.num_scheduled_tokens),
         scheduled_spec_decode_tokens=_md(f, so.scheduled_spec_decode_tokens),
         scheduled_encoder_inputs=_md(f, so.scheduled_encoder_inputs),
         finished_req_ids=_ms(f, so.finished_req_ids),
@@ -97,11 +113,16 @@ def _map_connector(out, f):
     )
 
 
-def _map_mro(mro: ModelRunnerOutput, f: Callable[[A], B], lp: Callable, plp: Callable) -> ModelRunnerOutput:
+def _map_mro(mro: ModelRunnerOutput, f: Callable[[A], B], lp: Callable, plp: Callable, req_ids: list | None = None,
+             req_id_to_index: dict | None = None, sampled: object = None) -> ModelRunnerOutput:
+    """`mro` with its request ids mapped through `f` and its logprobs through `lp`/`plp`; writing, `req_ids`,
+    `req_id_to_index` (before mapping: stored empty where the batch order gives them back) and `sampled` (the sampled
+    tokens as stored) in place of the output's own."""
     return replace(
         mro,
-        req_ids=_ml(f, mro.req_ids),
-        req_id_to_index=_md(f, mro.req_id_to_index),
+        req_ids=_ml(f, mro.req_ids if req_ids is None else req_ids),
+        req_id_to_index=_md(f, mro.req_id_to_index if req_id_to_index is None else req_id_to_index),
+        sampled_token_ids=mro.sampled_token_ids if sampled is None else sampled,
         logprobs=None if mro.logprobs is None else lp(mro.logprobs, mro.sampled_token_ids),
         prompt_logprobs_dict={f(k): (None if v is None else plp(v)) for k, v in mro.prompt_logprobs_dict.items()},
         prompt_token_id_logprobs_dict=_md(f, mro.prompt_token_id_logprobs_dict),
@@ -225,43 +246,25 @@ def batch_order(so: SchedulerOutput[A]) -> list[A]:
     return cached + [r.req_id for r in so.scheduled_new_reqs] if so.scheduled_new_reqs else list(cached)
 
 
-def _slim(step: Step[str], p: PythonPasses) -> tuple[Step[str], list[int] | None, int]:
-    """The step without the per-request maps that its batch order gives back (`AlignedStep`), the values of
-    `num_scheduled_tokens` if it was left out, and the layout bits. Checked on the string ids, before interning,
-    so the maps left out are never remapped: list comparisons run at C speed, dict building does not."""
-    so, mro = step.scheduler_output, step.model_runner_output
+def _slim(so: SchedulerOutput[str], mro: ModelRunnerOutput[str] | None,
+          p: PythonPasses) -> tuple[list[int] | None, int, list | None, dict | None]:
+    """What of the step its batch order gives back (`AlignedStep`): the values of `num_scheduled_tokens` if the map
+    is left out, the layout bits, and the output's `req_ids` and `req_id_to_index` as stored ([] and {} where left
+    out, None where kept). Checked on the string ids, before interning, so the maps left out are never remapped:
+    list comparisons run at C speed, dict building does not."""
     cached = so.scheduled_cached_reqs.req_ids
     order = cached if not so.scheduled_new_reqs and type(cached) is list else batch_order(so)  # (only read)
-    nst = so.num_scheduled_tokens
-    scheduled = p.ordered_values(nst, order)  # (keys are distinct, so `order` has no repeats)
-    if scheduled is not None:
-        so = replace(so, num_scheduled_tokens={})
+    scheduled = p.ordered_values(so.num_scheduled_tokens, order)  # (keys are distinct, so `order` has no repeats)
     layout = 0
+    ids = index = None
     if mro is not None:
-        ids, index = mro.req_ids, mro.req_id_to_index
-        if ids == order:
+        if mro.req_ids == order:
             layout |= OUTPUT_IDS_IN_BATCH_ORDER
-        if p.is_index(index, ids):
+            ids = []
+        if p.is_index(mro.req_id_to_index, mro.req_ids):
             layout |= OUTPUT_INDEX_IN_ORDER
-        if layout:
-            mro = replace(mro, req_ids=[] if layout & OUTPUT_IDS_IN_BATCH_ORDER else ids,
-                          req_id_to_index={} if layout & OUTPUT_INDEX_IN_ORDER else index)
-    if scheduled is None and not layout:
-        return step, None, 0
-    return replace(step, scheduler_output=so, model_runner_output=mro), scheduled, layout
-
-
-def _packed(step: Step[int], scheduled: list[int] | None, layout: int, counts: tuple | None) -> Step[int]:
-    """An `AlignedStep` when anything of the step is left out or packed, else `step`: the computed-token counts are
-    stored against the output-token counts (`counts`: both as stored) when both lists have one entry per request."""
-    so = step.scheduler_output
-    if counts is not None:
-        cr = so.scheduled_cached_reqs
-        so = replace(so, scheduled_cached_reqs=replace(cr, num_computed_tokens=counts[0], num_output_tokens=counts[1]))
-        layout |= COMPUTED_MINUS_OUTPUT
-    if scheduled is None and not layout:
-        return step
-    return AlignedStep(step.index, so, *(getattr(step, f) for f in _STEP_FIELDS[2:]), scheduled, layout)
+            index = {}
+    return scheduled, layout, ids, index
 
 
 def _unpacked(step: Step[int]) -> Step[int]:
@@ -312,35 +315,47 @@ def step_to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None = N
     return _to_wire(step, table, columns, PYTHON)[0]
 
 
-def stored_step(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> tuple[Step[int], int]:
+def stored_step(step: Step[str], table: IdTable, columns: ColumnSink | None = None,
+                prompts: ArrivedPrompts | None = None) -> tuple[Step[int], int]:
     """`step_to_wire` with the compiled passes where they take the step (its columns then msgpack already, as
-    `msgspec.Raw`: the same bytes once encoded), and the step's count of generated tokens."""
+    `msgspec.Raw`: the same bytes once encoded), and the step's count of generated tokens. With `prompts` (the
+    writer's), a new request's prompt is the bytes its arrival was encoded with, where it holds the same objects."""
     if COMPILED is not None:
         try:
-            return _to_wire(step, table, columns, COMPILED)
-        except (TypeError, OverflowError):  # raised before anything is interned or joins `columns`
+            return _to_wire(step, table, columns, COMPILED, prompts)
+        except (TypeError, OverflowError):  # raised before anything is interned, held or joins `columns`
             pass
-    return _to_wire(step, table, columns, PYTHON)
+    return _to_wire(step, table, columns, PYTHON, prompts)
 
 
-def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: PythonPasses) -> tuple[Step[int], int]:
-    mro = step.model_runner_output
+def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: PythonPasses,
+             prompts: ArrivedPrompts | None = None) -> tuple[Step[int], int]:
+    so, mro = step.scheduler_output, step.model_runner_output
     # the pure passes first: with the compiled ones, any of them may raise for the Python passes to take the step
     tokens, generated = p.tokens(mro.sampled_token_ids) if mro is not None else (None, 0)
-    step, scheduled, layout = _slim(step, p)
-    cr = step.scheduler_output.scheduled_cached_reqs
+    scheduled, layout, out_ids, out_index = _slim(so, mro, p)
+    cr = so.scheduled_cached_reqs
     done, out = cr.num_computed_tokens, cr.num_output_tokens
-    counts = (p.minus(done, out), p.ints(out)) if done and len(done) == len(out) else None
+    counts = None
+    if done and len(done) == len(out):  # stored against the output-token counts (`PackedStep`)
+        counts = (p.minus(done, out), p.ints(out))
+        layout |= COMPUTED_MINUS_OUTPUT
     if columns is None:
         pack = _pack_lp
     else:
         def pack(lp: LogprobsLists, sampled: list[list[int]]) -> LogprobsLists:
             return columns.add(lp) or _pack_lp(lp, sampled)
     f = table.handle
-    wire = _map_step(step, f, pack, _pack_plp, lambda ids: p.handles(ids, f, table.interning))
-    if tokens is not None and tokens is not mro.sampled_token_ids:
-        wire = replace(wire, model_runner_output=replace(wire.model_runner_output, sampled_token_ids=tokens))
-    return _packed(wire, scheduled, layout, counts), generated
+    # then what interns and what moves logprobs into `columns`, each part built once
+    wso = _map_so(so, f, lambda ids: p.handles(ids, f, table.interning), None if prompts is None else prompts.scheduled,
+                  scheduled is not None, counts)
+    wmro = None if mro is None else _map_mro(mro, f, pack, _pack_plp, out_ids, out_index, tokens)
+    go = step.grammar_output
+    rest = (_md(f, step.drawn_seeds), step.rng_state, step.timing,
+            None if go is None else replace(go, structured_output_request_ids=_ml(f, go.structured_output_request_ids)))
+    if scheduled is None and not layout:
+        return Step(step.index, wso, wmro, *rest), generated
+    return AlignedStep(step.index, wso, wmro, *rest, scheduled, layout), generated
 
 
 def step_from_wire(step: Step[int], table: IdTable, columns: ColumnSource | None = None) -> Step[str]:

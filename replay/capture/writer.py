@@ -27,6 +27,7 @@ from replay.capture.frames import skippable_frame
 from replay.capture.image_batch import PartsBatch
 from replay.capture.step_image import OutputParts, is_nil, store_step_image
 from replay.capture.ids import IdTable
+from replay.capture.prompts import ArrivedPrompts
 from replay.capture.stepcodec import stored_step
 from replay.contracts import (
     DraftCounts,
@@ -107,6 +108,7 @@ class CaptureWriter(WriterContext):
         self.flush_interval = flush_interval
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = IdTable()
+        self._prompts = ArrivedPrompts()  # (encoded at arrival, reused by the step that schedules the request)
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = _Chunk()
@@ -132,13 +134,17 @@ class CaptureWriter(WriterContext):
         """Record a request arrival; `step` is the index of the next step to run. Its id joins the seek index's id
         table (steps stored as images name requests by id, not by handle); the `Ids` record that declares it in
         band comes with the first step that uses its handle, as ever."""
-        data = self._encode(fmt.RequestAdded(step, request))
+        with self._lock:
+            held = self._prompts.arrived(request)
+        data = self._encode(fmt.RequestAdded(step, held))
         with self._lock:
             self._ids.handle(request.request_id)
         self._append([data], requests_added=1)
 
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
+        with self._lock:
+            self._prompts.forget(request_id)
         self._append([self._encode(fmt.RequestAborted(step, request_id))])
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
@@ -158,7 +164,7 @@ class CaptureWriter(WriterContext):
         self._check()
         with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
             self._seal_if_old_locked()
-            wire, generated = stored_step(step, self._ids, self._chunk.columns)
+            wire, generated = stored_step(step, self._ids, self._chunk.columns, self._prompts)
             new_ids = self._ids.take_new()
             parts = [self._encode(new_ids)] if new_ids is not None else []
             parts.append(self._encode(wire))
@@ -238,6 +244,7 @@ class CaptureWriter(WriterContext):
         self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
         with self._lock:
             self._seal_locked()
+            self._prompts.clear()
         self._closed = True
         self._out.stop()
         self._check()

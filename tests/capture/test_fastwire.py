@@ -166,3 +166,20 @@ def test_a_step_the_compiled_passes_refuse_is_stored_by_the_python_passes_once()
     got, want = _stored(odd, COMPILED), _stored(odd, PYTHON)
     assert got == want  # the same records, ids and column rows: nothing interned or added twice
     assert b"\xc3" in b"".join(got[0])
+
+
+@needs_compiled
+def test_the_handles_of_the_same_id_objects_again_are_remembered_and_nothing_else_is():
+    table = IdTable()
+    ids = [f"req-{i}" for i in range(40)]
+    first = COMPILED.handles(ids, table.handle, table.interning)
+    assert first == msgspec.Raw(ENC(list(range(40))))
+    assert COMPILED.handles(ids, table.handle, table.interning) is first  # the same objects: remembered
+    assert COMPILED.handles(tuple(ids), table.handle, table.interning) is first
+    ids[3] = "new"  # in place: the same list, another id
+    assert COMPILED.handles(ids, table.handle, table.interning) == msgspec.Raw(ENC([0, 1, 2, 40] + list(range(4, 40))))
+    rebuilt = [(x + "!")[:-1] for x in ids[::-1]]  # equal strings, other objects, other order
+    assert COMPILED.handles(rebuilt, table.handle, table.interning) == msgspec.Raw(ENC([table.handle(x) for x in rebuilt]))
+    assert table.ids[40] == "new" and len(table.ids) == 41
+    plain = {"a": 7}  # a mapping without the slot: looked up each time
+    assert COMPILED.handles(["a"], None, plain) == msgspec.Raw(ENC([7]))
