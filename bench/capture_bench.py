@@ -21,9 +21,9 @@ generated before anything is timed; generation is never timed):
   steps/s end to end  the same events written from open to close, encoding included
   Python passes       ours with the stored form made by the Python passes (`replay.capture.fastwire.PYTHON`, what a
                       machine without a C compiler runs) instead of the compiled ones (`replay.capture._wire`)
-  stored form given   ours (workloads without logprobs), each step's stored form (`step_to_wire`'s result) made
-                      before the timing and handed to the writer: what the rest of the path costs (checks, counts,
-                      encode, compression, I/O, close). The most any faster `step_to_wire` could reach
+  stored form given   ours (workloads without logprobs), each step's stored form (`stored_step`'s result, as the
+                      writer makes it) made before the timing and handed to the writer: what the rest of the path
+                      costs (checks, counts, encode, compression, I/O, close). The most a faster `stored_step` gets
   serializing alone   the least each format's writer must do on the caller's thread: msgspec's encode of each
                       contract record (ours, string ids, no interning), pickle.dumps (the baseline); no compression,
                       no I/O. Ours against the whole baseline is the ceiling of the end-to-end ratio
@@ -73,7 +73,8 @@ from replay.capture import CaptureReader, CaptureWriter, EngineConfig
 from replay.capture import format as fmt
 from replay.capture.fastwire import COMPILED
 from replay.capture.ids import IdTable
-from replay.capture.stepcodec import step_to_wire
+from replay.capture.prompts import ArrivedPrompts
+from replay.capture.stepcodec import stored_step
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, record_synth, synth_events
 
@@ -122,18 +123,19 @@ def write_ours(path: Path, header, events: list) -> dict:
 
 
 def stored_forms(events: list) -> dict[int, tuple]:
-    """Every step's stored form, made as the writer makes it (`step_to_wire`, one id table over the events in
-    order, arrivals interned as `add_request` does), with the ids it was first to meet; keyed by id() of its
-    SchedulerOutput. For workloads without logprobs only: with them, the writer also moves matrices into its
-    chunk's columns, which this would skip."""
-    table, forms = IdTable(), {}
+    """Every step's stored form, made as the writer makes it (`stored_step`: the compiled passes where they are
+    built, one id table over the events in order, arrivals interned and their prompts held as `add_request` does),
+    with the ids it was first to meet; keyed by id() of its SchedulerOutput. For workloads without logprobs only:
+    with them, the writer also moves matrices into its chunk's columns, which this would skip."""
+    table, prompts, forms = IdTable(), ArrivedPrompts(), {}
     for ev in events:
         if ev.request is not None:
+            prompts.arrived(ev.request)
             table.handle(ev.request.request_id)
         else:
             before = len(table.ids)
-            wire = step_to_wire(fmt.Step(ev.step, ev.scheduler_output, ev.model_runner_output), table)
-            generated = sum(map(len, ev.model_runner_output.sampled_token_ids)) if ev.model_runner_output else 0
+            wire, generated = stored_step(fmt.Step(ev.step, ev.scheduler_output, ev.model_runner_output), table,
+                                          None, prompts)
             forms[id(ev.scheduler_output)] = (wire, table.ids[before:], generated)
     return forms
 
@@ -141,13 +143,16 @@ def stored_forms(events: list) -> dict[int, tuple]:
 def write_ours_given(path: Path, header, events: list, forms: dict) -> dict:
     """`write_ours` with each step's stored form given (`stored_forms`, made before the timing): what the rest of
     the write path costs (the record's checks and counts, its encode, compression and I/O, the close). Its
-    steps/s is the most any faster `step_to_wire` could reach, compiled or not."""
+    steps/s is the most any faster `stored_step` could reach."""
 
-    def given(step, ids, columns):
-        """The stored form made beforehand; the ids it met first are interned as `step_to_wire` would."""
+    def given(step, ids, columns, prompts):
+        """The stored form made beforehand; the ids it met first are interned, and the prompts it stores from
+        their arrivals let go, as `stored_step` would."""
         wire, new, generated = forms[id(step.scheduler_output)]
         for req_id in new:
             ids.handle(req_id)
+        for r in step.scheduler_output.scheduled_new_reqs:
+            prompts.forget(r.req_id)
         return wire, generated
 
     with mock.patch("replay.capture.writer.stored_step", given):
@@ -401,7 +406,7 @@ def targets(results: list[dict], ra: dict | None) -> list[dict]:
 
 
 def _given_note(results: list[dict]) -> str:
-    """The e2e target's notes: the Python passes' figure, and the floor of the path but `step_to_wire`."""
+    """The e2e target's notes: the Python passes' figure, and the floor of the path but `stored_step`."""
     given = [r for r in results if r["ours"]["given_steps_per_s"] is not None]
     worst = min(results, key=lambda r: r["ours"]["steps_per_s"] / r["baseline"]["steps_per_s"])
     python = worst["ours"]["python_steps_per_s"]

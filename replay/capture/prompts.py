@@ -68,6 +68,12 @@ class ArrivedPrompts:
         self._held.clear()
         self._tokens = 0
 
+    def stop(self) -> None:
+        """Drop everything held and hold nothing more: the steps come as images (another engine's objects, stored as
+        they are), which never reuse an arrival's bytes."""
+        self.clear()
+        self._max = 0
+
     @property
     def held_tokens(self) -> int:
         """How many prompt tokens are held."""

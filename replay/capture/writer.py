@@ -186,6 +186,7 @@ class CaptureWriter(WriterContext):
             self.image_decoder = ImageDecoder()
         self._check()
         with self._lock:  # the step and its logprob rows join one chunk
+            self._prompts.stop()  # (steps as images never reuse an arrival's prompt: hold none)
             self._seal_if_old_locked()
             c, parts = self._chunk, model_runner_output
             try:  # an output in parts is finished with its chunk (PartsBatch) when it can be
@@ -205,6 +206,12 @@ class CaptureWriter(WriterContext):
                                     drafts=stats.drafts)
         self._last_step = index
         return size
+
+    def steps_as_images(self) -> None:
+        """Say that this capture's steps will come as images (`write_step_image`): arrivals' prompts are then not
+        held for a step to reuse (`replay.capture.prompts`), which an image step never does."""
+        with self._lock:
+            self._prompts.stop()
 
     def write_crash(self, crash: fmt.Crash) -> None:
         """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,

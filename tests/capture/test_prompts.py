@@ -145,3 +145,21 @@ def test_the_writer_holds_an_arrival_until_it_is_scheduled_or_aborted(tmp_path):
         step = r.step(0)
         assert r.damage == []
     assert step.scheduler_output.scheduled_new_reqs[0].prompt_token_ids == a.prompt_token_ids
+
+
+@needs_compiled
+def test_a_writer_of_image_steps_holds_no_prompt(tmp_path):
+    """Steps that come as images (another engine's) never reuse an arrival's bytes: nothing is held for them, from
+    the first image step on, or from the start where the writer is told (the vLLM writer process)."""
+    enc = msgspec.msgpack.Encoder()
+    with CaptureWriter(tmp_path / "images.capture", make_header("test")) as w:
+        w.add_request(_request("a", list(range(100, 400))), 0)
+        assert w._prompts.held_tokens == 300
+        w.write_step_image(0, enc.encode({"total_num_scheduled_tokens": 0}), None)
+        assert w._prompts.held_tokens == 0
+        w.add_request(_request("b", list(range(100, 400))), 1)
+        assert w._prompts.held_tokens == 0
+    with CaptureWriter(tmp_path / "told.capture", make_header("test")) as w:
+        w.steps_as_images()
+        w.add_request(_request("a", list(range(100, 400))), 0)
+        assert w._prompts.held_tokens == 0
