@@ -75,20 +75,14 @@ def _map_so(so: SchedulerOutput, f: Callable[[A], B], cached: Callable | None = 
     `prompt(req_id, prompt_token_ids)` for each new request's prompt as stored, `num_scheduled_tokens` stored empty
     (`scheduled_left_out`) and the cached requests' (computed - output, output) token counts (`counts`)."""
     cr = so.scheduled_cached_reqs
-    if counts is not None:  # one replace for the ids and the counts
+    if counts is not None or cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
+        packed = {} if counts is None else {"num_computed_tokens": counts[0], "num_output_tokens": counts[1]}
         cr = replace(cr, req_ids=_ml(f, cr.req_ids) if cached is None else cached(cr.req_ids),
-                     resumed_req_ids=_ms(f, cr.resumed_req_ids), all_token_ids=_md(f, cr.all_token_ids),
-                     num_computed_tokens=counts[0], num_output_tokens=counts[1])
-    elif cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
-        cr = replace(cr, req_ids=_ml(f, cr.req_ids) if cached is None else cached(cr.req_ids),
-                     resumed_req_ids=_ms(f, cr.resumed_req_ids),
-                     all_token_ids=_md(f, cr.all_token_ids))
+                     resumed_req_ids=_ms(f, cr.resumed_req_ids), all_token_ids=_md(f, cr.all_token_ids), **packed)
     new = so.scheduled_new_reqs
-    if not new:
-        pass
-    elif prompt is None:
+    if new and prompt is None:
         new = [replace(r, req_id=f(r.req_id)) for r in new]
-    else:
+    elif new:
         new = [replace(r, req_id=f(r.req_id), prompt_token_ids=prompt(r.req_id, r.prompt_token_ids)) for r in new]
     return replace(
         so,
@@ -223,15 +217,19 @@ def _unpack_plp(t: LogprobsTensors) -> LogprobsTensors:
     )
 
 
-def _map_step(step: Step, f: Callable, lp: Callable, plp: Callable, cached: Callable | None = None) -> Step:
+def _map_rest(step: Step, f: Callable) -> tuple:
+    """The step's fields after its outputs (`drawn_seeds`, `rng_state`, `timing`, `grammar_output`), ids mapped."""
     go = step.grammar_output
-    return replace(
-        step,
-        scheduler_output=_map_so(step.scheduler_output, f, cached),
-        model_runner_output=None if step.model_runner_output is None else _map_mro(step.model_runner_output, f, lp, plp),
-        drawn_seeds=_md(f, step.drawn_seeds),
-        grammar_output=None if go is None else replace(go, structured_output_request_ids=_ml(f, go.structured_output_request_ids)),
-    )
+    return (_md(f, step.drawn_seeds), step.rng_state, step.timing,
+            None if go is None else replace(go, structured_output_request_ids=_ml(f, go.structured_output_request_ids)))
+
+
+def _map_step(step: Step, f: Callable, lp: Callable, plp: Callable) -> Step:
+    mro = step.model_runner_output
+    seeds, _, _, go = _map_rest(step, f)
+    return replace(step, scheduler_output=_map_so(step.scheduler_output, f),
+                   model_runner_output=None if mro is None else _map_mro(mro, f, lp, plp),
+                   drawn_seeds=seeds, grammar_output=go)
 
 
 def map_request_ids(step: Step[A], f: Callable[[A], B]) -> Step[B]:
@@ -350,9 +348,7 @@ def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: Pyt
     wso = _map_so(so, f, lambda ids: p.handles(ids, f, table.interning), None if prompts is None else prompts.scheduled,
                   scheduled is not None, counts)
     wmro = None if mro is None else _map_mro(mro, f, pack, _pack_plp, out_ids, out_index, tokens)
-    go = step.grammar_output
-    rest = (_md(f, step.drawn_seeds), step.rng_state, step.timing,
-            None if go is None else replace(go, structured_output_request_ids=_ml(f, go.structured_output_request_ids)))
+    rest = _map_rest(step, f)
     if scheduled is None and not layout:
         return Step(step.index, wso, wmro, *rest), generated
     return AlignedStep(step.index, wso, wmro, *rest, scheduled, layout), generated

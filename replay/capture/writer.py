@@ -136,7 +136,12 @@ class CaptureWriter(WriterContext):
         band comes with the first step that uses its handle, as ever."""
         with self._lock:
             held = self._prompts.arrived(request)
-        data = self._encode(fmt.RequestAdded(step, held))
+        try:
+            data = self._encode(fmt.RequestAdded(step, held))
+        except UsageError:
+            with self._lock:  # (not recorded: no step may reuse its prompt's bytes)
+                self._prompts.forget(request.request_id)
+            raise
         with self._lock:
             self._ids.handle(request.request_id)
         self._append([data], requests_added=1)
