@@ -22,7 +22,7 @@ import zstandard
 
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
-from replay.capture.emitter import ChunkEmitter
+from replay.capture.emitter import CATCH_UP_LEVEL, ChunkEmitter
 from replay.capture.frames import skippable_frame
 from replay.capture.image_batch import PartsBatch
 from replay.capture.step_image import OutputParts, is_nil, store_step_image
@@ -86,7 +86,8 @@ class WriterContext:
 
 
 class CaptureWriter(WriterContext):
-    """Writes a capture to `path` (as `path.partial` until `close`).
+    """Writes a capture to `path` (as `path.partial` until `close`), compressed at zstd `level`; while the recorder
+    outruns compression, at `catch_up_level` (None: never; `replay.capture.emitter`).
 
     Usage::
 
@@ -97,7 +98,8 @@ class CaptureWriter(WriterContext):
 
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
-                 overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None):
+                 overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None,
+                 catch_up_level: int | None = CATCH_UP_LEVEL):
         self.path = Path(path)
         self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
@@ -119,7 +121,8 @@ class CaptureWriter(WriterContext):
         try:
             self.partial_path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.partial_path, "wb")
-            self._out = ChunkEmitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal)
+            self._out = ChunkEmitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal,
+                                    catch_up_level=catch_up_level)
             prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
             self._out.write(skippable_frame(fmt.PROLOGUE_MAGIC, prologue))
         except OSError as e:
@@ -296,6 +299,11 @@ class CaptureWriter(WriterContext):
     def num_steps(self) -> int:
         """Steps written so far."""
         return self._num_steps
+
+    @property
+    def chunks_caught_up(self) -> int:
+        """Chunks compressed at the catch-up level, the recorder outrunning compression (final once closed)."""
+        return self._out.caught_up
 
     @property
     def num_records(self) -> int:

@@ -125,3 +125,16 @@ def test_a_marker_outside_its_columns_is_damage_of_that_step_not_a_crash(tmp_pat
         assert got == [0, 2]
         assert any("step 1" in d.reason and "not in their column group" in d.reason for d in r.damage)
     assert header.engine == "test" and len(records) >= 4
+
+
+def test_a_matrix_whose_bytes_do_not_fit_its_shape_is_refused_before_it_joins_the_columns():
+    lp, _ = _lp(np.random.default_rng(1), 4, 5, greedy=True)
+    sink = ColumnSink()
+    for field, cut in (("logprob_token_ids", 1), ("logprobs", 4), ("sampled_token_ranks", 8)):
+        a = getattr(lp, field)
+        bad = msgspec.structs.replace(lp, **{field: Array(a.dtype, a.shape, a.data[:-cut])})
+        with pytest.raises(ValueError):
+            sink.add(bad)
+        assert sink.nbytes == 0 and sink.seal() is None
+    assert sink.add(lp) is not None and sink.nbytes == sum(len(x.data) for x in (lp.logprob_token_ids, lp.logprobs,
+                                                                                 lp.sampled_token_ranks))
