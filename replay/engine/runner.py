@@ -32,7 +32,7 @@ from replay.contracts.lora import lora_fields
 from replay.engine.attention import KVCache, PagedAttention, SeqSpan
 from replay.engine.grammar import apply_grammar_bitmask
 from replay.engine.lora import LoRAHooks
-from replay.engine.sampler import SampleRow, sample
+from replay.engine.sampler import SampleRow, margins, sample
 from replay.engine.spec_decode import verify_drafts
 from replay.errors import UsageError
 
@@ -239,8 +239,7 @@ class ModelRunner:
         # The top1-top2 margin of every row, whatever logprobs were asked: the diff classifies flips with it.
         # log_softmax shifts a row by one constant, so the logit margin is the logprob margin (without a pass
         # over the vocabulary).
-        top2 = torch.topk(logits.float(), 2, dim=-1).values
-        self.last_margins = {rid: float(top2[first_logit[rid], 0] - top2[first_logit[rid], 1]) for rid in rows}
+        self.last_margins = dict(zip(rows, margins(logits, [first_logit[rid] for rid in rows])))
         asked = -1
         for rid in rows:
             sp = self.requests[rid].sampling_params

@@ -11,7 +11,8 @@
 4. logprobs: column 0 the sampled token, columns 1..k the top-k of the raw logprobs, plus the sampled token's
    rank (1 + number of tokens with a strictly higher logprob).
 
-Rows are processed one by one on purpose: a row's result must not depend on its neighbours.
+Rows are processed one by one on purpose: a row's result must not depend on its neighbours. (Greedy rows that no
+processor touches take their argmax together, which is the same per row: the first index of the row's largest value.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+import numpy as np
 
 from replay.contracts import SAMPLING_EPS, SamplingParams
 from replay.engine import vllm_cpu_draw
@@ -45,6 +48,36 @@ class SampleResult:
     logprob_token_ids: torch.Tensor | None  # [B, k + 1] int32
     logprobs: torch.Tensor | None  # [B, k + 1] float32
     ranks: torch.Tensor | None  # [B] int64
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax of a 2-D float tensor: the first index of the row's largest value (a NaN counts as largest,
+    as in torch's argmax). In numpy for a float32 CPU matrix: torch's CPU argmax does not vectorise (~30 us a row of
+    32k logits here, numpy's ~2.5; a decode step of 32 greedy requests spent 1.3 ms in it)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return x.detach().numpy().argmax(axis=-1).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
+def margins(logits: torch.Tensor, rows: list[int]) -> list[float]:
+    """The top1 - top2 logit margin of each of `rows` of `logits` [N, V] (0 for a tie, NaN where a NaN is the
+    largest or the row is all -inf), as `topk(2)` gives it, in three vectorised passes (topk took 1.2 ms a step
+    of 32 rows of 32k logits, these ~0.25)."""
+    x = logits[rows].float().detach().cpu().numpy()  # (a copy: the top value is masked in it)
+    at = np.arange(len(rows))
+    top = x.argmax(axis=-1)
+    first = x[at, top].copy()
+    x[at, top] = -np.inf
+    with np.errstate(invalid="ignore"):  # (inf - inf: NaN, as in torch)
+        return (first - x.max(axis=-1)).tolist()
+
+
+def needs_processing(row: SampleRow) -> bool:
+    """Whether `process` changes the row (any processor or penalty that applies); else it is a copy."""
+    p = row.params
+    return bool(p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias or p.repetition_penalty != 1.0
+                or (p.min_tokens and len(row.output_token_ids) < p.min_tokens and row.stop_token_ids)
+                or ((p.frequency_penalty or p.presence_penalty) and row.output_token_ids))
 
 
 def process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -118,8 +151,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> Sa
     (-1: none asked; 0: only the sampled token's logprob)."""
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1) if num_logprobs >= 0 else None
+    plain = [i for i, row in enumerate(rows) if row.params.temperature < SAMPLING_EPS and not needs_processing(row)]
+    best = dict(zip(plain, argmax_rows(logits if len(plain) == len(rows) else logits[plain]))) if plain else {}
     tokens = []
     for i, row in enumerate(rows):
+        if i in best:
+            tokens.append(best[i])
+            continue
         x = process(logits[i], row)
         if row.params.temperature < SAMPLING_EPS:
             tokens.append(int(x.argmax()))

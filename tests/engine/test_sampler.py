@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from replay.contracts import SamplingParams
-from replay.engine.sampler import SampleRow, sample
+from replay.engine.sampler import SampleRow, process, sample
 
 
 def row(params: SamplingParams, seed: int | None = None, output=(), prompt=(1, 2, 3), draw=True) -> SampleRow:
@@ -92,3 +92,51 @@ def test_bad_words_mask_a_words_last_token_after_the_rest_of_it_as_vllm_does():
     assert sample(logits, [row(two, output=(3,))], -1).tokens == [2]  # "3 0" would complete the word; "1" is bad
     assert sample(logits, [row(two, output=(2,))], -1).tokens == [0]  # after 2, token 0 completes no word
     assert sample(logits, [row(two, prompt=(3,))], -1).tokens == [0]  # vLLM looks at the output only
+
+
+def _awkward_logits() -> torch.Tensor:
+    """Rows with ties, NaNs, infinities and all -inf, among random ones (the vocabulary of the bench's model)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 32000, generator=g)
+    x[0, 5] = x[0, 17] = 40.0  # a tie for the top: the first index wins
+    x[1, 9] = x[1, 3] = float("nan")
+    x[2, :] = float("-inf")
+    x[3, 100] = x[3, 7] = float("inf")
+    x[4, :] = 1.0
+    x[5, 31999] = 99.0
+    x[6, 8] = float("nan")
+    x[7, 0] = x[7, 1] = float("-inf")
+    return x
+
+
+def test_rows_argmax_together_as_each_row_alone():
+    from replay.engine.sampler import argmax_rows
+
+    x = _awkward_logits()
+    assert argmax_rows(x) == [int(x[i].argmax()) for i in range(len(x))]
+    assert argmax_rows(x.double()) == argmax_rows(x) == argmax_rows(x[:, :].contiguous())
+
+
+def test_margins_are_what_topk_gives():
+    from replay.engine.sampler import margins
+
+    x = _awkward_logits()
+    rows = [0, 1, 2, 3, 4, 5, 6, 7, 9, 3]
+    top2 = torch.topk(x, 2, dim=-1).values
+    expected = [float(top2[r, 0] - top2[r, 1]) for r in rows]
+    got = margins(x, rows)
+    assert [str(v) for v in got] == [str(v) for v in expected]  # (NaN where topk's is NaN; 0.0 for the tie)
+    assert got[0] == 0.0 and got[4] == 0.0
+
+
+def test_greedy_rows_with_and_without_processors_in_one_batch():
+    """Plain greedy rows take the batch's argmax; a row with a penalty or a bias is processed on its own."""
+    x = _awkward_logits()[:6]
+    plain = SamplingParams(temperature=0.0)
+    rows = [row(plain), row(SamplingParams(temperature=0.0, logit_bias={4: 1000.0})), row(plain),
+            row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=(5,)), row(plain), row(plain)]
+    res = sample(x, rows, -1)
+    assert res.tokens == [int(process(x[i], r).argmax()) for i, r in enumerate(rows)]  # each row alone
+    assert res.tokens[0] == 5 and res.tokens[1] == 3 and res.tokens[5] == 31999  # (row 1: its first NaN, biased or not)
+    biased = sample(x[5:6], [row(SamplingParams(temperature=0.0, logit_bias={4: 1000.0}))], -1)
+    assert biased.tokens == [4]
