@@ -26,7 +26,7 @@ WORKERS = 2
 DEPTH = 8  # sealed chunks waiting at most: then the recording thread waits (back-pressure, not unbounded memory)
 # Catching up, as `zstd --adapt` does: while this many sealed chunks wait behind the one a thread takes, the
 # recorder is outrunning compression, and the thread compresses at `catch_up_level` instead (level 1: 1.4x the
-# speed of level 3 on our chunks, 3-9 % larger), so that the engine is not made to wait on the writer. An engine
+# speed of level 3 on our chunks, 5-19 % larger), so that the engine is not made to wait on the writer. An engine
 # the writer keeps up with (vLLM's steps of milliseconds) never gets there: its capture is as small as `level` makes it.
 CATCH_UP_BACKLOG = 2
 CATCH_UP_LEVEL = 1
