@@ -276,7 +276,12 @@ class CaptureReader:
                 if is_unknown_tag(raw):
                     self.unknown_records += 1
                     continue
-                raise ChunkUnreadable(f"malformed record ({e})") from None
+                # framed, and its chunk's checksum held, but not of its record's types (a writer that stored a
+                # float in an int list): that record alone is lost, not the chunk's others
+                tag, index = peek(raw)
+                step = index if tag in fmt.STEP_TAGS else None
+                self._add_damage(Damage("record", f"a malformed {tag or 'untagged'} record ({e})", chunk=ref.number,
+                                        offset=ref.offset, first_step=step, last_step=step))
         return out
 
     # -- records --------------------------------------------------------------------------------------------------

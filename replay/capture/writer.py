@@ -139,6 +139,10 @@ class CaptureWriter(WriterContext):
         band comes with the first step that uses its handle, as ever."""
         with self._lock:
             held = self._prompts.arrived(request)
+        prompt = request.prompt_token_ids
+        if held is request and isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
+            # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
+            raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
         try:
             data = self._encode(fmt.RequestAdded(step, held))
         except UsageError:

@@ -272,3 +272,32 @@ def test_a_chunk_whose_frame_magic_is_gone_is_reported_by_the_linear_scan(small_
     gone = set(range(lost.first_step, lost.last_step + 1))
     assert gone and not gone & set(steps)
     assert ("garbage", lost.offset) in [(d.kind, d.offset) for d in damage]
+
+
+def test_a_malformed_record_loses_itself_not_its_chunk(tmp_path):
+    """A record framed and checksummed but not of its types (a writer that stored a float where the contract says
+    int: here a step's computed-token count) is damage of that record alone; the chunk's other records read."""
+    from replay.record.synth import synth_events
+
+    events = list(synth_events(SynthShape(steps=30, running=4, num_logprobs=None, seed=2)))
+    steps = [ev for ev in events if ev.request is None]
+    bad = steps[12]
+    cr = bad.scheduler_output.scheduled_cached_reqs
+    assert cr.num_computed_tokens  # (a decode step: its cached requests' counts)
+    bad_so = msgspec.structs.replace(bad.scheduler_output, scheduled_cached_reqs=msgspec.structs.replace(
+        cr, num_computed_tokens=[float(cr.num_computed_tokens[0])] + list(cr.num_computed_tokens[1:])))
+    path = tmp_path / "x.capture"
+    with CaptureWriter(path, make_header("test")) as w:
+        for ev in events:
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            else:
+                w.write_step(ev.step, bad_so if ev is bad else ev.scheduler_output, ev.model_runner_output)
+    with CaptureReader(path) as r:
+        assert len(r.index.chunks) == 2  # (the header's, then every record above in one chunk)
+        got = [s.index for s in r.steps()]
+        assert got == [ev.step for ev in steps if ev is not bad]
+        (d,) = r.damage
+        assert (d.kind, d.chunk, d.first_step, d.last_step) == ("record", 1, bad.step, bad.step)
+        assert "malformed" in d.reason and "int" in d.reason
+        assert sum(isinstance(x, fmt.RequestAdded) for x in r.records()) == sum(ev.request is not None for ev in events)
