@@ -81,7 +81,8 @@ def needs_processing(row: SampleRow) -> bool:
 
 
 def process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Logits processors and penalties on one float32 row (a copy)."""
+    """Logits processors and penalties on one float32 row (a copy). (A processor added here joins
+    `needs_processing`, else greedy rows would take their argmax without it.)"""
     p = row.params
     x = logits.clone()
     vocab = x.shape[-1]
