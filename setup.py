@@ -8,4 +8,4 @@ Both are optional: where no C compiler is found the build goes on without them, 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(f"replay.capture.{name}", [f"replay/capture/{name}.c"], optional=True,
-                             extra_compile_args=["-O2"]) for name in ("_wire", "_pack")])
+                             extra_compile_args=["-O2"]) for name in ("_wire", "_pack", "_emit")])

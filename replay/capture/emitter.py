@@ -1,5 +1,6 @@
 """`ChunkEmitter`: compress and write a writer's sealed chunks off the recording thread, in the order they were
-sealed.
+sealed. `open_emitter` gives the compiled one (`CompiledEmitter`, over `replay.capture._emit`) where it loads, else
+the Python threads below.
 
 Why more than one thread: zstd and file writes run without the GIL, but a thread needs it back after each, and a
 busy recording thread (capture_bench's builtin loop: a step every ~40 µs, nothing that blocks) gives it up only
@@ -30,6 +31,30 @@ DEPTH = 8  # sealed chunks waiting at most: then the recording thread waits (bac
 # the writer keeps up with (vLLM's steps of milliseconds) never gets there: its capture is as small as `level` makes it.
 CATCH_UP_BACKLOG = 2
 CATCH_UP_LEVEL = 1
+
+
+def _compiled() -> Any:
+    if os.environ.get("REPLAY_NO_COMPILED") == "1":
+        return None
+    try:
+        from replay.capture import _emit
+    except ImportError:  # built without a C compiler
+        return None
+    return _emit if _emit.available() is None else None  # (None: no libzstd.so.1 on this machine)
+
+
+COMPILED = _compiled()
+# One core is the recording thread's: on two, a second compressing thread only takes turns with it (capture_bench: one
+# thread 7-21 % faster end to end than two); beyond that, two drain a backlog (and close) twice as fast.
+C_WORKERS = max(1, min(2, (os.cpu_count() or 2) - 1))
+
+
+def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Callable[[], tuple[int, Any] | None],
+                 catch_up_level: int | None = CATCH_UP_LEVEL) -> "ChunkEmitter | CompiledEmitter":
+    """The writer's emitter: `CompiledEmitter` where `replay.capture._emit` loads, else `ChunkEmitter`'s threads
+    (the same frames, in the same order; see each for why)."""
+    kind = ChunkEmitter if COMPILED is None else CompiledEmitter
+    return kind(f, level=level, fsync=fsync, interval=interval, idle=idle, catch_up_level=catch_up_level)
 
 
 class ChunkEmitter:
@@ -128,3 +153,95 @@ class ChunkEmitter:
                     self._next += 1
         except BaseException as e:  # noqa: BLE001 - handed to the recording thread (CaptureWriter._check)
             self.error = e
+
+
+class CompiledEmitter:
+    """`ChunkEmitter`'s interface over `replay.capture._emit`: one C thread joins, compresses and writes each chunk
+    without ever taking the GIL, so a busy recording loop never makes it wait (`_emit.c` says what that cost). A
+    Python thread wakes every `interval` only to ask `idle()` for an old open chunk. Frames are collected (their
+    places in the file, into each chunk's ChunkInfo) whenever a chunk is handed over, and at `stop`."""
+
+    def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
+                 idle: Callable[[], tuple[int, Any] | None], catch_up_level: int | None = CATCH_UP_LEVEL):
+        self.f = f
+        self.caught_up = 0  # chunks compressed at the catch-up level
+        self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
+        self._written = 0
+        self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
+        self._catch_up = catch_up_level if catch_up_level is not None and catch_up_level < level else level
+        self._seq = 0
+        self._sealed: dict[int, Any] = {}  # handed over, until its frame is collected
+        self._error: BaseException | None = None  # the idle path's (the C thread keeps its own)
+        self._c: Any = None
+        self._collecting = threading.Lock()  # frames join `chunks` in the order the C thread wrote them
+        self._stopped = threading.Event()
+        self._timer = threading.Thread(target=self._tick, name="replay-capture-idle", daemon=True)
+
+    def start(self) -> None:
+        """Start the C thread, writing after what the file starts with (`write`), and the idle timer."""
+        self.f.flush()  # (the C thread writes to the file descriptor, after whatever `f` has buffered)
+        self._c = COMPILED.Emitter(self.f.fileno(), self._level, self._catch_up, CATCH_UP_BACKLOG, self._fsync,
+                                   DEPTH, self._written, 0, C_WORKERS)
+        self._c.start()
+        self._timer.start()
+
+    def write(self, data: bytes) -> None:
+        """Write bytes directly: only before `start` or after `stop`, when no frame is being written."""
+        self.f.write(data)
+        self._written += len(data)
+
+    def number(self) -> int:
+        """The next sealed chunk's place in the file (call it under the lock that seals chunks)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def put(self, chunk: Any) -> None:
+        """Hand a sealed chunk over (under the lock that seals chunks). Blocks, the GIL let go, while DEPTH wait."""
+        seq = self.number()
+        self._sealed[seq] = chunk
+        self._c.submit(seq, chunk.parts)
+        self._collect()
+
+    def stop(self) -> None:
+        """Write every chunk handed over, then end the threads."""
+        self._stopped.set()
+        self._timer.join()
+        self._c.stop()
+        self._collect()
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file: what `write` wrote and the frames collected."""
+        self._collect()
+        return self._written
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure (a full disk): kept for the recording thread; the C thread goes on draining."""
+        if self._error is not None or self._c is None or (e := self._c.error) is None:
+            return self._error
+        return OSError(e[0], e[1]) if e[0] else zstandard.ZstdError(e[1])
+
+    def _collect(self) -> None:
+        with self._collecting:
+            for seq, offset, length, raw, caught_up in self._c.done():
+                c = self._sealed.pop(seq)
+                if length < 0:  # (dropped after an error)
+                    continue
+                c.info.offset, c.info.length, c.info.raw_size = offset, length, raw
+                self.chunks.append(c.info)
+                self.caught_up += caught_up
+                self._written = offset + length
+
+    def _tick(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                item = self._idle()
+                if item is not None:
+                    seq, c = item
+                    self._sealed[seq] = c
+                    self._c.submit(seq, c.parts, False)  # (never waits: the thread may be waiting for this one)
+                self._collect()  # (an idle engine's chunks let go of their records)
+            except Exception as e:  # noqa: BLE001 - handed to the recording thread; this one goes on
+                self._error = e

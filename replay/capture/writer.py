@@ -22,7 +22,7 @@ import zstandard
 
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
-from replay.capture.emitter import CATCH_UP_LEVEL, ChunkEmitter
+from replay.capture.emitter import CATCH_UP_LEVEL, open_emitter
 from replay.capture.frames import skippable_frame
 from replay.capture.image_batch import PartsBatch
 from replay.capture.step_image import OutputParts, is_nil, store_step_image
@@ -121,7 +121,7 @@ class CaptureWriter(WriterContext):
         try:
             self.partial_path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.partial_path, "wb")
-            self._out = ChunkEmitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal,
+            self._out = open_emitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal,
                                     catch_up_level=catch_up_level)
             prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
             self._out.write(skippable_frame(fmt.PROLOGUE_MAGIC, prologue))
