@@ -85,7 +85,7 @@ typedef struct { /* one compressing thread's own */
 
 struct Emitter {
     PyObject_HEAD
-    int fd, level, catch_up, backlog, fsync, depth, workers;
+    int fd, level, catch_up, backlog, fsync, depth, workers, drain_workers; /* threads: while recording; at stop */
     Worker *w;
     int started, stopping, joined;
     pid_t pid;        /* the process that started the threads: a forked child has none of them to join */
@@ -227,32 +227,34 @@ static void *run(void *arg) {
 
 static int Emitter_init(Emitter *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"fd", "level", "catch_up_level", "backlog", "fsync", "depth", "offset", "first",
-                            "workers", NULL};
+                            "workers", "drain_workers", NULL};
     long long offset = 0, first = 0;
     e->catch_up = 1 << 30;
     e->workers = 1;
+    e->drain_workers = 0;
     if (e->done_tail != NULL) {
         PyErr_SetString(PyExc_ValueError, "an Emitter is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|iipiLLi", names, &e->fd, &e->level, &e->catch_up, &e->backlog,
-                                     &e->fsync, &e->depth, &offset, &first, &e->workers))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|iipiLLii", names, &e->fd, &e->level, &e->catch_up, &e->backlog,
+                                     &e->fsync, &e->depth, &offset, &first, &e->workers, &e->drain_workers))
         return -1;
     if (missing != NULL) {
         PyErr_Format(PyExc_ImportError, "compiled emitter unavailable: %s", missing);
         return -1;
     }
     if (e->depth < 1) e->depth = 1;
-    if (e->workers < 1 || e->workers > 64) {
+    if (e->drain_workers < e->workers) e->drain_workers = e->workers;
+    if (e->workers < 1 || e->drain_workers > 64) {
         PyErr_SetString(PyExc_ValueError, "workers must be 1-64");
         return -1;
     }
-    e->w = PyMem_RawCalloc((size_t)e->workers, sizeof(Worker));
+    e->w = PyMem_RawCalloc((size_t)e->drain_workers, sizeof(Worker));
     if (e->w == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (int i = 0; i < e->workers; i++) e->w[i].e = e;
+    for (int i = 0; i < e->drain_workers; i++) e->w[i].e = e;
     e->offset = offset;
     e->next_take = e->next_write = first;
     e->done_tail = &e->done;
@@ -368,9 +370,14 @@ static PyObject *Emitter_done(Emitter *e, PyObject *unused) {
 static void join(Emitter *e) {
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
+    int more = e->started && !e->joined && e->pid == getpid() && e->waiting >= 2;
     pthread_cond_broadcast(&e->work);
     pthread_cond_broadcast(&e->space);
     pthread_mutex_unlock(&e->mu);
+    /* the recorder is done: the cores it had drain what waits (close() waits on it) */
+    while (more && e->workers < e->drain_workers &&
+           pthread_create(&e->w[e->workers].thread, NULL, run, &e->w[e->workers]) == 0)
+        e->workers++;
     if (e->started && !e->joined && e->pid == getpid()) {
         for (int i = 0; i < e->workers; i++) pthread_join(e->w[i].thread, NULL);
         e->joined = 1;
@@ -424,7 +431,7 @@ static void Emitter_dealloc(Emitter *e) {
         pthread_cond_destroy(&e->work);
         pthread_cond_destroy(&e->turn);
         pthread_cond_destroy(&e->space);
-        for (int i = 0; i < e->workers; i++) {
+        for (int i = 0; i < e->drain_workers; i++) {
             free(e->w[i].src);
             free(e->w[i].dst);
         }
@@ -452,8 +459,9 @@ static PyTypeObject EmitterType = {
     .tp_name = "replay.capture._emit.Emitter",
     .tp_basicsize = sizeof(Emitter),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Emitter(fd, level, catch_up_level=none, backlog=0, fsync=False, depth=1, offset=0, first=0, workers=1): "
-              "threads that compress chunks and write their frames to fd, in seq order from `first`, at `offset`.",
+    .tp_doc = "Emitter(fd, level, catch_up_level=none, backlog=0, fsync=False, depth=1, offset=0, first=0, workers=1, "
+              "drain_workers=workers): threads that compress chunks and write their frames to fd, in seq order from "
+              "`first`, at `offset` (`drain_workers` of them once stopping, with two chunks or more waiting).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Emitter_init,
     .tp_dealloc = (destructor)Emitter_dealloc,

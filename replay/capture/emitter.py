@@ -45,8 +45,10 @@ def _compiled() -> Any:
 
 COMPILED = _compiled()
 # One core is the recording thread's: on two, a second compressing thread only takes turns with it (capture_bench: one
-# thread 7-21 % faster end to end than two); beyond that, two drain a backlog (and close) twice as fast.
+# thread 7-21 % faster end to end than two); beyond that, two drain a backlog twice as fast. At close the recorder's
+# core is free too: what waits then is drained on every core, up to four.
 C_WORKERS = max(1, min(2, (os.cpu_count() or 2) - 1))
+C_DRAIN_WORKERS = max(1, min(4, os.cpu_count() or 2))
 
 
 def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Callable[[], tuple[int, Any] | None],
@@ -181,7 +183,7 @@ class CompiledEmitter:
         """Start the C thread, writing after what the file starts with (`write`), and the idle timer."""
         self.f.flush()  # (the C thread writes to the file descriptor, after whatever `f` has buffered)
         self._c = COMPILED.Emitter(self.f.fileno(), self._level, self._catch_up, CATCH_UP_BACKLOG, self._fsync,
-                                   DEPTH, self._written, 0, C_WORKERS)
+                                   DEPTH, self._written, 0, C_WORKERS, C_DRAIN_WORKERS)
         self._c.start()
         self._timer.start()
 
