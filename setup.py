@@ -1,8 +1,10 @@
-"""Builds the two compiled modules with the package: `replay.capture._wire` (the recording thread's column passes)
-and `replay.capture._pack` (a chunk's logprob columns, packed when it is sealed).
+"""Builds the three compiled modules with the package: `replay.capture._wire` (the recording thread's column passes),
+`replay.capture._pack` (a chunk's logprob columns, packed when it is sealed) and `replay.capture._emit` (the sealed
+chunks compressed and written on threads that never take the GIL, with the system's libzstd.so.1, loaded at import).
 
-Both are optional: where no C compiler is found the build goes on without them, and `replay.capture.fastwire` and
-`replay.capture.columns` take their Python paths (the same bytes, slower). Everything else is declared in pyproject.toml.
+All are optional: where no C compiler is found the build goes on without them, and `replay.capture.fastwire`,
+`replay.capture.columns` and `replay.capture.emitter` take their Python paths (the same records, slower). Everything
+else is declared in pyproject.toml.
 """
 
 from setuptools import Extension, setup
