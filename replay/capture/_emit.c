@@ -326,7 +326,7 @@ static PyObject *Emitter_submit(Emitter *e, PyObject *args) {
     /* (mu is never held while the GIL is awaited: the thread never takes the GIL, and a waiting producer lets go
      * of mu before it takes the GIL back) */
     pthread_mutex_lock(&e->mu);
-    if (block && e->queued >= e->depth && seq != e->next_take && !e->stopping) {
+    if (block && e->started && e->queued >= e->depth && seq != e->next_take && !e->stopping) {
         pthread_mutex_unlock(&e->mu);
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&e->mu);
@@ -415,7 +415,8 @@ static PyObject *Emitter_queued(Emitter *e, void *closure) {
 }
 
 static void Emitter_dealloc(Emitter *e) {
-    if (e->done_tail != NULL) { /* (initialised) */
+    /* (initialised, and not a forked child's copy: its threads, and a lock one of them held, stayed behind) */
+    if (e->done_tail != NULL && (!e->started || e->pid == getpid())) {
         Py_BEGIN_ALLOW_THREADS
         join(e);
         Py_END_ALLOW_THREADS

@@ -202,7 +202,7 @@ class CompiledEmitter:
         """Hand a sealed chunk over (under the lock that seals chunks). Blocks, the GIL let go, while DEPTH wait."""
         seq = self.number()
         self._sealed[seq] = chunk
-        self._c.submit(seq, chunk.parts)
+        self._submit(seq, chunk, True)
         self._collect()
 
     def stop(self) -> None:
@@ -215,7 +215,8 @@ class CompiledEmitter:
     @property
     def bytes_written(self) -> int:
         """Bytes in the file: what `write` wrote and the frames collected."""
-        self._collect()
+        if self._c is not None:
+            self._collect()
         return self._written
 
     @property
@@ -224,6 +225,12 @@ class CompiledEmitter:
         if self._error is not None or self._c is None or (e := self._c.error) is None:
             return self._error
         return OSError(e[0], e[1]) if e[0] else zstandard.ZstdError(e[1])
+
+    def _submit(self, seq: int, chunk: Any, block: bool) -> None:
+        try:
+            self._c.submit(seq, chunk.parts, block)
+        except TypeError:  # (a part that is bytes-like but not bytes: the C threads read bytes objects only)
+            self._c.submit(seq, [bytes(p) for p in chunk.parts], block)
 
     def _collect(self) -> None:
         with self._collecting:
@@ -243,7 +250,7 @@ class CompiledEmitter:
                 if item is not None:
                     seq, c = item
                     self._sealed[seq] = c
-                    self._c.submit(seq, c.parts, False)  # (never waits: the thread may be waiting for this one)
+                    self._submit(seq, c, False)  # (never waits: the C threads may be waiting for this one)
                 self._collect()  # (an idle engine's chunks let go of their records)
             except Exception as e:  # noqa: BLE001 - handed to the recording thread; this one goes on
                 self._error = e
