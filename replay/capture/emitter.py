@@ -59,7 +59,27 @@ def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Call
     return kind(f, level=level, fsync=fsync, interval=interval, idle=idle, catch_up_level=catch_up_level)
 
 
-class ChunkEmitter:
+class _Frames:
+    """What both emitters share: the file `f`, the bytes in it, and the numbers of the chunks sealed."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self._written = 0
+        self._seq = 0  # the next chunk's number (given under the writer's lock)
+
+    def write(self, data: bytes) -> None:
+        """Write bytes directly: only before `start` or after `stop`, when no frame is being written."""
+        self.f.write(data)
+        self._written += len(data)
+
+    def number(self) -> int:
+        """The next sealed chunk's place in the file (call it under the lock that seals chunks)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+
+class ChunkEmitter(_Frames):
     """Background threads that turn sealed chunks (`.parts`: encoded records, `.info`: their ChunkInfo) into zstd
     frames in file `f`, in order. `idle()` is called by a thread that found nothing to do for `interval` seconds,
     and returns a chunk it sealed (numbered by `number()`) or None: an idle engine must not keep a chunk open
@@ -68,8 +88,7 @@ class ChunkEmitter:
     def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
                  idle: Callable[[], tuple[int, Any] | None], workers: int | None = None,
                  catch_up_level: int | None = CATCH_UP_LEVEL):
-        self.f = f
-        self.bytes_written = 0
+        super().__init__(f)
         self.caught_up = 0  # chunks compressed at the catch-up level
         self._catch_up = catch_up_level if catch_up_level is not None and catch_up_level < level else None
         self._stops = 0  # the end-of-work markers in the queue: behind every chunk, so not a backlog
@@ -77,7 +96,6 @@ class ChunkEmitter:
         self.error: BaseException | None = None
         self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
         self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue(maxsize=DEPTH)
-        self._seq = 0  # the next chunk's number (given under the writer's lock)
         self._next = 0  # the number of the next frame to write
         self._ready: dict[int, tuple[Any, bytes, int]] = {}  # compressed, waiting for the chunks before them
         self._order = threading.Lock()  # held while frames are written: one writer, in order
@@ -89,16 +107,10 @@ class ChunkEmitter:
         for t in self._threads:
             t.start()
 
-    def write(self, data: bytes) -> None:
-        """Write bytes directly: only before `start` or after `stop`, when no frame is being written."""
-        self.f.write(data)
-        self.bytes_written += len(data)
-
-    def number(self) -> int:
-        """The next sealed chunk's place in the file (call it under the lock that seals chunks)."""
-        seq = self._seq
-        self._seq += 1
-        return seq
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file so far (frames written, not those still being compressed)."""
+        return self._written
 
     def put(self, chunk: Any) -> None:
         """Hand a sealed chunk over (call it under the lock that seals chunks, so numbers follow the seals).
@@ -157,7 +169,7 @@ class ChunkEmitter:
             self.error = e
 
 
-class CompiledEmitter:
+class CompiledEmitter(_Frames):
     """`ChunkEmitter`'s interface over `replay.capture._emit`: one C thread joins, compresses and writes each chunk
     without ever taking the GIL, so a busy recording loop never makes it wait (`_emit.c` says what that cost). A
     Python thread wakes every `interval` only to ask `idle()` for an old open chunk. Frames are collected (their
@@ -165,13 +177,11 @@ class CompiledEmitter:
 
     def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
                  idle: Callable[[], tuple[int, Any] | None], catch_up_level: int | None = CATCH_UP_LEVEL):
-        self.f = f
+        super().__init__(f)
         self.caught_up = 0  # chunks compressed at the catch-up level
         self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
-        self._written = 0
         self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
         self._catch_up = catch_up_level if catch_up_level is not None and catch_up_level < level else level
-        self._seq = 0
         self._sealed: dict[int, Any] = {}  # handed over, until its frame is collected
         self._error: BaseException | None = None  # the idle path's (the C thread keeps its own)
         self._c: Any = None
@@ -186,17 +196,6 @@ class CompiledEmitter:
                                    DEPTH, self._written, 0, C_WORKERS, C_DRAIN_WORKERS)
         self._c.start()
         self._timer.start()
-
-    def write(self, data: bytes) -> None:
-        """Write bytes directly: only before `start` or after `stop`, when no frame is being written."""
-        self.f.write(data)
-        self._written += len(data)
-
-    def number(self) -> int:
-        """The next sealed chunk's place in the file (call it under the lock that seals chunks)."""
-        seq = self._seq
-        self._seq += 1
-        return seq
 
     def put(self, chunk: Any) -> None:
         """Hand a sealed chunk over (under the lock that seals chunks). Blocks, the GIL let go, while DEPTH wait."""
