@@ -47,8 +47,9 @@ COMPILED = _compiled()
 # One core is the recording thread's: on two, a second compressing thread only takes turns with it (capture_bench: one
 # thread 7-21 % faster end to end than two); beyond that, two drain a backlog twice as fast. At close the recorder's
 # core is free too: what waits then is drained on every core, up to four.
-C_WORKERS = max(1, min(2, (os.cpu_count() or 2) - 1))
-C_DRAIN_WORKERS = max(1, min(4, os.cpu_count() or 2))
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # (this process's)
+C_WORKERS = max(1, min(2, _CORES - 1))
+C_DRAIN_WORKERS = max(1, min(4, _CORES))
 
 
 def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Callable[[], tuple[int, Any] | None],
