@@ -19,12 +19,10 @@ group, all lossless and undone on read:
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from msgspec.structs import replace
 
-from replay.capture.fastwire import NO_COMPILED_ENV
+from replay.capture.fastwire import load_compiled
 from replay.capture.format import ColumnGroup, LogprobColumns
 from replay.contracts import Array, LogprobsLists
 from replay.contracts.arrays import FILTER_SHUFFLE, FILTER_TRANSPOSE, NUMPY_DTYPES
@@ -178,17 +176,8 @@ def markers(dtypes: tuple[str, str, str], shape: tuple[int, int], group: int, ro
                          Array(dtypes[2], shape[:1], b"", marker), cu_num_generated_tokens)
 
 
-def _compiled_pack():
-    if os.environ.get(NO_COMPILED_ENV) == "1":
-        return None
-    try:
-        from replay.capture._pack import pack_group
-    except ImportError:  # built without a C compiler (or on a big-endian host): numpy packs the same bytes
-        return None
-    return pack_group
-
-
-PACK_GROUP = _compiled_pack()
+_pack_c = load_compiled("_pack")  # (None without a C compiler, or on a big-endian host: numpy packs the same bytes)
+PACK_GROUP = None if _pack_c is None else _pack_c.pack_group
 
 
 def _pack(kind: tuple, ids_rows: np.ndarray, vals_rows: np.ndarray, ranks: np.ndarray) -> ColumnGroup:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import zstandard
 
 from replay.capture import format as fmt
+from replay.capture.fastwire import load_compiled
 
 _ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
 WORKERS = 2
@@ -33,17 +34,8 @@ CATCH_UP_BACKLOG = 2
 CATCH_UP_LEVEL = 1
 
 
-def _compiled() -> Any:
-    if os.environ.get("REPLAY_NO_COMPILED") == "1":
-        return None
-    try:
-        from replay.capture import _emit
-    except ImportError:  # built without a C compiler
-        return None
-    return _emit if _emit.available() is None else None  # (None: no libzstd.so.1 on this machine)
-
-
-COMPILED = _compiled()
+_emit = load_compiled("_emit")
+COMPILED = _emit if _emit is not None and _emit.available() is None else None  # (not without libzstd.so.1)
 # One core is the recording thread's: on two, a second compressing thread only takes turns with it (capture_bench: one
 # thread 7-21 % faster end to end than two); beyond that, two drain a backlog twice as fast. At close the recorder's
 # core is free too: what waits then is drained on every core, up to four.
@@ -171,7 +163,7 @@ class ChunkEmitter(_Frames):
 
 
 class CompiledEmitter(_Frames):
-    """`ChunkEmitter`'s interface over `replay.capture._emit`: one C thread joins, compresses and writes each chunk
+    """`ChunkEmitter`'s interface over `replay.capture._emit`: C threads join, compress and write the chunks
     without ever taking the GIL, so a busy recording loop never makes it wait (`_emit.c` says what that cost). A
     Python thread wakes every `interval` only to ask `idle()` for an old open chunk. Frames are collected (their
     places in the file, into each chunk's ChunkInfo) whenever a chunk is handed over, and at `stop`."""

@@ -13,6 +13,7 @@ the Python passes, from the start, with nothing interned twice.
 
 from __future__ import annotations
 
+import importlib
 import os
 from operator import sub
 from typing import Any, Callable
@@ -108,14 +109,16 @@ class CompiledPasses:
 PYTHON = PythonPasses()
 
 
-def _compiled() -> CompiledPasses | None:
+def load_compiled(name: str) -> Any:
+    """The compiled module `replay.capture.<name>`, or None where it was not built (no C compiler: each user takes
+    its Python path, which stores the same records) or with REPLAY_NO_COMPILED=1."""
     if os.environ.get(NO_COMPILED_ENV) == "1":
         return None
     try:
-        from replay.capture import _wire
-    except ImportError:  # built without a C compiler: the Python passes store the same bytes
+        return importlib.import_module(f"replay.capture.{name}")
+    except ImportError:
         return None
-    return CompiledPasses(_wire)
 
 
-COMPILED = _compiled()
+_wire = load_compiled("_wire")
+COMPILED = None if _wire is None else CompiledPasses(_wire)
