@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zstandard
 
+from replay.capture import filemode
 from replay.capture import format as fmt
 from replay.capture.columns import ColumnSink
 from replay.capture.emitter import CATCH_UP_LEVEL, open_emitter
@@ -87,7 +88,8 @@ class WriterContext:
 
 class CaptureWriter(WriterContext):
     """Writes a capture to `path` (as `path.partial` until `close`), compressed at zstd `level`; while the recorder
-    outruns compression, at `catch_up_level` (None: never; `replay.capture.emitter`).
+    outruns compression, at `catch_up_level` (None: never; `replay.capture.emitter`). The file is created with
+    `mode` (default 0600, or REPLAY_CAPTURE_MODE: `replay.capture.filemode`).
 
     Usage::
 
@@ -99,7 +101,7 @@ class CaptureWriter(WriterContext):
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
                  overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None,
-                 catch_up_level: int | None = CATCH_UP_LEVEL):
+                 catch_up_level: int | None = CATCH_UP_LEVEL, mode: int | None = None):
         self.path = Path(path)
         self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
@@ -120,7 +122,7 @@ class CaptureWriter(WriterContext):
         self._closed = False
         try:
             self.partial_path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.partial_path, "wb")
+            self._f = filemode.create(self.partial_path, mode=mode)
             self._out = open_emitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal,
                                     catch_up_level=catch_up_level)
             prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)

@@ -3,8 +3,10 @@ diffs cleanly."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
+from replay.errors import VERBOSE_ENV
 from replay.replayer.verdict import (
     capture_diff_verdict,
     crash_verdict,
@@ -63,10 +65,27 @@ def render_divergence(d: Divergence) -> list[str]:
     if d.kind == "missing":
         return [f"  step {d.step}, request {d.request_id}: the replay did not run this request"]
     what = "prompt logprobs" if d.kind == "prompt_logprobs" else "logprobs"
-    extra = f", sampled-token Δ {_fmt(d.sampled_logprob_diff)}" if d.sampled_logprob_diff is not None else ""
-    topk = ", top-k set changed" if d.topk_changed else ""
+    change = logprob_change(what, d.expected_rank, d.actual_rank, d.max_abs_logprob_diff, d.sampled_logprob_diff,
+                            d.topk_changed)
     return [f"  step {d.step}, request {d.request_id}, output position {d.position}: same token {d.expected_token}, "
-            f"{what} differ: max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}{extra}{topk}"]
+            f"{change}"]
+
+
+def logprob_change(what: str, expected_rank: int | None, actual_rank: int | None, max_abs: float,
+                   sampled: float | None = None, topk_changed: bool = False) -> str:
+    """What moved at a position whose token is the same: the rank and the top-k order, named, and the logprobs
+    ("logprobs equal" when none moved: bitwise, a tie in the logits ordered another way is still a difference)."""
+    parts = []
+    if expected_rank is not None and actual_rank is not None and expected_rank != actual_rank:
+        parts.append(f"rank {expected_rank} -> {actual_rank}")
+    if topk_changed:
+        parts.append("top-k ids or order changed")
+    if max_abs == 0 and not sampled:
+        parts.append(f"{what} equal")
+    else:
+        parts.append(f"{what} differ: max |Δlogprob| {_fmt(max_abs)}"
+                     + (f", sampled-token Δ {_fmt(sampled)}" if sampled is not None else ""))
+    return ", ".join(parts)
 
 
 def render_run(rep: ReplayReport) -> str:
@@ -115,13 +134,14 @@ def render_corpus(res: CorpusResult) -> str:
     return "\n".join(lines)
 
 
-def render_replay(rep: ReplayReport) -> str:
-    """`replay run --diff`: verdict, first divergence with its batch, the repro command, then a per-step table."""
+def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
+    """`replay run --diff`: verdict, first divergence with its batch, the repro command, then a per-step table.
+    The differences that cannot change numerics by themselves, and what the engine logged, only with `-v`."""
     tol = rep.tolerance
     tol_text = "bitwise" if tol.bitwise else f"atol {tol.atol:g}, rtol {tol.rtol:g}"
-    lines = []
-    for d in rep.environment_differences + (rep.host_differences if rep.diverged else []):
-        lines.append(f"note: {d}")
+    lines = [f"note: {d}" for d in rep.environment_differences]
+    if verbose if verbose is not None else os.environ.get(VERBOSE_ENV) == "1":
+        lines += [f"note (cannot change numerics by itself): {d}" for d in rep.host_differences]
     for f in rep.ignored:
         lines.append(f"ignored (--force): {f}")
     head = (f"replayed {rep.steps_replayed} steps of {rep.capture} ({rep.mode} mode, {tol_text}; a tie flip is a "
@@ -187,11 +207,12 @@ def _crash_lines(rep: ReplayReport, *, reproduced_only: bool = False) -> list[st
     return [crash_verdict(rep), f"  re-run: replay run {rep.capture} --diff --steps {crash.step}-{crash.step}"]
 
 
-def render_capture_diff(res: CaptureDiff) -> str:
-    """`replay diff A B`."""
+def render_capture_diff(res: CaptureDiff, verbose: bool | None = None) -> str:
+    """`replay diff A B` (the differences that cannot change numerics by themselves only with `-v`)."""
     lines = [f"compared {res.requests_compared} requests of {res.a} (A) and {res.b} (B)"]
-    for c in res.config_differences:
-        lines.append(f"note: {c}")
+    lines += [f"note: {c}" for c in res.config_differences]
+    if verbose if verbose is not None else os.environ.get(VERBOSE_ENV) == "1":
+        lines += [f"note (cannot change numerics by itself): {c}" for c in res.host_differences]
     if res.only_in_a or res.only_in_b:
         lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
     d = res.first_divergence
@@ -202,7 +223,8 @@ def render_capture_diff(res: CaptureDiff) -> str:
         lines.append(f"  token {d.a_token} in A, {d.b_token} in B ({(d.flip or '').upper()} FLIP, top1-top2 margin "
                      f"{_fmt(d.margin, '.4g')}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)})")
     elif d.kind == "logprobs":
-        lines.append(f"  same token {d.a_token}; logprobs differ by up to {_fmt(d.max_abs_logprob_diff)}")
+        lines.append(f"  same token {d.a_token}, "
+                     + logprob_change("logprobs", d.a_rank, d.b_rank, d.max_abs_logprob_diff, None, d.topk_changed))
     else:
         lines.append("  one side generated more tokens than the other")
     if d.a_batch is not None:

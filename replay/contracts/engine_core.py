@@ -118,6 +118,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     lora_fingerprint: str = ""
 
     @property
+    def name(self) -> str:
+        """How every report names this request: the user's id (else the internal one). The children of an n > 1
+        request share their parent's user id; vLLM names each `{index}_{parent's internal id}`, and each is shown
+        as `{user id}#{index}` (the index of its choice in the OpenAI response)."""
+        ext = self.external_req_id
+        if not ext:
+            return self.request_id
+        head, sep, parent = self.request_id.partition("_")
+        if sep and head.isdigit() and (parent == ext or parent.startswith(ext + "-")):
+            return f"{ext}#{int(head)}"
+        return ext
+
+    @property
     def params(self) -> SamplingParams | Opaque:
         """The sampling params, else the pooling params."""
         if self.sampling_params is not None:

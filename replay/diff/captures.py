@@ -19,10 +19,9 @@ from replay.diff.rules import (
     Row,
     Tolerance,
     classify,
-    logprob_diff,
+    compare_rows,
     margin,
     row,
-    rows_equal,
 )
 from replay.diff.step import BatchComposition, batch_composition
 from replay.provenance import hardware_differences, header_differences, is_suspect
@@ -59,6 +58,9 @@ class TokenMismatch(msgspec.Struct, omit_defaults=True):
     b_batch: BatchComposition | None = None
     batches_differ: bool = False
     suspect: str = ""  # "hardware (...)" | "batch variance" | "configuration (...)" | "run-to-run nondeterminism"
+    a_rank: int | None = None  # the token's rank on each side, where logprobs were recorded
+    b_rank: int | None = None
+    topk_changed: bool = False  # the top-k ids or their order differ
 
 
 class CaptureDiff(msgspec.Struct):
@@ -74,6 +76,10 @@ class CaptureDiff(msgspec.Struct):
     only_in_b: list[str]
     tolerance: Tolerance
     config_differences: list[str] = []  # header fields that differ between A and B (replay.provenance), "k: A vs B"
+    # positions compared equal under the tolerance whose rank or top-k order moved (see replay.diff.rules)
+    near_ties: int = 0
+    # what differs but cannot change numerics by itself (platform, Python, executor backend): shown with -v
+    host_differences: list[str] = []
 
 
 def read_aligned(path: str | os.PathLike) -> AlignedRun:
@@ -87,7 +93,7 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())
                 if req.external_req_id is not None:
-                    key = f"id:{req.external_req_id}"
+                    key = f"id:{req.name}"
                 else:  # no user id: the n-th request with this prompt
                     key = f"prompt:{hash(prompt)}:{seen_prompts[prompt]}"
                     seen_prompts[prompt] += 1
@@ -119,7 +125,7 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
     differences = header_differences(a.header, b.header)
     common = [k for k in a.order if k in b.prompts]
     first: TokenMismatch | None = None
-    diverged_reqs = 0
+    diverged_reqs = near_ties = 0
     for key in common:
         oa, ob = a.outputs.get(key, []), b.outputs.get(key, [])
         mismatch = None
@@ -131,15 +137,18 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
             (sa, ta, ra), (sb, tb, rb) = oa[pos], ob[pos]
             lp_diff, lp_equal = 0.0, (ra is None) == (rb is None)
             if ra is not None and rb is not None:
-                lp_diff = logprob_diff(ra, rb)[0]
-                lp_equal = rows_equal(ra, rb, tol)
+                cmp = compare_rows(ra, rb, tol)
+                lp_diff, lp_equal = cmp.max_abs, cmp.equal
+                near_ties += cmp.near_tie and ta == tb
             m = margin(ra)
             if ta != tb:
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "token", sa, sb, ta, tb, lp_diff, m,
                                          classify(m, tol, lp_diff))
                 break
             if not lp_equal:
-                mismatch = TokenMismatch(key.partition(":")[2], pos, "logprobs", sa, sb, ta, tb, lp_diff, m)
+                mismatch = TokenMismatch(key.partition(":")[2], pos, "logprobs", sa, sb, ta, tb, lp_diff, m,
+                                         a_rank=ra.rank if ra else None, b_rank=rb.rank if rb else None,
+                                         topk_changed=cmp.topk_changed if ra is not None and rb is not None else False)
                 break
         if mismatch is None:
             continue
@@ -167,4 +176,5 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
     strip = lambda keys: [k.partition(":")[2] for k in keys]  # noqa: E731
     return CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
                        strip(k for k in a.order if k not in b.prompts), strip(k for k in b.order if k not in a.prompts),
-                       tol, [d.as_pair() for d in differences])
+                       tol, [d.as_pair() for d in differences if d.affects != "host"], near_ties,
+                       [d.as_pair() for d in differences if d.affects == "host"])

@@ -5,12 +5,13 @@ A token flip at a near-tie (the top1-top2 margin below `tie_margin`) is a *tie f
 A flip at a large margin is a *confident flip*: something is wrong (wrong KV block, wrong position, a bug).
 "Near" means below `tie_margin`, or within twice the logprob noise measured at the same position.
 Tolerances default to bitwise (`atol = rtol = 0`); vLLM's own tests compare scheduling modes with rtol 1e-3 and
-atol 1e-6.
+atol 1e-6. Under a tolerance two rows are equal when every logprob both hold is within it (`compare_rows`): a rank
+or top-k order that moved among values within the tolerance is a *near-tie*, counted, never a divergence. Bitwise,
+any moved rank or order is a difference, and is named as one.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import msgspec
@@ -64,20 +65,60 @@ def margin(r: Row | None) -> float | None:
     return float(r.values[1] - r.values[2])
 
 
-def logprob_diff(a: Row, b: Row) -> tuple[float, bool]:
-    """(max |Δlogprob| over the tokens both rows hold, sampled token included; whether the top-k ids changed).
-    Tokens only one side ranks among its top k have no counterpart to compare and do not count."""
+class RowDiff(NamedTuple):
+    """How two rows of one output position compare (`compare_rows`)."""
+
+    max_abs: float  # max |Δlogprob| over every logprob both rows hold (NaN pairs and equal infinities count 0)
+    equal: bool  # equal under the tolerance (bitwise: the same ids, rank and bits)
+    topk_changed: bool  # the top-k ids (set or order) differ
+    rank_changed: bool  # the sampled token's rank differs
+
+    @property
+    def near_tie(self) -> bool:
+        """Equal within the tolerance, yet a rank or the top-k order moved: tokens whose logprobs lie within the
+        tolerance of each other were ordered another way (a tie in the logits), not a divergence."""
+        return self.equal and (self.rank_changed or self.topk_changed)
+
+
+def _held_pairs(a: Row, b: Row) -> tuple[np.ndarray, np.ndarray]:
+    """The logprobs both rows hold, side by side: the sampled token's (column 0), each top-k token both rows list,
+    and the k-th best logprob of each side position by position (a token only one side lists among its top k was
+    just past the other side's cut-off, which is what its k-th value says)."""
+    xs, ys = [float(a.values[0])], [float(b.values[0])]
     other: dict[int, float] = {}
-    for t, v in zip(b.ids.tolist(), b.values.tolist()):
+    for t, v in zip(b.ids[1:].tolist(), b.values[1:].tolist()):
         other.setdefault(t, v)
-    diffs = [abs(v - other[t]) for t, v in zip(a.ids.tolist(), a.values.tolist()) if t in other]
-    finite = [d for d in diffs if not math.isnan(d)]
-    return (max(finite) if finite else 0.0), a.ids[1:].tolist() != b.ids[1:].tolist()
+    for t, v in zip(a.ids[1:].tolist(), a.values[1:].tolist()):
+        if t in other:
+            xs.append(v)
+            ys.append(other[t])
+    k = min(len(a.values), len(b.values)) - 1
+    if k > 0:
+        xs += np.sort(a.values[1:k + 1])[::-1].tolist()
+        ys += np.sort(b.values[1:k + 1])[::-1].tolist()
+    return np.asarray(xs, np.float64), np.asarray(ys, np.float64)
 
 
-def rows_equal(a: Row, b: Row, tol: Tolerance) -> bool:
-    """The same token ids and rank, and logprobs equal within the tolerance."""
-    return a.ids.tobytes() == b.ids.tobytes() and a.rank == b.rank and tol.equal(a.values, b.values)
+def compare_rows(a: Row, b: Row, tol: Tolerance) -> RowDiff:
+    """One meaning of "equal within tolerance", for every command: the rows are equal when every logprob both
+    hold is within `tol` (a rank or top-k order that moved among values within the tolerance is a near-tie).
+    Bitwise (`tol.bitwise`), any other id, order, rank or bit is a difference, and is named as such."""
+    x, y = _held_pairs(a, b)
+    with np.errstate(invalid="ignore"):
+        d = np.abs(x - y)
+    same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaN on both sides: nothing moved
+    d[same] = 0.0
+    finite = d[~np.isnan(d)]
+    max_abs = float(finite.max()) if finite.size else 0.0
+    topk_changed = a.ids[1:].tobytes() != b.ids[1:].tobytes()
+    rank_changed = a.rank != b.rank
+    if tol.bitwise:
+        equal = (a.ids.tobytes() == b.ids.tobytes() and not rank_changed
+                 and a.values.tobytes() == b.values.tobytes())
+    else:
+        with np.errstate(invalid="ignore"):
+            equal = bool(np.all(same | (d <= tol.atol + tol.rtol * np.abs(y))))
+    return RowDiff(max_abs, equal, topk_changed, rank_changed)
 
 
 def classify(margin_: float | None, tol: Tolerance, noise: float = 0.0) -> str:

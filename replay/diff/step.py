@@ -6,15 +6,14 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from replay.contracts import ModelRunnerOutput, SchedulerOutput, accepted_drafts
+from replay.contracts import LogprobsTensors, ModelRunnerOutput, SchedulerOutput, accepted_drafts
 from replay.diff.rules import (
     Row,
     Tolerance,
     classify,
-    logprob_diff,
+    compare_rows,
     margin,
     row,
-    rows_equal,
 )
 
 
@@ -72,6 +71,8 @@ class StepSummary(msgspec.Struct):
     rank_changes: int = 0
     foreign_draws_differ: int = 0  # sampled tokens another implementation drew with its own RNG (not compared)
     tokens_compared: int = 0  # sampled tokens (output positions) of this step that were compared
+    # positions whose rank or top-k order moved while every logprob stayed within the tolerance (not divergences)
+    near_ties: int = 0
 
 
 def batch_composition(step: int, so: SchedulerOutput, ext: dict[str, str]) -> BatchComposition:
@@ -122,15 +123,34 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
                     div.rejected_draft, div.rejected_position = d[fewer], pos + fewer
             divs.append(div)
         ep, ap = expected.prompt_logprobs_dict.get(rid), actual.prompt_logprobs_dict.get(rid)
-        if (ep is None) != (ap is None) or (ep is not None and not (
-                tol.equal(ep.logprobs.to_numpy(), ap.logprobs.to_numpy())
-                and ep.logprob_token_ids.to_numpy().tobytes() == ap.logprob_token_ids.to_numpy().tobytes())):
-            summary.logprob_mismatches += 1
-            d = 0.0
-            if ep is not None and ap is not None and ep.logprobs.shape == ap.logprobs.shape:
-                d = float(np.nanmax(np.abs(ep.logprobs.to_numpy() - ap.logprobs.to_numpy()), initial=0.0))
-            divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
+        if ep is not None or ap is not None:
+            equal, d = _prompt_logprobs_equal(ep, ap, tol, summary)
+            if not equal:
+                summary.logprob_mismatches += 1
+                divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
     return summary, divs
+
+
+def _prompt_logprobs_equal(ep: LogprobsTensors | None, ap: LogprobsTensors | None, tol: Tolerance,
+                           summary: StepSummary) -> tuple[bool, float]:
+    """(whether one request's prompt logprobs are equal under `tol`, row by row as sampled rows are; max |Δ|)."""
+    if ep is None or ap is None or ep.logprobs.shape != ap.logprobs.shape:
+        return False, 0.0
+    ids_e, ids_a = ep.logprob_token_ids.to_numpy(), ap.logprob_token_ids.to_numpy()
+    lp_e, lp_a = ep.logprobs.to_numpy(), ap.logprobs.to_numpy()
+    rk_e, rk_a = ep.selected_token_ranks.to_numpy(), ap.selected_token_ranks.to_numpy()
+    if ids_e.tobytes() == ids_a.tobytes() and rk_e.tobytes() == rk_a.tobytes() and tol.equal(lp_e, lp_a):
+        with np.errstate(invalid="ignore"):  # the same ids in the same order: the common case, in one pass
+            d = np.abs(lp_e.astype(np.float64) - lp_a)
+        d[(lp_e == lp_a) | np.isnan(d)] = 0.0
+        return True, float(d.max(initial=0.0))
+    equal, worst = True, 0.0
+    for k in range(lp_e.shape[0]):
+        cmp = compare_rows(Row(ids_e[k], lp_e[k], int(rk_e[k])), Row(ids_a[k], lp_a[k], int(rk_a[k])), tol)
+        equal &= cmp.equal
+        worst = max(worst, cmp.max_abs)
+        summary.near_ties += cmp.near_tie
+    return equal, worst
 
 
 def _rows(out: ModelRunnerOutput, index: int) -> list[Row | None]:
@@ -160,10 +180,11 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
                          er.rank)
         lp_diff, topk_changed, lp_equal = 0.0, False, True
         if er is not None and ar is not None:
-            lp_diff, topk_changed = logprob_diff(er, ar)
-            lp_equal = rows_equal(er, ar, tol)
+            cmp = compare_rows(er, ar, tol)
+            lp_diff, topk_changed, lp_equal = cmp.max_abs, cmp.topk_changed, cmp.equal
             summary.topk_set_changes += topk_changed
-            summary.rank_changes += er.rank != ar.rank
+            summary.rank_changes += cmp.rank_changed
+            summary.near_ties += cmp.near_tie and e_tok == a_tok
         elif (er is None) != (ar is None):
             lp_equal = False
         summary.max_abs_logprob_diff = max(summary.max_abs_logprob_diff, lp_diff)

@@ -72,7 +72,7 @@ class LLMEngine:
         try:
             self.scheduler.add_request(ecr)
         except ValueError as e:  # the scheduler's refusal of an impossible request is the user's input error
-            raise UsageError(f"request {ecr.external_req_id or ecr.request_id!r}: {e}") from None
+            raise UsageError(f"request {ecr.name!r}: {e}") from None
         for listener in self.listeners:
             listener.on_request_added(ecr, self.step_index)
 

@@ -300,7 +300,7 @@ def perfetto_trace(path: str | os.PathLike) -> tuple[dict[str, Any], list[Damage
                 status = rec.status
         header, damage = r.header, list(r.damage)
     infer_preemptions(steps)
-    t = _Trace(steps, {a.request.request_id: a.request.external_req_id for a in arrivals if a.request.external_req_id})
+    t = _Trace(steps, {a.request.request_id: a.request.name for a in arrivals if a.request.external_req_id})
     t.build(arrivals, aborts, crashes, summarizer.finish_reason)
     return _document(t, header, status, damage, str(path)), damage
 

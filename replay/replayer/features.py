@@ -118,7 +118,7 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
     try:
         for rec in reader.records():
             if isinstance(rec, RequestAdded):
-                external[rec.request.request_id] = rec.request.external_req_id or rec.request.request_id
+                external[rec.request.request_id] = rec.request.name
                 fingerprints[rec.request.request_id] = rec.request.lora_fingerprint
             if not isinstance(rec, Step):
                 continue

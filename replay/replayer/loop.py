@@ -71,7 +71,7 @@ class StepLoop:
         for rec in records:
             if isinstance(rec, RequestAdded):
                 rid = rec.request.request_id
-                self.external[rid] = rec.request.external_req_id or rid
+                self.external[rid] = rec.request.name
                 self.internal[self.external[rid]] = rid
                 continue
             if isinstance(rec, Crash):

@@ -73,7 +73,8 @@ class ReplayReport(msgspec.Struct):
     # sampled tokens of random-sampling requests that differ but cannot be compared: vLLM drew them with its own
     # sampler kernels and random streams, which only vLLM's runner repeats (not counted in num_divergences)
     foreign_draws_differ: int = 0
-    host_differences: list[str] = []  # the machine's own differences (platform, Python), shown with a divergence
+    # what differs but cannot change numerics by itself (platform, Python, executor backend, what the engine logged)
+    host_differences: list[str] = []
     foreign_draws_by: str = ""  # whose sampler drew the foreign draws ("vllm" | "builtin"), when there are any
     crash: CrashOutcome | None = None  # the recording crashed at a step: re-executed, reproduced or not
     data_lost: list[str] = []  # what the capture lost (damaged chunks, an unfinished tail): the replay is of a prefix
@@ -142,6 +143,7 @@ class _Pass:
     tolerance_choice: str = ""
     ignored: list[str] = field(default_factory=list)
     skip: set[str] = field(default_factory=set)  # requests --force leaves out (internal ids)
+    suspect: str = ""  # the difference that leads the suspects, should the replay diverge
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -182,6 +184,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     """The replay and its diffs, on a built runner."""
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
+    out.suspect = lead_suspect(built, opts.overrides) or (out.notes[0] if out.notes else "")
     loop = StepLoop(path, built.runner, opts.mode)
     loop.skip = out.skip
     # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
@@ -223,6 +226,21 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     out.data_lost = [d.describe() for d in r.damage]
     out.stopped = loop.stopped
     out.crash = loop.crash
+
+
+# header fields (their last name) -> the --set knob that changes them, where the two names differ
+_KNOB_OF_FIELD = {"attention_impl": "attention", "num_threads": "threads", "runner_class": "runner", "name": "model",
+                  "fingerprint": "model"}
+
+
+def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
+    """The difference the user made with `--set` (a planted change is the first thing that explains a divergence
+    it causes), as its note; "" when no override changed what the header describes."""
+    for d in built.differences:
+        name = d.field.rsplit(".", 1)[-1]
+        if _KNOB_OF_FIELD.get(name, name) in overrides and d.affects != "host":
+            return d.as_note()
+    return ""
 
 
 def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:
@@ -302,7 +320,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.data_lost, p.stopped, len(p.summaries),
                         len(p.requests),
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
-                        p.notes[0] if p.notes and (p.count or crash_diverged) else "", p.ignored)
+                        p.suspect if p.count or crash_diverged else "", p.ignored)
 
 
 def _span(steps: int) -> str:

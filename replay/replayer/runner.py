@@ -106,13 +106,15 @@ class BuiltRunner:
     def notes(self) -> list[str]:
         """One line per difference that can change numerics: 'dtype: recorded float32, replay bfloat16'."""
         return [self.model_mismatch] * bool(self.model_mismatch) + [
-            d.as_note() for d in self.differences if d.affects in ("hardware", "layout", "numerics", "model") and d.label != "fingerprint"
-        ] + self.engine_notes
+            d.as_note() for d in self.differences
+            if d.affects in ("hardware", "layout", "numerics", "model") and d.label != "fingerprint"]
 
     @property
     def host_notes(self) -> list[str]:
-        """The same for the machine itself (platform, Python): suspects when a replay diverges."""
-        return [d.as_note() for d in self.differences if d.affects == "host"]
+        """What differs but cannot change numerics by itself (the platform, Python, the executor that carries the
+        calls, a preloaded allocator), and what the engine logged while starting: shown with `-v` and in the
+        report's provenance, not on every replay."""
+        return [d.as_note() for d in self.differences if d.affects == "host"] + self.engine_notes
 
     def builtin(self, what: str) -> "ModelRunner":
         """The builtin runner, for what needs its internals (snapshots, module hooks); UsageError otherwise."""

@@ -20,6 +20,14 @@ def crash_verdict(rep: ReplayReport) -> str | None:
     return f"DIVERGED: the recording crashed at step {crash.step} ({crash.recorded}); the replay {then}"
 
 
+def near_ties(count: int) -> str:
+    """'; 3 near-tie rank changes, within tolerance' ('' for none): positions whose rank or top-k order moved
+    among logprobs within the tolerance, which the comparison counts and does not call divergences."""
+    if not count:
+        return ""
+    return f"; {count} near-tie rank change{'s' * (count != 1)}, within tolerance"
+
+
 def divergence_verdict(rep: ReplayReport) -> str | None:
     """How many divergences and token flips, and the step of the first (None when no step diverged)."""
     if rep.first_divergence is None:
@@ -28,21 +36,26 @@ def divergence_verdict(rep: ReplayReport) -> str | None:
     drafts = sum(s.draft_mismatches for s in rep.steps)
     accepted = f", {drafts} with another number of drafts accepted" if drafts else ""
     return (f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s){accepted}, first at step "
-            f"{rep.first_divergence.step}")
+            f"{rep.first_divergence.step}{near_ties(sum(s.near_ties for s in rep.steps))}")
 
 
 def replay_verdict(rep: ReplayReport) -> str:
     """The sentence a replay's report leads with: MATCH, else the unreproduced crash, else the divergences."""
     if not rep.diverged:
-        return "MATCH: every replayed step equals the recording" + (
-            " (data was lost: the readable prefix matches)" if rep.data_lost else "")
+        tol = rep.tolerance
+        within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
+        return (f"MATCH: every replayed step equals the recording{within}"
+                + near_ties(sum(s.near_ties for s in rep.steps))
+                + (" (data was lost: the readable prefix matches)" if rep.data_lost else ""))
     return crash_verdict(rep) or divergence_verdict(rep) or "DIVERGED"
 
 
 def capture_diff_verdict(res: CaptureDiff) -> str:
     """The sentence `replay diff A B` leads with."""
     d = res.first_divergence
+    tol = res.tolerance
+    within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
     if d is None:
-        return "MATCH: every common request produced the same tokens and logprobs"
+        return f"MATCH: every common request produced the same tokens and logprobs{within}{near_ties(res.near_ties)}"
     return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, output position "
-            f"{d.position}")
+            f"{d.position}{near_ties(res.near_ties)}")

@@ -49,19 +49,25 @@ class LogScale:
     """|Δlogprob| on a log10 scale spanning the decades of the values seen, quantised to FIRST_LEVEL..LAST_LEVEL;
     a zero (a token flip with equal logprobs, a missing output) takes the lowest level."""
 
-    def __init__(self, values: np.ndarray) -> None:
+    def __init__(self, values: np.ndarray, floor: float = 0.0) -> None:
+        """`floor` > 0 (the comparison's atol): the scale starts there, so the colours say how far past the
+        tolerance a cell is; what lies below it (a token flip at a tie) takes the lowest level."""
         pos = values[values > 0]
         lo = math.floor(math.log10(pos.min())) if len(pos) else -6
         hi = math.ceil(math.log10(pos.max())) if len(pos) else 0
-        self.lo, self.hi = lo, max(hi, lo + 1)
+        if floor > 0:
+            lo = math.floor(math.log10(floor))
+        self.lo, self.hi, self.floor = lo, max(hi, lo + 1), floor
 
     def levels(self, values: np.ndarray) -> np.ndarray:
         """The byte code of each value."""
         with np.errstate(divide="ignore"):
             x = np.log10(np.where(values > 0, values, 10.0 ** self.lo))
         frac = (x - self.lo) / (self.hi - self.lo)
-        return np.clip(FIRST_LEVEL + np.rint(frac * (LAST_LEVEL - FIRST_LEVEL)), FIRST_LEVEL,
-                       LAST_LEVEL).astype(np.uint8)
+        out = np.clip(FIRST_LEVEL + np.rint(frac * (LAST_LEVEL - FIRST_LEVEL)), FIRST_LEVEL, LAST_LEVEL)
+        if self.floor > 0:  # the lowest level means "within the tolerance", and nothing else
+            out = np.where(values > self.floor, np.maximum(out, FIRST_LEVEL + 1), FIRST_LEVEL)
+        return out.astype(np.uint8)
 
 
 def b64(a: np.ndarray) -> str:

@@ -128,7 +128,8 @@ def _commands(rep: ReplayReport) -> list[tuple[str, str]]:
 def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
     tol = rep.tolerance
     how = "bitwise" if tol.bitwise else f"atol {tol.atol:g}, rtol {tol.rtol:g}"
-    notes = [f"note: {d}" for d in rep.environment_differences + (rep.host_differences if rep.diverged else [])]
+    notes = [f"note: {d}" for d in rep.environment_differences]
+    notes += [f"provenance (cannot change numerics by itself): {d}" for d in rep.host_differences]
     notes += [f"ignored (--force): {what}" for what in rep.ignored]
     notes += [f"tolerance auto: {rep.tolerance_choice}"] * bool(rep.tolerance_choice)
     notes += [f"suspect: {rep.suspect} (the recording and the replay differ there)"] * bool(rep.suspect)
@@ -140,7 +141,7 @@ def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
                                                       if shown < rep.num_divergences else "") + ".")
     cards, data, batches, per_request = [], None, [], None
     if rep.first_divergence is not None:
-        data = comparison_data(run, rep.divergences, None, tol.tie_margin)
+        data = comparison_data(run, rep.divergences, None, tol)
         per_request = data.pop("per_request")
         first, flip = rep.first_divergence, rep.first_token_flip
         cards.append(_divergence_card("first-divergence", "First divergence", first))
@@ -170,7 +171,7 @@ def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
     d = res.first_divergence
     if d is not None:
         divs, flipped = position_mismatches(res.a, res.b, tol)
-        data = comparison_data(run, divs, flipped, tol.tie_margin)
+        data = comparison_data(run, divs, flipped, tol)
         per_request = data.pop("per_request")
         notes.append(f"suspect: {d.suspect}; the batches {'DIFFER' if d.batches_differ else 'are the same'}")
         first = next((x for x in divs if x.request_id == d.request_id and x.position == d.position), None)
@@ -235,7 +236,7 @@ def _legend(data: dict | None) -> dict:
         return {}
     hm = data["heatmap"]
     return {"lo": hm["lo"], "hi": hm["hi"], "equal": data.get("equal_label", "equal"),
-            "not_compared": hm["not_compared"]}
+            "not_compared": hm["not_compared"], "atol": hm.get("atol", 0.0)}
 
 
 def _bisect_card(path: str | os.PathLike) -> Card:

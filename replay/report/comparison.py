@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay.diff import Divergence
+from replay.diff import Divergence, Tolerance
 from replay.report.bins import (
     EQUAL,
     MAX_COLUMNS,
@@ -50,13 +50,13 @@ def _points(run: RunFacts, divs: list[Divergence], order: dict[str, int]) -> _Po
     return _Points(pos, row, np.nan_to_num(delta, nan=0.0), margin, flip)
 
 
-def comparison_data(run: RunFacts, divs: list[Divergence], flipped: dict[str, int] | None,
-                    tie_margin: float) -> dict:
-    """The heat map, scatter and per-request columns of a comparison. `divs` carry internal ids of `run`'s
+def comparison_data(run: RunFacts, divs: list[Divergence], flipped: dict[str, int] | None, tol: Tolerance) -> dict:
+    """The heat map, scatter and per-request columns of a comparison under `tol` (the verdict's: only its
+    divergences are painted, on a colour scale that starts at its atol). `divs` carry internal ids of `run`'s
     requests; `flipped` (two recorded runs) gives, per request, the step after which it was not compared."""
     order = {rid: i for i, rid in enumerate(run.requests)}
     p = _points(run, divs, order)
-    return {"heatmap": _heatmap(run, p, flipped or {}), "scatter": _scatter(p, tie_margin),
+    return {"heatmap": _heatmap(run, p, flipped or {}, tol.atol), "scatter": _scatter(p, tol.tie_margin),
             "per_request": _per_request(len(order), p, divs, order)}
 
 
@@ -69,7 +69,7 @@ def cell_of(run: RunFacts, step: int, rid: str) -> list[int] | None:
     return [int(bin_of(run.position(step), n_steps, MAX_COLUMNS)), int(bin_of(order.index(rid), n_req, MAX_ROWS))]
 
 
-def _heatmap(run: RunFacts, p: _Points, flipped: dict[str, int]) -> dict:
+def _heatmap(run: RunFacts, p: _Points, flipped: dict[str, int], atol: float = 0.0) -> dict:
     """Cells: NOT_SCHEDULED, EQUAL where the request ran and nothing differs, NOT_COMPARED after a flip between
     two runs, else the quantised largest |Δlogprob| of the cell. Rows: requests in arrival order, one each up to
     MAX_ROWS; columns: steps, one each up to MAX_COLUMNS."""
@@ -88,13 +88,14 @@ def _heatmap(run: RunFacts, p: _Points, flipped: dict[str, int]) -> dict:
                 c = int(bin_of(max(a, cut), n_steps, MAX_COLUMNS))
                 seg = grid[r, c:c1]
                 seg[seg == EQUAL] = NOT_COMPARED
-    scale = LogScale(p.delta)
+    scale = LogScale(p.delta, atol)
     cc, rr = bin_of(p.pos, n_steps, MAX_COLUMNS), bin_of(p.row, n_req, MAX_ROWS)
     np.maximum.at(grid, (rr, cc), scale.levels(p.delta))
     flips = p.flip > 0
     key = np.unique(np.stack([cc[flips], rr[flips], p.flip[flips]], axis=1), axis=0) if flips.any() else np.zeros((0, 3))
     labels = _row_labels([f.name for f in reqs], rows)
-    return {"cols": cols, "rows": rows, "cells": b64(grid), "lo": scale.lo, "hi": scale.hi, "requests": n_req,
+    return {"cols": cols, "rows": rows, "cells": b64(grid), "lo": scale.lo, "hi": scale.hi, "atol": atol,
+            "requests": n_req,
             "row_labels": labels, "markers": key[:MAX_MARKERS].astype(np.int64).tolist(),
             "not_compared": bool((grid == NOT_COMPARED).any()),
             "markers_dropped": max(0, len(key) - MAX_MARKERS)}

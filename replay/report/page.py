@@ -32,8 +32,9 @@ pre.cmd{background:#0f172a;color:#e2e8f0;padding:8px 12px;border-radius:6px;over
 .plotrow .lab{font-size:11.5px;line-height:1.25;color:#475569;padding-right:8px;text-align:right;display:flex;flex-direction:column;justify-content:space-between}
 .plotrow canvas{width:100%;display:block;background:#fff;border:1px solid #e2e8f0}
 #tl-batch,#tl-tokens,#tl-time{height:90px}#tl-marks{height:28px}#tl-axis{height:20px;border:0!important;background:none!important}
-#hm-rows{display:flex;flex-direction:column;font-size:11px;color:#334155;text-align:right;padding-right:8px;overflow:hidden}
-.hm-row{white-space:nowrap;overflow:hidden;text-overflow:ellipsis;line-height:1;display:flex;align-items:center;justify-content:flex-end}
+.plotrow.hm{grid-template-columns:max-content minmax(0,1fr)}
+#hm-rows{display:flex;flex-direction:column;font-size:11px;color:#334155;text-align:right;padding-right:8px;min-width:142px}
+.hm-row{white-space:nowrap;line-height:1;display:flex;align-items:center;justify-content:flex-end}
 .hm-row.tiny{font-size:0}#hm-plot{position:relative;border:1px solid #e2e8f0;background:#fff}
 #heatmap{position:absolute;inset:0;width:100%;height:100%;image-rendering:pixelated}
 #heatmap-overlay{position:absolute;inset:0;width:100%;height:100%}#hm-plot canvas{background:transparent;border:0}#scatter{width:100%;max-width:760px;height:340px;background:#fff;border:1px solid #e2e8f0;display:block}
@@ -128,7 +129,8 @@ def _legend(lg: dict) -> str:
              f"<span><i class=sw style=\"background:#7db9de\"></i>{esc(lg['equal'])}</span>"]
     if lg.get("not_compared"):
         parts.append("<span><i class=sw style=\"background:#cbcbcb\"></i>not compared (after a token flip)</span>")
-    parts += [f"<span>max |Δlogprob| 1e{lg['lo']}<i class=grad></i>1e{lg['hi']} (log)</span>",
+    start = f"≤ atol {lg['atol']:g}" if lg.get("atol") else f"1e{lg['lo']}"
+    parts += [f"<span>max |Δlogprob| {esc(start)}<i class=grad></i>1e{lg['hi']} (log)</span>",
               "<span><i class=ring></i>tie flip</span>", "<span><i class=dia></i>confident flip</span>"]
     return "<div class=legend>" + "".join(parts) + "</div>"
 
@@ -149,7 +151,7 @@ def _comparison(p: Page) -> str:
 <h3>Steps × requests, coloured by the largest |Δlogprob| of the cell</h3>
 <p class=muted>{rows.capitalize()}, {cols}; a cell shows the largest |Δlogprob| of what it holds. Hover a cell for
 its numbers.</p>
-<div class=plotrow><div id=hm-rows></div><div id=hm-plot><canvas id=heatmap></canvas><canvas id=heatmap-overlay></canvas></div></div>
+<div class="plotrow hm"><div id=hm-rows></div><div id=hm-plot><canvas id=heatmap></canvas><canvas id=heatmap-overlay></canvas></div></div>
 {_legend(p.legend)}
 <div class=cards>{''.join(_card(c) for c in p.cards)}</div>
 <h3>|Δlogprob| against the top1–top2 margin</h3>

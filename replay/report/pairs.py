@@ -13,7 +13,7 @@ import os
 
 from replay.diff import Divergence, Tolerance, classify
 from replay.diff.captures import read_aligned
-from replay.diff.rules import logprob_diff, margin, rows_equal
+from replay.diff.rules import compare_rows, margin
 
 
 def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
@@ -37,7 +37,8 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
             _, tb, rb = ob[pos]
             lp_diff, equal = 0.0, (ra is None) == (rb is None)
             if ra is not None and rb is not None:
-                lp_diff, equal = logprob_diff(ra, rb)[0], rows_equal(ra, rb, tol)
+                cmp = compare_rows(ra, rb, tol)
+                lp_diff, equal = cmp.max_abs, cmp.equal
             m = margin(ra)
             if ta != tb:
                 out.append(Divergence(sa, name, pos, "token", ta, tb, ra.rank if ra else None,

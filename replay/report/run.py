@@ -220,7 +220,7 @@ class _Scan:
         ended = StepSummarizer()  # its finish_reason: the rule for a request whose finish no step reported
         for rid in order:
             a, h = self.added.get(rid), handle.get(rid)
-            f = reqs[rid] = RequestFacts(rid, (a.request.external_req_id if a else None) or rid)
+            f = reqs[rid] = RequestFacts(rid, a.request.name if a else rid)
             if a is not None:
                 f.arrival = a.step
                 if a.request.prompt_token_ids is not None:

@@ -190,6 +190,9 @@ function heatmap() {
     var d = el("div", "hm-row" + (rh < 9 ? " tiny" : ""), name); d.style.height = rh + "px"; d.title = name;
     d.setAttribute("data-row", r); rows.appendChild(d);
   });
+  // how many readable labels do not fit (the label column grows to the longest: none should)
+  rows.setAttribute("data-clipped", Array.prototype.filter.call(rows.children, function (d) {
+    return !/tiny/.test(d.className) && d.scrollWidth > d.clientWidth + 1; }).length);
   var g = setup(ov), o = g.ctx, cw = g.w / H.cols, ch = g.h / H.rows, r0 = Math.max(2, Math.min(5, Math.min(cw, ch) * 0.4));
   var at = {};
   H.markers.forEach(function (m) { at[m[0] * H.rows + m[1]] = Math.max(at[m[0] * H.rows + m[1]] || 0, m[2]); ring(o, (m[0] + 0.5) * cw, (m[1] + 0.5) * ch, r0, m[2]); });
@@ -203,7 +206,8 @@ function heatmap() {
   hover(ov, function (fx, fy) {
     var c = Math.min(H.cols - 1, Math.floor(fx * H.cols)), r = Math.min(H.rows - 1, Math.floor(fy * H.rows)), v = cells[r * H.cols + c];
     var out = [stepRange(c), H.row_labels[r]];
-    out.push(v < 3 ? names[v] : "max |\u0394logprob| \u2248 " + fmt(Math.pow(10, H.lo + (v - 3) / 251 * (H.hi - H.lo))));
+    out.push(v < 3 ? names[v] : v === 3 && H.atol ? "max |\u0394logprob| \u2264 atol " + fmt(H.atol)
+             : "max |\u0394logprob| \u2248 " + fmt(Math.pow(10, H.lo + (v - 3) / 251 * (H.hi - H.lo))));
     if (at[c * H.rows + r]) out.push(flipName[at[c * H.rows + r]]);
     return out;
   });

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -11,6 +13,7 @@ import pytest
 
 from replay.capture import CaptureReader, CaptureWriter, Step
 from replay.capture import format as fmt
+from replay.capture.filemode import MODE_ENV
 from replay.contracts import SchedulerOutput
 from replay.errors import CaptureError, UsageError
 from replay.provenance import make_header
@@ -142,3 +145,25 @@ def test_a_prompt_that_is_not_all_ints_is_refused_at_its_arrival(tmp_path, monke
     with CaptureReader(path) as r:
         assert [x.request.request_id for x in r.records() if isinstance(x, fmt.RequestAdded)] == [ev.request.request_id]
         assert not r.damage
+
+
+def test_a_new_capture_is_private_to_its_owner_unless_a_mode_is_chosen(tmp_path, monkeypatch):
+    """A server's capture holds every user's prompt: created 0600 (as core dumps are) whatever the umask or a file
+    that was there before; REPLAY_CAPTURE_MODE chooses another mode, and a mode the owner cannot write is refused."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "private.capture"
+        path.with_name(path.name + ".partial").write_bytes(b"")
+        os.chmod(path.with_name(path.name + ".partial"), 0o666)
+        with CaptureWriter(path, make_header("test")):
+            pass
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        monkeypatch.setenv(MODE_ENV, "0640")
+        with CaptureWriter(tmp_path / "shared.capture", make_header("test")):
+            pass
+        assert stat.S_IMODE((tmp_path / "shared.capture").stat().st_mode) == 0o640
+        monkeypatch.setenv(MODE_ENV, "0444")
+        with pytest.raises(UsageError, match="REPLAY_CAPTURE_MODE"):
+            CaptureWriter(tmp_path / "bad.capture", make_header("test"))
+    finally:
+        os.umask(old)

@@ -116,8 +116,8 @@ def test_an_engine_killed_without_closing_leaves_a_sealed_capture_of_every_recor
     with CaptureReader(path) as r:
         steps = [x.index for x in r.records() if isinstance(x, Step)]
         assert r.complete and not r.damage
-        assert r.index.status == ("engine stopped: the engine went away after step 39 without closing the capture; "
-                                  "every record it sent is here")
+        assert r.index.status == ("engine stopped: with the engine after step 39 (its process exited, or was stopped "
+                                  "with SIGINT/SIGTERM); complete: every record it sent is here")
     assert steps == list(range(written)) and written == 40
     assert not path.with_name(path.name + ".partial").exists()
 

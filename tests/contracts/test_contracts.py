@@ -7,6 +7,7 @@ import torch
 from replay.contracts import (
     Array,
     CachedRequestData,
+    EngineCoreRequest,
     FinishReason,
     KVConnectorOutput,
     ModelRunnerOutput,
@@ -79,3 +80,17 @@ def test_array_validate_rejects_inconsistent_sizes():
 def test_opaque_summarises_without_serialising():
     o = Opaque.of(torch.zeros(2, 3))
     assert o.type == "torch.Tensor" and o.size == 6 and "tensor" in o.summary
+
+
+def test_the_children_of_an_n_request_are_named_apart_and_others_by_the_users_id():
+    """vLLM names the child i of an n > 1 request `{i}_{parent's internal id}` and gives every child its parent's
+    user id; reports must still tell the children apart."""
+    def req(internal: str, external: str | None) -> EngineCoreRequest:
+        return EngineCoreRequest(internal, [1, 2], None, SamplingParams(), None, 0.0, None, None, None,
+                                 external_req_id=external)
+
+    assert req("1_cmpl-ab12-0-1f2e3d4c", "cmpl-ab12-0").name == "cmpl-ab12-0#1"
+    assert req("0_0-bf63b3db", "0").name == "0#0"  # LLM.generate's ids
+    assert req("cmpl-ab12-0-1f2e3d4c", "cmpl-ab12-0").name == "cmpl-ab12-0"
+    assert req("3_other-1f2e3d4c", "cmpl-ab12-0").name == "cmpl-ab12-0"  # not a child of that id
+    assert req("req-7", None).name == "req-7"

@@ -40,6 +40,7 @@ def test_every_plot_is_drawn_without_an_error(which, plots, request, tmp_path_fa
     if data["comparison"]:
         hm = data["comparison"]["heatmap"]
         assert [r["title"] for r in dom.with_class("hm-row")] == hm["row_labels"] and len(hm["row_labels"]) == hm["rows"]
+        assert dom.by_id("hm-rows")["data-clipped"] == "0"  # every readable row label is whole
 
 
 def test_one_heat_map_row_per_request(bf16, recorded, tmp_path_factory):

@@ -69,24 +69,32 @@ def _name(value: Any) -> str:
     return str(getattr(value, "name", value))
 
 
-def worker_attention_backends(worker: Any) -> list[str]:
-    """On one worker (through `collective_rpc`): the attention backends its model runner selected, by vLLM's names."""
+def worker_facts(worker: Any) -> dict:
+    """On one worker (through `collective_rpc`): the attention backends its model runner selected, by vLLM's names,
+    and the threads and math-library settings it computes with (the worker, not the scheduler's process, runs the
+    kernels: with the multiprocess executor they are different processes)."""
+    import torch
+
+    from replay.provenance.environment import library_settings
+
     runner = getattr(worker, "worker", worker).model_runner  # a WorkerWrapperBase or the worker itself
-    return sorted({g.backend.get_name() for groups in getattr(runner, "attn_groups", []) for g in groups})
+    return {"attention_backends": sorted({g.backend.get_name() for groups in getattr(runner, "attn_groups", [])
+                                          for g in groups}),
+            "num_threads": torch.get_num_threads(), "libraries": library_settings()}
 
 
-def attention_backends(executor: Any) -> str:
-    """The attention backend(s) an engine's workers actually run ("CPU_ATTN", "FLASH_ATTN"...), asked of every
-    worker; "" when the executor cannot say (then the header simply does not record it)."""
+def ask_workers(executor: Any) -> list[dict]:
+    """`worker_facts` of every worker of `executor`, in rank order; [] when there is no executor or it cannot say
+    (then the header records what the scheduler's process knows)."""
     if executor is None:
-        return ""
+        return []
     try:
-        per_rank = executor.collective_rpc(worker_attention_backends, timeout=60)
+        per_rank = executor.collective_rpc(worker_facts, timeout=60)
     except Exception:  # noqa: BLE001 - provenance: an executor that cannot answer records nothing, and vLLM runs on
-        return ""
-    if not isinstance(per_rank, list) or not all(isinstance(x, list) for x in per_rank):
-        return ""
-    return ",".join(sorted({name for names in per_rank for name in names}))
+        return []
+    if not isinstance(per_rank, list) or not all(isinstance(x, dict) for x in per_rank):
+        return []
+    return per_rank
 
 
 # SpeculativeConfig fields a user sets (vLLM's names) that decide which drafts are proposed and how they are
@@ -115,7 +123,7 @@ def speculative_args(spec: Any) -> str:
 
 def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
     """The parallel layout, compilation and kernel-relevant settings of a vllm_config, by vLLM's names, and the
-    attention backend the workers selected (`attention_backends`)."""
+    attention backend the workers selected (`ask_workers`)."""
     pc, mc, cc = vc.parallel_config, vc.model_config, vc.cache_config
     comp = getattr(vc, "compilation_config", None)
     spec = getattr(vc, "speculative_config", None)
@@ -140,11 +148,15 @@ def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
     return {k: _name(v) for k, v in out.items() if v != ""}
 
 
-def vllm_header(sched: Any, attention_backend: str = "") -> Header:
+def vllm_header(sched: Any, executor: Any = None) -> Header:
     """Everything replay needs to rebuild an equivalent engine, from a vLLM Scheduler's vllm_config: what the tap
     records, and what vLLM-runner replay describes itself with (so both are compared field for field).
-    `attention_backend`: what the workers selected (`attention_backends(executor)`), where the caller can ask."""
+    `executor`: the engine's, where the caller has it: its workers say which attention backend they selected and
+    with how many threads and which library settings they compute (rank 0's), in place of this process's."""
     import vllm
+
+    workers = ask_workers(executor)
+    attention_backend = ",".join(sorted({name for w in workers for name in w["attention_backends"]}))
 
     vc = sched.vllm_config
     mc, cc, sc = vc.model_config, vc.cache_config, vc.scheduler_config
@@ -175,6 +187,8 @@ def vllm_header(sched: Any, attention_backend: str = "") -> Header:
         extra["vllm_unmirrored_fields"] = unmirrored_fields(seen)
     except Exception as e:  # noqa: BLE001 - a vLLM that moved these classes still records; say what failed
         extra["vllm_fields_error"] = f"{type(e).__name__}: {e}"[:200]
-    return make_header("vllm", engine_version=vllm.__version__, model=model, engine_config=ec,
-                       environment=current_environment(device=str(getattr(vc.device_config, "device", "cpu"))),
+    env = current_environment(device=str(getattr(vc.device_config, "device", "cpu")))
+    if workers:
+        env.num_threads, env.libraries = workers[0]["num_threads"], workers[0]["libraries"]
+    return make_header("vllm", engine_version=vllm.__version__, model=model, engine_config=ec, environment=env,
                        extra=extra)

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+from replay.capture import filemode
 from replay.errors import VERBOSE_ENV
 
 # vLLM warnings that mean the engine runs other kernels or another runner than the user may think
@@ -45,7 +46,7 @@ class VllmLog:
         sys.stderr.flush()
         self._saved = (os.dup(1), os.dup(2))
         self.console = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
-        with open(self.path, "ab") as f:
+        with filemode.create(self.path, append=True) as f:
             self._offset = f.tell()
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
@@ -117,7 +118,7 @@ def _writable(path: Path) -> Path:
     """`path` if a log can be written there, else the same name in the temporary directory."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab"):
+        with filemode.create(path, append=True):
             pass
         return path
     except OSError:

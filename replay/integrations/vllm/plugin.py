@@ -184,7 +184,7 @@ class _Tap:
     def __init__(self, scheduler, path: str, level: int | None = None):
         from replay.capture.writer_process import ProcessCaptureWriter
         from replay.integrations.vllm.convert import ENCODER, output_image
-        from replay.integrations.vllm.header import attention_backends, vllm_header
+        from replay.integrations.vllm.header import vllm_header
 
         self.encode = ENCODER.encode  # imported here: the plugin costs nothing in a vLLM process that does not record
         self.encode_output = output_image  # the image, or its parts with the logprob matrices apart
@@ -203,7 +203,7 @@ class _Tap:
         level = level or _int_env(LEVEL_ENV, DEFAULT_LEVEL)
         known = _executors.pop(id(scheduler.vllm_config), None)
         executor = getattr(scheduler, "_replay_executor", None) or known
-        header = vllm_header(scheduler, attention_backends(executor))
+        header = vllm_header(scheduler, executor)
         self.writer = ProcessCaptureWriter(path, header, overwrite=True, nice=19, level=level,
                                            images=True)
         self._closed = False

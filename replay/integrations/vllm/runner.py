@@ -23,7 +23,7 @@ from replay.integrations.vllm.convert import (
     to_vllm_lora_request,
     to_vllm_sampling_params,
 )
-from replay.integrations.vllm.header import attention_backends, vllm_header
+from replay.integrations.vllm.header import vllm_header
 from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
 from replay.provenance import set_mkl_dynamic, set_torch_threads
@@ -116,7 +116,7 @@ class VllmRunner:
 
     def describe(self) -> Header:
         """What this replay runs with, as the tap describes a recording (compared with it field for field)."""
-        return vllm_header(self._scheduler, attention_backends(self.executor))
+        return vllm_header(self._scheduler, self.executor)
 
     def margins(self) -> dict[str, float]:
         """vLLM's runner keeps no logits after sampling: margins are known only from recorded top-k logprobs."""

@@ -1,0 +1,94 @@
+"""The one meaning of "equal within tolerance" (`replay.diff.rules.compare_rows`): under a tolerance two rows are
+equal when every logprob both hold is within it, so a rank or top-k order that moved among values within the
+tolerance is a near-tie, counted and never a divergence; bitwise, any moved rank or order is a difference, named as
+such. These are the cases a real vocabulary (151,936 ids) produces: a seeded draw at rank 100,123 whose neighbour
+sits within 1e-6 of it, and a tie in the logits that a kernel orders another way."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replay.cli.render_replay import render_divergence
+from replay.contracts import Array, LogprobsLists, ModelRunnerOutput
+from replay.diff import Tolerance, compare_step
+from replay.diff.rules import Row, compare_rows
+
+TOL = Tolerance(atol=1e-4)
+
+
+def _row(ids: list[int], values: list[float], rank: int) -> Row:
+    return Row(np.array(ids, np.int32), np.array(values, np.float32), rank)
+
+
+def test_a_rank_that_moves_among_equal_logprobs_is_a_near_tie_under_a_tolerance_and_a_difference_bitwise():
+    a = _row([9, 1, 2, 3], [-12.0, -0.5, -1.0, -2.0], 100_123)
+    b = _row([9, 1, 2, 3], [-12.000001, -0.5, -1.0, -2.0], 100_122)
+    tolerant = compare_rows(a, b, TOL)
+    assert tolerant.equal and tolerant.near_tie and tolerant.rank_changed and not tolerant.topk_changed
+    assert 0 < tolerant.max_abs < 1e-5
+    bitwise = compare_rows(a, b, Tolerance())
+    assert not bitwise.equal and not bitwise.near_tie
+
+
+def test_a_top_k_reordered_within_the_tolerance_is_a_near_tie_and_beyond_it_a_divergence():
+    a = _row([1, 1, 2, 3], [-0.5, -0.5, -1.0, -1.00001], 1)
+    b = _row([1, 1, 3, 2], [-0.5, -0.5, -1.000005, -1.000008], 1)  # 2 and 3 swapped, every value within 1e-4
+    assert compare_rows(a, b, TOL).near_tie
+    far = _row([1, 1, 3, 2], [-0.5, -0.5, -0.9, -1.0], 1)  # 3 moved by 0.1 to overtake 2
+    r = compare_rows(a, far, TOL)
+    assert not r.equal and r.topk_changed and abs(r.max_abs - 0.10001) < 1e-6
+
+
+def test_a_token_only_one_side_lists_is_compared_through_the_other_sides_cut_off():
+    a = _row([1, 1, 2, 7], [-0.5, -0.5, -1.0, -3.0], 1)
+    near = _row([1, 1, 2, 8], [-0.5, -0.5, -1.0, -3.00002], 1)  # 7 and 8 tie at the cut-off
+    assert compare_rows(a, near, TOL).near_tie
+    far = _row([1, 1, 2, 8], [-0.5, -0.5, -1.0, -2.0], 1)  # the third best moved by a whole nat
+    r = compare_rows(a, far, TOL)
+    assert not r.equal and r.max_abs == 1.0
+
+
+def test_the_sampled_logprob_beyond_the_tolerance_is_a_divergence_and_nan_or_equal_infinities_are_not():
+    a = _row([4, 1, 2], [-2.0, -0.5, -1.0], 3)
+    assert not compare_rows(a, _row([4, 1, 2], [-2.001, -0.5, -1.0], 3), TOL).equal
+    special = _row([4, 1, 2], [float("-inf"), float("nan"), -1.0], 3)
+    for tol in (TOL, Tolerance()):
+        r = compare_rows(special, _row([4, 1, 2], [float("-inf"), float("nan"), -1.0], 3), tol)
+        assert r.equal and r.max_abs == 0.0
+    assert not compare_rows(special, _row([4, 1, 2], [-50.0, float("nan"), -1.0], 3), TOL).equal
+
+
+def _out(rank: int, sampled: float) -> ModelRunnerOutput:
+    lp = LogprobsLists(Array.from_numpy(np.array([[5, 1, 2]], np.int32)),
+                       Array.from_numpy(np.array([[sampled, -0.1, -2.0]], np.float32)),
+                       Array.from_numpy(np.array([rank], np.int64)), [0, 1])
+    return ModelRunnerOutput(["r"], {"r": 0}, [[5]], lp)
+
+
+def test_a_step_whose_only_change_is_a_rank_matches_within_atol_and_is_named_bitwise():
+    expected, actual = _out(649, -7.0), _out(648, -7.0)
+    summary, divs = compare_step(17, expected, actual, {"r": "cmpl-1"}, {}, TOL)
+    assert divs == [] and summary.near_ties == 1 and summary.logprob_mismatches == 0
+    summary, divs = compare_step(17, expected, actual, {"r": "cmpl-1"}, {}, Tolerance())
+    (d,) = divs
+    assert d.kind == "logprobs" and summary.near_ties == 0
+    (line,) = render_divergence(d)
+    assert line.endswith("same token 5, rank 649 -> 648, logprobs equal"), line
+
+
+def test_no_divergence_line_prints_numbers_within_the_tolerance_it_was_judged_by():
+    rng = np.random.default_rng(40)
+    print("seed 40")
+    for _ in range(300):
+        k = 4
+        ids = rng.choice(151_936, size=k, replace=False).astype(np.int32)
+        vals = np.sort(rng.normal(-5, 2, size=k).astype(np.float32))[::-1]
+        a = Row(np.concatenate([ids[:1], ids]), np.concatenate([vals[:1], vals]), int(rng.integers(1, 5)))
+        noise = rng.choice([0.0, 2e-5, 5e-5, 2e-4, 1e-2], size=k + 1).astype(np.float32)
+        bvals = a.values + noise * rng.choice([-1, 1], size=k + 1)
+        order = np.argsort(-bvals[1:], kind="stable")
+        b = Row(np.concatenate([ids[:1], ids[order]]), np.concatenate([bvals[:1], bvals[1:][order]]),
+                a.rank + int(rng.integers(-1, 2)))
+        r = compare_rows(a, b, TOL)
+        # equal exactly when the number a verdict prints (max |Δlogprob|) is within the tolerance it states
+        assert r.equal == (r.max_abs <= TOL.atol), (r, a, b)
