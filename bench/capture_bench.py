@@ -19,7 +19,7 @@ generated before anything is timed; generation is never timed):
   writer stage MB/s   the compression + I/O stage alone, on each format's own serialized bytes: zstd-3 of our
                       chunk bodies vs gzip-6 of the pickles (the 10x target is judged here)
   steps/s end to end  the same events written from open to close, encoding included
-  Python passes       ours with the stored form made by the Python passes (`replay.capture.fastwire.PYTHON`, what a
+  Python passes       ours with the stored form made by the Python passes (`replay.capture.codec.fastwire.PYTHON`, what a
                       machine without a C compiler runs) instead of the compiled ones (`replay.capture._wire`)
   stored form given   ours (workloads without logprobs), each step's stored form (`stored_step`'s result, as the
                       writer makes it) made before the timing and handed to the writer: what the rest of the path
@@ -40,7 +40,7 @@ generated before anything is timed; generation is never timed):
 Timings are the median of 3 repetitions (ours and the baseline interleaved; ours' scans the median of 3 x 7,
 with and without read-ahead alternating) because the reference machine is a
 noisy, shared 2-core box. Sizes depend on load only through the chunks the writer compressed at its catch-up level
-(`replay.capture.emitter`: the recording loop outrunning compression, which this flat-out loop can); each
+(`replay.capture.writing.emitter`: the recording loop outrunning compression, which this flat-out loop can); each
 workload also reports its size written at level 3 throughout (`catch_up_level=None`, not timed). Pre-generated objects are moved out of the garbage
 collector's reach with gc.freeze() so that collections scanning them do not pollute the timings. Single process,
 no torch.
@@ -72,11 +72,11 @@ import numpy as np
 import zstandard
 
 from replay.capture import CaptureReader, CaptureWriter, EngineConfig
-from replay.capture import format as fmt
-from replay.capture.fastwire import COMPILED
-from replay.capture.ids import IdTable
-from replay.capture.prompts import ArrivedPrompts
-from replay.capture.stepcodec import stored_step
+from replay.capture.format import records as fmt
+from replay.capture.codec.fastwire import COMPILED
+from replay.capture.format.ids import IdTable
+from replay.capture.codec.prompts import ArrivedPrompts
+from replay.capture.codec.stepcodec import stored_step
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, record_synth, synth_events
 
@@ -173,14 +173,14 @@ def write_ours_given(path: Path, header, events: list, forms: dict) -> dict:
             prompts.forget(r.req_id)
         return wire, generated
 
-    with mock.patch("replay.capture.writer.stored_step", given):
+    with mock.patch("replay.capture.writing.writer.stored_step", given):
         return write_ours(path, header, events)
 
 
 def write_ours_python(path: Path, header, events: list) -> dict:
-    """`write_ours` with the stored form made by the Python passes (`replay.capture.fastwire.PYTHON`, what a machine
+    """`write_ours` with the stored form made by the Python passes (`replay.capture.codec.fastwire.PYTHON`, what a machine
     without a C compiler runs): what the compiled passes take off the end-to-end figure."""
-    with mock.patch("replay.capture.stepcodec.COMPILED", None):
+    with mock.patch("replay.capture.codec.stepcodec.COMPILED", None):
         return write_ours(path, header, events)
 
 

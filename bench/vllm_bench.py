@@ -199,10 +199,10 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     recording sees it; its close (last chunk, index, fsync) is reported apart, as open/close is for wall time.
     Beside them, the engine thread's sends alone (the same images sent again, through the shared-memory ring and
     through the pipe), which tell what the transport costs the engine thread. Min, median and max over `repeats`."""
-    from replay.capture.image_frames import ImageFrames
-    from replay.capture.wire import output_frame, scheduled_frame
-    from replay.capture.writer import CaptureWriter
-    from replay.capture.writer_process import ProcessCaptureWriter
+    from replay.capture.writing.image_frames import ImageFrames
+    from replay.capture.writing.wire import output_frame, scheduled_frame
+    from replay.capture.writing.writer import CaptureWriter
+    from replay.capture.writing.writer_process import ProcessCaptureWriter
     from replay.integrations.vllm.convert import ENCODER, output_image
     from replay.provenance import make_header
 

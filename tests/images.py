@@ -26,7 +26,7 @@ def as_map(x):
 def as_parts(mro):
     """A contract ModelRunnerOutput as the vLLM tap sends one with plain logprob matrices: `OutputParts` (its
     image without the sampled tokens and the matrices, which go apart); its whole image when it has none."""
-    from replay.capture.step_image import OutputParts
+    from replay.capture.codec.step_image import OutputParts
 
     enc = msgspec.msgpack.Encoder()
     lp = mro.logprobs

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from replay.capture.format import StepTiming
+from replay.capture.format.records import StepTiming
 from replay.contracts import (
     Array,
     CachedRequestData,

@@ -101,6 +101,41 @@ def _violations() -> list[str]:
     return bad
 
 
+# The capture package's rooms, bottom up: the format, a step's stored form both ways, then writing and reading
+# (reading may use the writer: `recover` writes a new capture).
+CAPTURE_ROOMS = {"format": 0, "codec": 1, "writing": 2, "reading": 2}
+CAPTURE_SIDEWAYS = {("reading", "writing")}
+
+
+def _capture_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["replay", "capture"] else None
+
+
+def test_the_capture_rooms_import_down_and_nobody_imports_a_compiled_module_directly():
+    known = {m for m, _ in _modules()}
+    bad = []
+    for module, path in _modules():
+        here = _capture_room(module)
+        for target in _imports(module, path):
+            if module.startswith("replay.capture") and any(
+                    part.startswith("_") and not part.startswith("__") for part in target.split(".")):
+                bad.append(f"{module} imports {target}: a private name or module (compiled modules load through "
+                           "fastwire.load_compiled)")
+            while target not in known and "." in target:
+                target = target.rpartition(".")[0]
+            there = _capture_room(target)
+            if here is None or there is None or here == there:
+                continue
+            if here not in CAPTURE_ROOMS or there not in CAPTURE_ROOMS:
+                bad.append(f"{module} or {target} is in no room of replay/capture")
+            elif CAPTURE_ROOMS[there] > CAPTURE_ROOMS[here] or (
+                    CAPTURE_ROOMS[there] == CAPTURE_ROOMS[here] and (here, there) not in CAPTURE_SIDEWAYS):
+                bad.append(f"{module} ({here}) imports {target} ({there})")
+    loose = sorted(p.name for p in (PACKAGE / "capture").glob("*.py") if p.name != "__init__.py")
+    assert bad == [] and loose == []
+
+
 def test_every_module_has_a_layer():
     for module, _ in _modules():
         _room(module)  # raises KeyError for a module outside every room

@@ -1,7 +1,7 @@
 """The capture file: format (records, limits, version), writer, reader, damage, recovery, step ranges."""
 
-from replay.capture.damage import Damage
-from replay.capture.format import (
+from replay.capture.reading.damage import Damage
+from replay.capture.format.records import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     ChunkInfo,
@@ -18,10 +18,10 @@ from replay.capture.format import (
     Step,
     StepTiming,
 )
-from replay.capture.reader import CaptureReader, ChunkRef
-from replay.capture.sets import capture_paths
-from replay.capture.step_range import StepRange
-from replay.capture.writer import CaptureWriter
+from replay.capture.reading.reader import CaptureReader, ChunkRef
+from replay.capture.reading.sets import capture_paths
+from replay.capture.reading.step_range import StepRange
+from replay.capture.writing.writer import CaptureWriter
 
 __all__ = [
     "FORMAT_MAJOR", "FORMAT_MINOR", "ChunkInfo", "Crash", "EngineConfig", "Environment", "Footer", "Header", "Index",

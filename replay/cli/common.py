@@ -9,8 +9,9 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 import typer
+from typer.core import TyperGroup
 
-from replay.capture.step_range import StepRange
+from replay.capture.reading.step_range import StepRange
 from replay.errors import (
     EXIT_DAMAGED,
     EXIT_OK,
@@ -25,9 +26,25 @@ if TYPE_CHECKING:
     from replay.replayer import ReplayOptions
     from replay.replayer.fanout import FanOut
 
+# `replay --help` lists the commands in the order of a user's day, then the rest as they were registered
+DAY = ("record", "run", "diff", "info", "show", "report", "bisect", "stress", "check")
+
+
+class _DayOrder(TyperGroup):
+    """The command group, listing its commands in DAY's order."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        """Command names, DAY's first."""
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: (DAY.index(n) if n in DAY else len(DAY), names.index(n)))
+
+
 app = typer.Typer(
     name="replay",
+    cls=_DayOrder,
     help="Record-and-replay debugger for LLM inference engines that speak vLLM's v1 data contracts.",
+    epilog="Start with `replay demo`. Recipes (record a vLLM server and replay it, read a verdict, diff, bisect, "
+           "check in CI): README.md; every command in detail: docs/guide.md.",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

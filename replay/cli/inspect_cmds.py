@@ -63,7 +63,7 @@ def recover(
     """Rewrite a damaged or unfinished capture with every readable record and a seek index.
 
     Exit 0: nothing was lost; 3: written, but data was lost; 1: nothing recoverable."""
-    from replay.capture.recover import recover as do_recover
+    from replay.capture.reading.recover import recover as do_recover
     from replay.cli.render_capture import render_recover
 
     res = do_recover(capture, output, force=force)

@@ -10,7 +10,7 @@ from replay.contracts import accepted_drafts
 
 if TYPE_CHECKING:
     from replay.capture import Crash, Damage, Step
-    from replay.capture.recover import RecoverResult
+    from replay.capture.reading.recover import RecoverResult
     from replay.inspect import CaptureInfo, ShownSteps
     from replay.record import RecordResult
 

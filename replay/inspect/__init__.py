@@ -1,6 +1,6 @@
 """Inspecting a capture: `info` (what it holds, how big, what is damaged), `show` (steps as a human reads them),
 `export` (every record as JSON lines, or a timeline for Perfetto and chrome://tracing). `replay recover` lives with
-the file format, in `replay.capture.recover`."""
+the file format, in `replay.capture.reading.recover`."""
 
 from replay.inspect.export import export_records
 from replay.inspect.info import CaptureInfo, capture_info

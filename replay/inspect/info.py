@@ -7,7 +7,7 @@ import os
 import msgspec
 
 from replay.capture import CaptureReader, Damage, Header, RequestAdded, Step
-from replay.capture.format import Footer
+from replay.capture.format.records import Footer
 from replay.contracts import DraftCounts, draft_counts
 
 

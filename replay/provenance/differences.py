@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from replay.capture.format import Header
+from replay.capture.format.records import Header
 from replay.provenance.hardware import LABELS
 
 # (section, field, label, what it affects), in the order reports list them. "scheduling" knobs change which steps

@@ -9,7 +9,7 @@ import re
 import socket
 import sys
 
-from replay.capture.format import Environment
+from replay.capture.format.records import Environment
 from replay.provenance.hardware import current_hardware
 
 # Environment variables that change kernels, threading or determinism; recorded so replay can name a difference.

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from replay import __version__
-from replay.capture.format import (
+from replay.capture.format.records import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     EngineConfig,

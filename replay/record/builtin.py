@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from replay.capture.writer_process import ProcessCaptureWriter
+from replay.capture.writing.writer_process import ProcessCaptureWriter
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
 from replay.record.result import ProgressBar, RecordResult

@@ -13,7 +13,7 @@ import time
 from typing import Protocol
 
 from replay.capture import CaptureWriter, Crash, StepTiming
-from replay.capture.writer_process import ProcessCaptureWriter
+from replay.capture.writing.writer_process import ProcessCaptureWriter
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import msgspec
 
 from replay.capture import CaptureReader
-from replay.capture.format import PROLOGUE_MAGIC
+from replay.capture.format.records import PROLOGUE_MAGIC
 from replay.diff import Tolerance
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, UsageError
 from replay.replayer.check import check_capture

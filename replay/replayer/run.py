@@ -13,7 +13,7 @@ from typing import Callable
 import msgspec
 
 from replay.capture import CaptureReader, Header, Step, StepRange
-from replay.capture import format as fmt
+from replay.capture.format import records as fmt
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
 from replay.diff import (
     BatchComposition,

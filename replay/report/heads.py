@@ -10,10 +10,10 @@ from typing import Callable
 
 import msgspec
 
-from replay.capture import format as fmt
-from replay.capture.columns import ColumnSource
-from replay.capture.step_image import is_nil, restore_output
-from replay.capture.stepcodec import batch_order, map_request_ids
+from replay.capture.format import records as fmt
+from replay.capture.codec.columns import ColumnSource
+from replay.capture.codec.step_image import is_nil, restore_output
+from replay.capture.codec.stepcodec import batch_order, map_request_ids
 from replay.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from replay.contracts.image_decoder import ImageDecoder
 

@@ -20,9 +20,9 @@ import msgspec
 import numpy as np
 
 from replay.capture import CaptureReader, Damage, Header
-from replay.capture import format as fmt
-from replay.capture.columns import ColumnSource
-from replay.capture.peek import is_unknown_tag
+from replay.capture.format import records as fmt
+from replay.capture.codec.columns import ColumnSource
+from replay.capture.format.peek import is_unknown_tag
 from replay.contracts import SamplingParams
 from replay.contracts.image_decoder import ImageDecoder
 from replay.inspect.step_summary import StepSummarizer, prefill_tokens

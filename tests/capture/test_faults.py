@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from replay.capture import CaptureReader, Step
-from replay.capture.recover import recover
+from replay.capture.reading.recover import recover
 from replay.errors import CaptureError
 from replay.inspect import capture_info
 from replay.replayer import replay_capture
@@ -37,7 +37,7 @@ def _writers(out: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "replay.capture.writer_process" in cmd and str(out) in cmd:
+        if "replay.capture.writing.writer_process" in cmd and str(out) in cmd:
             pids.append(int(proc.name))
     return pids
 

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay.capture import CaptureReader, StepRange
-from replay.capture import format as fmt
-from replay.capture.recover import recover
+from replay.capture.format import records as fmt
+from replay.capture.reading.recover import recover
 from replay.errors import ReplayError
 from replay.inspect import capture_info, export_records, show_steps
 from replay.record.synth import SynthShape, record_synth

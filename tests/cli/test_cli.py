@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from replay.capture import format as fmt
+from replay.capture.format import records as fmt
 from replay.cli import app, main
 
 runner = CliRunner()
@@ -158,3 +158,13 @@ def test_read_commands_do_not_import_torch(small_capture):
             "print('torch' in sys.modules); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code, str(small_capture)], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("False")
+
+
+def test_help_lists_the_commands_in_the_order_of_a_users_day_and_points_at_the_recipes(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    block = out.split("Commands:", 1)[1].split("\n\n", 1)[0]  # up to the epilog
+    listed = [line.split()[0] for line in block.splitlines() if line.startswith("  ") and line.split()]
+    assert listed[:9] == ["record", "run", "diff", "info", "show", "report", "bisect", "stress", "check"], listed
+    assert set(listed[9:]) == {"recover", "export", "synth", "demo"}
+    assert "README.md" in out and "docs/guide.md" in out

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from replay.capture import CaptureReader
-from replay.capture.format import EngineConfig, Environment, ModelIdentity
+from replay.capture.format.records import EngineConfig, Environment, ModelIdentity
 from replay.provenance import hardware_differences, header_differences, make_header, set_torch_threads
 from replay.replayer import build_runner
 

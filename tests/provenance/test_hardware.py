@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from replay.capture.format import Environment, ModelIdentity
+from replay.capture.format.records import Environment, ModelIdentity
 from replay.provenance import (
     current_hardware,
     hardware_differences,

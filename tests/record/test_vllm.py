@@ -36,7 +36,7 @@ def _ids(seed: int, n: int) -> list[int]:
 
 FILLS_UP = """
 import sys
-from replay.capture.writer_process import ProcessCaptureWriter
+from replay.capture.writing.writer_process import ProcessCaptureWriter
 from replay.errors import CaptureError
 
 send = ProcessCaptureWriter.output_image

@@ -43,7 +43,7 @@ def _expected(path):
 @pytest.fixture
 def format_1_3():
     """A format 1.3 capture (steps as `PackedStep`): the report's step heads read the older form too."""
-    from tests.capture.test_reader import FORMAT_1_3
+    from tests.capture.reading.test_reader import FORMAT_1_3
 
     return FORMAT_1_3
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from replay.capture.step_image import OutputParts
+from replay.capture.codec.step_image import OutputParts
 from replay.contracts import Array, EngineCoreRequest, Opaque, SamplingParams
 from replay.contracts.arrays import dtype_name
 from replay.contracts.lora import lora_fields

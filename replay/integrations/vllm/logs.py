@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-from replay.capture import filemode
+from replay.capture.writing import filemode
 from replay.errors import VERBOSE_ENV
 
 # vLLM warnings that mean the engine runs other kernels or another runner than the user may think

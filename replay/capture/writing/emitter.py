@@ -1,0 +1,248 @@
+"""`ChunkEmitter`: compress and write a writer's sealed chunks off the recording thread, in the order they were
+sealed. `open_emitter` gives the compiled one (`CompiledEmitter`, over `replay.capture._emit`) where it loads, else
+the Python threads below.
+
+Why more than one thread: zstd and file writes run without the GIL, but a thread needs it back after each, and a
+busy recording thread (capture_bench's builtin loop: a step every ~40 µs, nothing that blocks) gives it up only
+at the interpreter's switch interval (5 ms). One thread then spent ~15 ms of waits on each 1 MiB chunk that a
+recording loop sealed every ~8 ms, fell chunks behind, and left ~25 ms of them to catch up at close (a fifth of
+the run). Two threads wait for the GIL at the same time, so their waits overlap; each compresses with its own
+context (a ZstdCompressor is not thread-safe), and a frame is written once every chunk sealed before it is.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import threading
+from typing import Any, Callable
+
+import zstandard
+
+from replay.capture.format import records as fmt
+from replay.capture.codec.fastwire import load_compiled
+
+_ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
+WORKERS = 2
+DEPTH = 8  # sealed chunks waiting at most: then the recording thread waits (back-pressure, not unbounded memory)
+# Catching up, as `zstd --adapt` does: while this many sealed chunks wait behind the one a thread takes, the
+# recorder is outrunning compression, and the thread compresses at `catch_up_level` instead (level 1: 1.4x the
+# speed of level 3 on our chunks, 5-19 % larger), so that the engine is not made to wait on the writer. An engine
+# the writer keeps up with (vLLM's steps of milliseconds) never gets there: its capture is as small as `level` makes it.
+CATCH_UP_BACKLOG = 2
+CATCH_UP_LEVEL = 1
+
+
+_emit = load_compiled("writing._emit")
+COMPILED = _emit if _emit is not None and _emit.available() is None else None  # (not without libzstd.so.1)
+# One core is the recording thread's: on two, a second compressing thread only takes turns with it (capture_bench: one
+# thread 7-21 % faster end to end than two); beyond that, two drain a backlog twice as fast. At close the recorder's
+# core is free too: what waits then is drained on every core, up to four.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # (this process's)
+C_WORKERS = max(1, min(2, _CORES - 1))
+C_DRAIN_WORKERS = max(1, min(4, _CORES))
+
+
+def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Callable[[], tuple[int, Any] | None],
+                 catch_up_level: int | None = CATCH_UP_LEVEL) -> "ChunkEmitter | CompiledEmitter":
+    """The writer's emitter: `CompiledEmitter` where `replay.capture._emit` loads, else `ChunkEmitter`'s threads
+    (the same frames, in the same order; see each for why)."""
+    kind = ChunkEmitter if COMPILED is None else CompiledEmitter
+    return kind(f, level=level, fsync=fsync, interval=interval, idle=idle, catch_up_level=catch_up_level)
+
+
+class _Frames:
+    """What both emitters share: the file `f`, the bytes in it, and the numbers of the chunks sealed."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self._written = 0
+        self._seq = 0  # the next chunk's number (given under the writer's lock)
+
+    def write(self, data: bytes) -> None:
+        """Write bytes directly: only before `start` or after `stop`, when no frame is being written."""
+        self.f.write(data)
+        self._written += len(data)
+
+    def number(self) -> int:
+        """The next sealed chunk's place in the file (call it under the lock that seals chunks)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+
+class ChunkEmitter(_Frames):
+    """Background threads that turn sealed chunks (`.parts`: encoded records, `.info`: their ChunkInfo) into zstd
+    frames in file `f`, in order. `idle()` is called by a thread that found nothing to do for `interval` seconds,
+    and returns a chunk it sealed (numbered by `number()`) or None: an idle engine must not keep a chunk open
+    forever. An error (a full disk) is kept in `error` for the recording thread; the threads go on draining."""
+
+    def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
+                 idle: Callable[[], tuple[int, Any] | None], workers: int | None = None,
+                 catch_up_level: int | None = CATCH_UP_LEVEL):
+        super().__init__(f)
+        self.caught_up = 0  # chunks compressed at the catch-up level
+        self._catch_up = catch_up_level if catch_up_level is not None and catch_up_level < level else None
+        self._stops = 0  # the end-of-work markers in the queue: behind every chunk, so not a backlog
+        self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
+        self.error: BaseException | None = None
+        self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
+        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue(maxsize=DEPTH)
+        self._next = 0  # the number of the next frame to write
+        self._ready: dict[int, tuple[Any, bytes, int]] = {}  # compressed, waiting for the chunks before them
+        self._order = threading.Lock()  # held while frames are written: one writer, in order
+        self._threads = [threading.Thread(target=self._run, name=f"replay-capture-writer-{i}", daemon=True)
+                         for i in range(WORKERS if workers is None else workers)]
+
+    def start(self) -> None:
+        """Start the threads (after what the file starts with is written, `write`)."""
+        for t in self._threads:
+            t.start()
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file so far (frames written, not those still being compressed)."""
+        return self._written
+
+    def put(self, chunk: Any) -> None:
+        """Hand a sealed chunk over (call it under the lock that seals chunks, so numbers follow the seals).
+        Blocks while DEPTH chunks wait."""
+        self._queue.put((self.number(), chunk))
+
+    def stop(self) -> None:
+        """Write every chunk handed over, then end the threads."""
+        self._stops = len(self._threads)
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _run(self) -> None:
+        cctx = zstandard.ZstdCompressor(level=self._level, write_checksum=True, write_content_size=True)
+        fast = None if self._catch_up is None else \
+            zstandard.ZstdCompressor(level=self._catch_up, write_checksum=True, write_content_size=True)
+        while True:
+            try:
+                item = self._queue.get(timeout=self._interval)
+            except queue.Empty:
+                try:
+                    item = self._idle()
+                except Exception as e:  # noqa: BLE001 - handed to the recording thread; this one goes on
+                    self.error = e
+                    continue
+                if item is None:
+                    continue
+            if item is None:
+                return
+            if self.error is None:  # (after an error it keeps draining, so producers never block on a dead writer)
+                behind = fast is not None and self._queue.qsize() - self._stops >= CATCH_UP_BACKLOG
+                self._emit(fast if behind else cctx, *item, behind)
+
+    def _emit(self, cctx: zstandard.ZstdCompressor, seq: int, c: Any, behind: bool = False) -> None:
+        """Compress chunk `seq`, then write every frame that is next in order."""
+        try:
+            body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
+            frame = cctx.compress(body)
+            with self._order:
+                self.caught_up += behind
+                self._ready[seq] = (c, frame, len(body))
+                while self._next in self._ready and self.error is None:
+                    c, frame, raw = self._ready.pop(self._next)
+                    c.info.offset = self.bytes_written
+                    c.info.length = len(frame)
+                    c.info.raw_size = raw
+                    self.write(frame)
+                    self.f.flush()
+                    if self._fsync:
+                        os.fsync(self.f.fileno())
+                    self.chunks.append(c.info)
+                    self._next += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the recording thread (CaptureWriter._check)
+            self.error = e
+
+
+class CompiledEmitter(_Frames):
+    """`ChunkEmitter`'s interface over `replay.capture._emit`: C threads join, compress and write the chunks
+    without ever taking the GIL, so a busy recording loop never makes it wait (`_emit.c` says what that cost). A
+    Python thread wakes every `interval` only to ask `idle()` for an old open chunk. Frames are collected (their
+    places in the file, into each chunk's ChunkInfo) whenever a chunk is handed over, and at `stop`."""
+
+    def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
+                 idle: Callable[[], tuple[int, Any] | None], catch_up_level: int | None = CATCH_UP_LEVEL):
+        super().__init__(f)
+        self.caught_up = 0  # chunks compressed at the catch-up level
+        self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
+        self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
+        self._catch_up = catch_up_level if catch_up_level is not None and catch_up_level < level else level
+        self._sealed: dict[int, Any] = {}  # handed over, until its frame is collected
+        self._error: BaseException | None = None  # the idle path's (the C thread keeps its own)
+        self._c: Any = None
+        self._collecting = threading.Lock()  # frames join `chunks` in the order the C thread wrote them
+        self._stopped = threading.Event()
+        self._timer = threading.Thread(target=self._tick, name="replay-capture-idle", daemon=True)
+
+    def start(self) -> None:
+        """Start the C thread, writing after what the file starts with (`write`), and the idle timer."""
+        self.f.flush()  # (the C thread writes to the file descriptor, after whatever `f` has buffered)
+        self._c = COMPILED.Emitter(self.f.fileno(), self._level, self._catch_up, CATCH_UP_BACKLOG, self._fsync,
+                                   DEPTH, self._written, 0, C_WORKERS, C_DRAIN_WORKERS)
+        self._c.start()
+        self._timer.start()
+
+    def put(self, chunk: Any) -> None:
+        """Hand a sealed chunk over (under the lock that seals chunks). Blocks, the GIL let go, while DEPTH wait."""
+        seq = self.number()
+        self._sealed[seq] = chunk
+        self._submit(seq, chunk, True)
+        self._collect()
+
+    def stop(self) -> None:
+        """Write every chunk handed over, then end the threads."""
+        self._stopped.set()
+        self._timer.join()
+        self._c.stop()
+        self._collect()
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file: what `write` wrote and the frames collected."""
+        if self._c is not None:
+            self._collect()
+        return self._written
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure (a full disk): kept for the recording thread; the C thread goes on draining."""
+        if self._error is not None or self._c is None or (e := self._c.error) is None:
+            return self._error
+        return OSError(e[0], e[1]) if e[0] else zstandard.ZstdError(e[1])
+
+    def _submit(self, seq: int, chunk: Any, block: bool) -> None:
+        try:
+            self._c.submit(seq, chunk.parts, block)
+        except TypeError:  # (a part that is bytes-like but not bytes: the C threads read bytes objects only)
+            self._c.submit(seq, [bytes(p) for p in chunk.parts], block)
+
+    def _collect(self) -> None:
+        with self._collecting:
+            for seq, offset, length, raw, caught_up in self._c.done():
+                c = self._sealed.pop(seq)
+                if length < 0:  # (dropped after an error)
+                    continue
+                c.info.offset, c.info.length, c.info.raw_size = offset, length, raw
+                self.chunks.append(c.info)
+                self.caught_up += caught_up
+                self._written = offset + length
+
+    def _tick(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                item = self._idle()
+                if item is not None:
+                    seq, c = item
+                    self._sealed[seq] = c
+                    self._submit(seq, c, False)  # (never waits: the C threads may be waiting for this one)
+                self._collect()  # (an idle engine's chunks let go of their records)
+            except Exception as e:  # noqa: BLE001 - handed to the recording thread; this one goes on
+                self._error = e

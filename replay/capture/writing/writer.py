@@ -1,0 +1,400 @@
+"""`CaptureWriter`: append records to a capture from any engine.
+
+Encoding (msgspec, id interning) runs on the caller's thread: it is cheap and it must see the objects before the
+engine mutates them. Compression and I/O run on background threads (`emitter`), which zstd and file writes let
+run without the GIL. Chunks close by size or by age, so a crash loses at most the open chunk (at most
+`flush_interval` seconds of steps, or `chunk_bytes` of records). Errors of the background threads (a full disk)
+surface, as one CaptureError, on the next call.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zstandard
+
+from replay.capture.writing import filemode
+from replay.capture.format import records as fmt
+from replay.capture.codec.columns import ColumnSink
+from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
+from replay.capture.format.frames import skippable_frame
+from replay.capture.writing.image_batch import PartsBatch
+from replay.capture.codec.step_image import OutputParts, is_nil, store_step_image
+from replay.capture.format.ids import IdTable
+from replay.capture.codec.prompts import ArrivedPrompts
+from replay.capture.codec.stepcodec import stored_step
+from replay.contracts import (
+    DraftCounts,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    draft_counts,
+)
+from replay.errors import CaptureError, UsageError
+
+
+class _Chunk:
+    """Encoded records waiting to be compressed, plus the stats the index keeps for them, and the logprob matrices
+    of its steps (`columns`), which become its first record when it is sealed."""
+
+    __slots__ = ("parts", "raw", "info", "born", "columns", "batch")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.raw = 0
+        self.info = fmt.ChunkInfo(0, 0, 0, 0)
+        self.born = time.monotonic()
+        self.columns = ColumnSink()
+        self.batch = PartsBatch()  # its image steps with outputs in parts (None in `parts` until sealed)
+
+    def seal(self, decoder) -> None:
+        """Finish the steps set aside, then put the chunk's logprob columns first (format 1.3): a reader meets them
+        before the steps that use them."""
+        if len(self.batch):
+            records, generated = self.batch.finish(self.columns, decoder)
+            done = iter(records)
+            self.parts = [p if p is not None else next(done) for p in self.parts]
+            self.info.num_generated_tokens += generated
+        record = self.columns.seal()
+        if record is not None:
+            data = fmt.WIRE_ENCODER.encode(record)
+            self.parts.insert(0, data)
+            self.raw += len(data)
+            self.info.num_records += 1
+
+
+class WriterContext:
+    """`with writer:` for both writers: close on success; on an engine error close with that error as the footer
+    status (every record written so far is complete); on a capture error stop without a footer."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif isinstance(exc, CaptureError):
+            self.abandon()
+        else:
+            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
+
+
+class CaptureWriter(WriterContext):
+    """Writes a capture to `path` (as `path.partial` until `close`), compressed at zstd `level`; while the recorder
+    outruns compression, at `catch_up_level` (None: never; `replay.capture.writing.emitter`). The file is created with
+    `mode` (default 0600, or REPLAY_CAPTURE_MODE: `replay.capture.writing.filemode`).
+
+    Usage::
+
+        with CaptureWriter(path, Header(...)) as w:
+            w.add_request(request, step=0)
+            w.write_step(0, scheduler_output, model_runner_output)
+    """
+
+    def __init__(self, path: str | os.PathLike, header: fmt.Header, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+                 flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
+                 overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None,
+                 catch_up_level: int | None = CATCH_UP_LEVEL, mode: int | None = None):
+        self.path = Path(path)
+        self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
+        if not overwrite and self.path.exists():
+            raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
+        if chunk_bytes <= 0 or flush_interval <= 0:
+            raise UsageError("chunk_bytes and flush_interval must be positive")
+        self.chunk_bytes = chunk_bytes
+        self.flush_interval = flush_interval
+        self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
+        self._ids = IdTable()
+        self._prompts = ArrivedPrompts()  # (encoded at arrival, reused by the step that schedules the request)
+        self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
+        self._lock = threading.Lock()
+        self._chunk = _Chunk()
+        self._num_steps = 0
+        self._num_records = 0
+        self._last_step = -1
+        self._closed = False
+        try:
+            self.partial_path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = filemode.create(self.partial_path, mode=mode)
+            self._out = open_emitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal,
+                                    catch_up_level=catch_up_level)
+            prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
+            self._out.write(skippable_frame(fmt.PROLOGUE_MAGIC, prologue))
+        except OSError as e:
+            raise CaptureError(self.partial_path, f"cannot create capture: {e.strerror or e}") from None
+        self._out.start()
+        self._append([self._encode(header)], header=True)
+        self.flush()  # the header is durable as soon as the writer exists
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, step: int) -> None:
+        """Record a request arrival; `step` is the index of the next step to run. Its id joins the seek index's id
+        table (steps stored as images name requests by id, not by handle); the `Ids` record that declares it in
+        band comes with the first step that uses its handle, as ever."""
+        with self._lock:
+            held = self._prompts.arrived(request)
+        prompt = request.prompt_token_ids
+        if held is request and isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
+            # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
+            raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
+        try:
+            data = self._encode(fmt.RequestAdded(step, held))
+        except UsageError:
+            with self._lock:  # (not recorded: no step may reuse its prompt's bytes)
+                self._prompts.forget(request.request_id)
+            raise
+        with self._lock:
+            self._ids.handle(request.request_id)
+        self._append([data], requests_added=1)
+
+    def abort_request(self, request_id: str, step: int) -> None:
+        """Record a client abort before step `step`."""
+        with self._lock:
+            self._prompts.forget(request_id)
+        self._append([self._encode(fmt.RequestAborted(step, request_id))])
+
+    def write_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
+                   **extra: Any) -> int:
+        """Record one engine step (extra: `drawn_seeds`, `rng_state`, `timing`, `grammar_output` of `Step`).
+
+        Returns the encoded size in bytes. Call it before the engine mutates either object again.
+        """
+        return self.write_step_record(fmt.Step(index, scheduler_output, model_runner_output, **extra))
+
+    def write_step_record(self, step: fmt.Step) -> int:
+        """Record an already built `Step` (in-memory form, string ids)."""
+        if step.index <= self._last_step:
+            raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
+        mro = step.model_runner_output
+        drafts = draft_counts(step.scheduler_output, mro) if step.scheduler_output.scheduled_spec_decode_tokens else None
+        self._check()
+        with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
+            self._seal_if_old_locked()
+            wire, generated = stored_step(step, self._ids, self._chunk.columns, self._prompts)
+            new_ids = self._ids.take_new()
+            parts = [self._encode(new_ids)] if new_ids is not None else []
+            parts.append(self._encode(wire))
+            self._append_locked(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens,
+                                generated=generated, drafts=drafts)
+        self._last_step = step.index
+        return sum(len(p) for p in parts)
+
+    def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | OutputParts | None,
+                         grammar_output: bytes | None = None, timing: fmt.StepTiming | None = None) -> int:
+        """Record one step of another engine given as its objects' msgpack images (`StepImage`, format 1.3):
+        stored as they are, logprob matrices into the chunk's columns; readers convert them. Returns the bytes
+        stored. Raises UsageError when an image is not msgpack."""
+        if index <= self._last_step:
+            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+        if self.image_decoder is None:
+            from replay.contracts.image_decoder import ImageDecoder
+
+            self.image_decoder = ImageDecoder()
+        self._check()
+        with self._lock:  # the step and its logprob rows join one chunk
+            self._prompts.stop()  # (steps as images never reuse an arrival's prompt: hold none)
+            self._seal_if_old_locked()
+            c, parts = self._chunk, model_runner_output
+            try:  # an output in parts is finished with its chunk (PartsBatch) when it can be
+                scheduled = c.batch.add(index, scheduler_output, parts, grammar_output, timing, c.columns) \
+                    if isinstance(parts, OutputParts) else None
+                if scheduled is None:
+                    rec, stats = store_step_image(index, scheduler_output, parts, grammar_output, timing, c.columns,
+                                                  self.image_decoder)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+                raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
+            if scheduled is not None:
+                size = len(scheduler_output) + len(parts.rest) + len(parts.tokens) + 64
+                self._append_locked([None], raw=size, step=index, scheduled=scheduled)
+            else:
+                size = len(data := self._encode(rec))
+                self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
+                                    drafts=stats.drafts)
+        self._last_step = index
+        return size
+
+    def steps_as_images(self) -> None:
+        """Say that this capture's steps will come as images (`write_step_image`): arrivals' prompts are then not
+        held for a step to reuse (`replay.capture.codec.prompts`), which an image step never does."""
+        with self._lock:
+            self._prompts.stop()
+
+    def write_crash(self, crash: fmt.Crash) -> None:
+        """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,
+        no output) right after it."""
+        self._append([self._encode(crash)])
+
+    @property
+    def last_step(self) -> int:
+        """The index of the last step written (-1 before the first)."""
+        return self._last_step
+
+    def write_record(self, record: fmt.Record) -> None:
+        """Copy a record read from another capture (`recover`, rewriting a capture): steps (image steps as images),
+        arrivals, aborts and crashes; a Header or Footer is this writer's own to write, so it is skipped."""
+        if isinstance(record, fmt.Step):
+            self.write_step_record(record)
+        elif isinstance(record, fmt.StepImage):  # another engine's step, output whole (`records(images=True)`)
+            self.write_step_image(record.index, *(None if is_nil(x) else bytes(x) for x in (
+                record.scheduler_output, record.model_runner_output, record.grammar_output)), record.timing)
+        elif isinstance(record, fmt.RequestAdded):
+            self.add_request(record.request, record.step)
+        elif isinstance(record, fmt.RequestAborted):
+            self.abort_request(record.request_id, record.step)
+        elif isinstance(record, fmt.Crash):
+            self.write_crash(record)
+
+    def flush(self) -> None:
+        """Close the open chunk now and hand it to the background threads."""
+        self._check()
+        with self._lock:
+            self._seal_locked()
+
+    def close(self, status: str = "ok") -> Path:
+        """Write the footer and the seek index, then rename `NAME.partial` to `NAME`. Returns the final path."""
+        if self._closed:
+            return self.path
+        self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
+        with self._lock:
+            self._seal_locked()
+            self._prompts.clear()
+        self._closed = True
+        self._out.stop()
+        self._check()
+        try:
+            index = fmt.Index(list(self._out.chunks), list(self._ids.ids), self._num_steps, status)  # type: ignore[arg-type]
+            body = self._cctx.compress(fmt.WIRE_ENCODER.encode(index))
+            offset = self.bytes_written
+            trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ZSTD
+            self._out.write(skippable_frame(fmt.INDEX_MAGIC, body + trailer))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.partial_path, self.path)
+        except OSError as e:
+            raise CaptureError(self.partial_path, f"cannot finish capture: {e.strerror or e}") from None
+        return self.path
+
+    def abandon(self) -> None:
+        """Stop writing without a footer: what was flushed stays in `NAME.partial` for `recover`."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._seal_locked()
+        self._out.stop()
+        try:
+            self._f.close()
+        except OSError:
+            pass
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file so far (frames written, not those still being compressed)."""
+        return self._out.bytes_written
+
+    @property
+    def num_steps(self) -> int:
+        """Steps written so far."""
+        return self._num_steps
+
+    @property
+    def chunks_caught_up(self) -> int:
+        """Chunks compressed at the catch-up level, the recorder outrunning compression (final once closed)."""
+        return self._out.caught_up
+
+    @property
+    def num_records(self) -> int:
+        """Records written so far (id declarations and the footer included)."""
+        return self._num_records
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    def _encode(self, record: msgspec.Struct) -> bytes:
+        try:
+            data = fmt.WIRE_ENCODER.encode(record)
+            if len(data) <= fmt.MAX_RECORD_BYTES:
+                return data
+            why = f"a record of {len(data)} bytes exceeds the {fmt.MAX_RECORD_BYTES}-byte limit"
+        except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int beyond 64 bits in extra_args
+            why = str(e)
+        raise UsageError(f"cannot record a {'Step' if isinstance(record, fmt.Step) else type(record).__name__}: {why}")
+
+    def _append(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
+                requests_added: int = 0, header: bool = False,
+                drafts: DraftCounts | None = None) -> None:
+        self._check()
+        with self._lock:
+            self._seal_if_old_locked()
+            self._append_locked(parts, step=step, scheduled=scheduled, generated=generated,
+                                requests_added=requests_added, drafts=drafts)
+
+    def _seal_if_old_locked(self) -> None:
+        c = self._chunk
+        if c.raw and time.monotonic() - c.born >= self.flush_interval:
+            self._seal_locked()
+
+    def _append_locked(self, parts: list[bytes | None], *, step: int | None = None, scheduled: int = 0,
+                       generated: int = 0, requests_added: int = 0, drafts: DraftCounts | None = None,
+                       raw: int | None = None) -> None:
+        if self._closed:
+            raise UsageError(f"{self.path}: capture writer is closed")
+        c = self._chunk
+        c.parts.extend(parts)
+        c.raw += sum(map(len, parts)) if raw is None else raw
+        info = c.info
+        info.num_records += len(parts)
+        self._num_records += len(parts)
+        if step is not None:
+            if info.first_step < 0:
+                info.first_step = step
+            info.last_step = step
+            info.num_steps += 1
+            info.num_scheduled_tokens += scheduled
+            info.num_generated_tokens += generated
+            if drafts is not None:
+                info.num_draft_tokens += drafts.drafted
+                info.num_accepted_draft_tokens += drafts.accepted
+            self._num_steps += 1
+        info.num_requests_added += requests_added
+        if c.raw + c.columns.nbytes >= self.chunk_bytes:
+            self._seal_locked()
+
+    def _seal_locked(self) -> None:
+        c = self._chunk
+        if not c.parts:
+            return
+        self._chunk = _Chunk()
+        c.seal(self.image_decoder)
+        self._out.put(c)  # blocks while the background threads are 8 chunks behind
+
+    def _idle_seal(self) -> tuple[int, _Chunk] | None:
+        """The open chunk, sealed and numbered, once it is older than `flush_interval` (a background thread asks
+        when it has waited that long for work). Never blocks on the lock: a producer holding it may itself be
+        blocked on the full queue."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            c = self._chunk
+            if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
+                return None
+            self._chunk = _Chunk()
+            c.seal(self.image_decoder)
+            return self._out.number(), c
+        finally:
+            self._lock.release()
+
+    def _check(self) -> None:
+        e = self._out.error
+        if e is not None:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise CaptureError(self.partial_path, f"writing failed: {why}; what was flushed before stays readable") from None
+

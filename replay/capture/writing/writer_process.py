@@ -1,0 +1,370 @@
+"""`ProcessCaptureWriter`: the `CaptureWriter` API, with interning, compression and I/O in a child process.
+
+The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (a shared-memory ring, or a
+pipe; below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python
+process, so it can never take the engine's interpreter lock: a background *thread* doing the same Python work
+measurably slows a Python-heavy engine step (measurements §3). A bonus: if the engine process goes away without
+closing the capture (a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a
+SIGKILL; an interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the
+capture itself: footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs
+in its own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C,
+nor a kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
+sealed; it exits as soon as it has.
+
+Transport: on x86-64 Linux the frames go through a shared-memory ring (`ring`: a copy, no system call on the engine
+thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
+REPLAY_WRITER_TRANSPORT=pipe) they go through the pipe itself. Either way, frames of `kind (1 byte) + length (u32
+LE) + payload`; kinds `A` request added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with
+string ids), `F` flush, `C` close (payload: the footer status), `Q` quit without a footer. Another engine's tap may
+send images instead of contracts (its objects msgpack-encoded as they are, which is all the engine thread pays for);
+the child stores a step's images as they are (`StepImage`, format 1.3: readers convert them) and converts arrivals
+into contracts (`replay.contracts.image_decoder`): `R` an arrival `[step, request]`; a step in the order the engine
+lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output, start_ns,
+schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index, model_runner_output,
+execute_ns, update_ns]` (the step is written then), or `L` the same with the output in parts (`OutputParts`: its
+logprob matrices apart, which the child moves into its columns undecoded; frames built in `replay.capture.writing.wire`),
+`E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash` record and the scheduled step
+are written then); `V` a whole step `[index, scheduler_output, model_runner_output, grammar_output, timing]`. The
+child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}` (and, through the ring, sets its
+`failed` word first, so the engine's next send stops).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from replay.capture.format import records as fmt
+from replay.capture.writing import ring
+from replay.capture.writing.image_frames import IMAGE_FRAMES, ImageFrames
+from replay.capture.writing.process import FRAME_HEAD, FrameReader, cpu_s, detach, grow_pipe
+from replay.capture.codec.step_image import OutputParts
+from replay.capture.writing.wire import output_frame, scheduled_frame
+from replay.capture.writing.writer import WriterContext
+from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from replay.errors import CaptureError, UsageError
+
+_ENCODER = msgspec.msgpack.Encoder()
+TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "ring" or "pipe"; unset: the ring where `ring.available()`
+_NOW = frozenset((b"H", b"F", b"C", b"Q"))  # frames the child is woken for (the others wait for its next poll)
+
+
+class ProcessCaptureWriter(WriterContext):
+    """Writes a capture through a child process; same methods as `CaptureWriter`."""
+
+    def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
+                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
+                 level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False, transport: str | None = None,
+                 ring_bytes: int = ring.DEFAULT_RING_BYTES):
+        self.path = Path(path)
+        self.partial_path = self.path.with_name(self.path.name + ".partial")
+        if not overwrite and self.path.exists():
+            raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
+        options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
+                   "flush_interval": flush_interval, "level": level, "nice": nice, "images": images}
+        asked = transport or os.environ.get(TRANSPORT_ENV)
+        transport = asked or ("ring" if ring.available() else "pipe")
+        if transport not in ("ring", "pipe") or (transport == "ring" and not ring.available()):
+            raise UsageError(f"writer transport {transport!r}: 'pipe'" + (" or 'ring'" if ring.available() else ""))
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[3])  # the child must import this very package
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+        read_end, self._fd = os.pipe()
+        self._ring = None
+        if transport == "ring":
+            try:
+                self._ring = ring.RingSender(self._fd, ring_bytes)
+            except OSError as e:  # no memfd here (a sandbox's seccomp, no memory): the pipe, unless the ring was asked
+                if asked:
+                    os.close(read_end)
+                    os.close(self._fd)
+                    raise CaptureError(self.partial_path, f"cannot make the writer's shared-memory ring: {e}") from None
+                transport = "pipe"
+        if self._ring is not None:
+            options.update(ring_fd=self._ring.fd, ring_bytes=ring_bytes)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writing.writer_process", json.dumps(options)],
+                                          stdin=read_end, stdout=subprocess.PIPE, env=env,
+                                          pass_fds=(self._ring.fd,) if self._ring else ())
+        finally:
+            os.close(read_end)
+        if self._ring is None:
+            grow_pipe(self._fd)
+        self.transport = transport
+        self._num_steps = 0
+        self._last_step = -1
+        self._closed = False
+        self.cpu_s = 0.0  # the writer process's CPU time (user + system), known once it closed the capture
+        self.startup_cpu_s = 0.0  # of which its start-up, before the first record
+        self._send(b"H", _ENCODER.encode(header))
+        # the child reports whether it could create the file before we go on
+        try:
+            ready = self._answer()
+        except CaptureError:
+            self._end_pipe()
+            raise
+        self.startup_cpu_s = float(ready.get("cpu_s", 0.0))
+        self.writer_pid = int(ready.get("pid", 0))  # the writer process (detached: no child of ours)
+        if hasattr(os, "fork"):  # our own child forked the writer and exited (`detach`): reap it now, so no zombie
+            try:                 # stays under the engine for the whole recording
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._ring is not None:
+            self._ring.populate()
+
+    # -- the CaptureWriter API ------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, step: int) -> None:
+        """Record a request arrival before step `step`."""
+        self._send(b"A", _ENCODER.encode(fmt.RequestAdded(step, request)))
+
+    def abort_request(self, request_id: str, step: int) -> None:
+        """Record a client abort before step `step`."""
+        self._send(b"X", _ENCODER.encode(fmt.RequestAborted(step, request_id)))
+
+    def write_step(self, index: int, scheduler_output: SchedulerOutput,
+                   model_runner_output: ModelRunnerOutput | None, **extra: Any) -> int:
+        """Record one step (see `CaptureWriter.write_step`); returns the bytes handed to the writer process."""
+        return self.write_step_record(fmt.Step(index, scheduler_output, model_runner_output, **extra))
+
+    def write_step_record(self, step: fmt.Step) -> int:
+        """Record an already built `Step`."""
+        self._check_order(step.index)
+        try:
+            data = _ENCODER.encode(step)
+        except (TypeError, OverflowError, msgspec.EncodeError) as e:
+            raise UsageError(f"cannot record a Step: {e}") from None
+        self._send(b"S", data)
+        self._sent_step(step.index)
+        return len(data)
+
+    def write_crash(self, crash: fmt.Crash) -> None:
+        """Record that the engine raised while executing step `crash.step` (then write that step, with no output)."""
+        self._send(b"K", _ENCODER.encode(crash))
+
+    def scheduled_image(self, index: int, scheduler_output: bytes, start_ns: int, schedule_ns: int) -> None:
+        """Step `index` was scheduled: its SchedulerOutput image, kept by the writer process until the step ends."""
+        self._send(*scheduled_frame(index, scheduler_output, start_ns, schedule_ns))
+
+    def grammar_image(self, index: int, grammar_output: bytes) -> None:
+        """Step `index`'s structured-output bitmask (GrammarOutput image), built before the model runs."""
+        self._send(b"G", _ENCODER.encode([index, msgspec.Raw(grammar_output)]))
+
+    def output_image(self, index: int, model_runner_output: bytes | OutputParts, execute_ns: int, update_ns: int) -> None:
+        """Step `index` ended with this ModelRunnerOutput image (or the image in parts, logprob matrices apart):
+        the writer process writes the step now."""
+        self._check_order(index)
+        self._send(*output_frame(index, model_runner_output, execute_ns, update_ns))
+        self._sent_step(index)
+
+    def crash_image(self, index: int, error_type: str, message: str, traceback: str) -> None:
+        """Step `index` raised while executing: the writer process writes a Crash record and the scheduled step."""
+        self._send(b"E", _ENCODER.encode([index, error_type, message, traceback]))
+        self._last_step = max(self._last_step, index)
+
+    def add_request_image(self, request_image: bytes, step: int) -> None:
+        """Record an arrival given as another engine's msgpack-encoded request (converted in the child)."""
+        self._send(b"R", _ENCODER.encode([step, msgspec.Raw(request_image)]))
+
+    def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | None,
+                         grammar_output: bytes | None = None, timing: list[int] | None = None) -> int:
+        """Record one step given as another engine's msgpack-encoded objects (converted in the child);
+        `timing`: [start, schedule, execute, update] ns as `StepTiming`."""
+        self._check_order(index)
+        raw = [msgspec.Raw(b) if b is not None else None for b in (scheduler_output, model_runner_output, grammar_output)]
+        data = _ENCODER.encode([index, *raw, timing])
+        self._send(b"V", data)
+        self._sent_step(index)
+        return len(data)
+
+    def _check_order(self, index: int) -> None:
+        """Refuse a step that does not follow the last one, as CaptureWriter does."""
+        if index <= self._last_step:
+            raise UsageError(f"step {index} written after step {self._last_step}: steps must increase")
+
+    def _sent_step(self, index: int) -> None:
+        self._last_step = index
+        self._num_steps += 1
+
+    def flush(self) -> None:
+        """Ask the writer process to close its open chunk now."""
+        self._send(b"F", b"")
+
+    def close(self, status: str = "ok") -> Path:
+        """Footer, seek index, rename; waits for the writer process. Returns the final path."""
+        if self._closed:
+            return self.path
+        self._closed = True
+        try:
+            self._send(b"C", status.encode())
+        finally:
+            self._end_pipe()
+        answer = self._answer()
+        self._proc.wait()
+        self._num_records = answer.get("records", 0)
+        self.cpu_s = float(answer.get("cpu_s", 0.0))
+        return self.path
+
+    def abandon(self) -> None:
+        """Stop without a footer: what was received stays in `NAME.partial` for `recover`."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(b"Q", b"")
+        except CaptureError:
+            pass
+        self._end_pipe()
+        self._proc.wait()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps handed to the writer so far."""
+        return self._num_steps
+
+    @property
+    def num_records(self) -> int:
+        """Records in the closed capture (known after `close`)."""
+        return getattr(self, "_num_records", 0)
+
+    # -- plumbing -------------------------------------------------------------------------------------------------
+
+    def _end_pipe(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._ring is not None:
+            self._ring.release()
+            if self._ring.fd >= 0:
+                os.close(self._ring.fd)
+                self._ring.fd = -1
+
+    def _send(self, kind: bytes, *parts: bytes) -> None:
+        try:
+            if self._ring is not None:
+                self._ring.send(kind, parts, sum(map(len, parts)))
+                if kind in _NOW:
+                    self._ring.wake()
+                return
+            # one unbuffered write per record: nothing waits in our buffer if the engine crashes
+            size = sum(map(len, parts))
+            frame = [FRAME_HEAD.pack(kind, size), *parts]
+            done = os.writev(self._fd, frame) if hasattr(os, "writev") else 0
+            if done < size + FRAME_HEAD.size:  # (rare: a write cut short by a signal; or no writev)
+                view = memoryview(b"".join(frame))[done:]
+                while view:
+                    view = view[os.write(self._fd, view):]
+        except (OSError, ValueError, ring.WriterGone):  # (BrokenPipeError is an OSError)
+            answer = self._answer()
+            raise CaptureError(self.partial_path, answer.get("error", "capture writer process died")) from None
+
+    def _answer(self) -> dict:
+        line = self._proc.stdout.readline()
+        try:
+            answer = json.loads(line) if line else {"error": f"capture writer process exited ({self._proc.wait()})"}
+        except json.JSONDecodeError:
+            answer = {"error": f"capture writer process said {line[:200]!r}"}
+        if "error" in answer:
+            self._closed = True
+            raise CaptureError(self.partial_path, answer["error"])
+        return answer
+
+
+def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
+    """The footer status of a capture the engine left without closing it: how a server stops (SIGINT or SIGTERM,
+    after which vLLM force-kills its EngineCore), so a normal stop that lost nothing reads as one."""
+    where = f"after step {last_step}" if last_step >= 0 else "before its first step"
+    unfinished = ""
+    if pending:
+        steps = sorted(pending)
+        unfinished = (f"; step {steps[0]} was running when it stopped (scheduled, never finished: not recorded)"
+                      if len(steps) == 1 else
+                      f"; steps {steps[0]}-{steps[-1]} were running when it stopped (scheduled, never finished: "
+                      "not recorded)")
+    whole = ("every whole record it sent is here; the one it was sending as it stopped was cut short and dropped"
+             if cut else "complete: every record it sent is here")
+    return (f"engine stopped: with the engine {where} (its process exited, or was stopped with SIGINT/SIGTERM); "
+            f"{whole}{unfinished}")
+
+
+def _child(options: dict) -> int:
+    """The writer process: read frames from stdin, write the capture with a CaptureWriter."""
+    from replay.capture.writing.writer import CaptureWriter
+    from replay.errors import ReplayError
+
+    if options.get("nice"):
+        os.nice(options["nice"])  # the engine's threads come first; the deep pipe absorbs what waits
+    out = sys.stdout
+    # never read through sys.stdin: frames would hide in its buffer
+    frames = (ring.RingReader(options["ring_fd"], options["ring_bytes"], sys.stdin.fileno()) if "ring_fd" in options
+              else FrameReader(sys.stdin.fileno()))
+    decoders = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
+                b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
+
+    def say(obj: dict) -> None:
+        if "error" in obj and isinstance(frames, ring.RingReader):
+            frames.fail()  # the engine's next send stops, as a write into a closed pipe does
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    before_fork = detach()
+    writer = None
+    images = ImageFrames()
+    try:
+        kind, payload = frames.next()
+        header = msgspec.msgpack.decode(payload, type=fmt.Header)
+        writer = CaptureWriter(options["path"], header, overwrite=options["overwrite"],
+                               chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
+                               level=options["level"])
+        if options.get("images"):
+            writer.steps_as_images()
+            images.warm()  # one-time work before "ready", not on the engine's first steps
+        # its start-up CPU (imports, converters), for bench/; its pid (detached, it is no child of the engine's)
+        say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})
+        while True:
+            kind, payload = frames.next()
+            if kind is None:  # the engine went away without closing: seal what it sent
+                writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
+                                                                             cut=payload is None))
+                return 0
+            if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
+                writer.abandon()
+                return 0
+            if kind == b"C":
+                status = bytes(payload).decode()
+                writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
+                # its CPU (it is no child of the engine's, see `process.detach`: the engine's rusage never counts it)
+                say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})
+                return 0
+            if kind == b"F":
+                writer.flush()
+                continue
+            if kind in IMAGE_FRAMES:
+                images.write(writer, kind, payload)
+                continue
+            if kind == b"K":
+                images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
+                writer.write_crash(images.crash)
+                continue
+            writer.write_record(decoders[kind].decode(payload))  # S, A, X: a step, an arrival, an abort
+    except ReplayError as e:
+        if writer is not None:
+            writer.abandon()
+        say({"error": str(e).split(": ", 1)[-1] if isinstance(e, CaptureError) else str(e)})
+        return 1
+    except Exception as e:  # noqa: BLE001 - reported to the engine as one line
+        if writer is not None:
+            writer.abandon()
+        say({"error": f"capture writer process failed: {type(e).__name__}: {e}"})
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(_child(json.loads(sys.argv[1])))

@@ -1,0 +1,169 @@
+"""Writer: .partial while open, durable chunks by size and by age, clear errors, stock-zstd readability."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from replay.capture import CaptureReader, CaptureWriter, Step
+from replay.capture.format import records as fmt
+from replay.capture.writing.filemode import MODE_ENV
+from replay.contracts import SchedulerOutput
+from replay.errors import CaptureError, UsageError
+from replay.provenance import make_header
+
+
+def test_partial_while_open_renamed_on_close(tmp_path):
+    path = tmp_path / "run.capture"
+    w = CaptureWriter(path, make_header("test"))
+    assert w.partial_path.exists() and not path.exists()
+    w.write_step(0, SchedulerOutput.make_empty(), None)
+    assert w.close() == path
+    assert path.exists() and not w.partial_path.exists()
+
+
+def test_existing_capture_is_not_overwritten_by_default(small_capture):
+    with pytest.raises(UsageError, match="already exists"):
+        CaptureWriter(small_capture, make_header("test"))
+    CaptureWriter(small_capture, make_header("test"), overwrite=True).close()
+
+
+def test_steps_must_increase(tmp_path):
+    with CaptureWriter(tmp_path / "x.capture", make_header("test")) as w:
+        w.write_step(3, SchedulerOutput.make_empty(), None)
+        with pytest.raises(UsageError, match="steps must increase"):
+            w.write_step(3, SchedulerOutput.make_empty(), None)
+
+
+def test_idle_engine_chunk_is_flushed_by_age(tmp_path):
+    path = tmp_path / "idle.capture"
+    w = CaptureWriter(path, make_header("test"), flush_interval=0.2)
+    w.write_step(0, SchedulerOutput.make_empty(), None)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the background thread seals the chunk without another write
+        time.sleep(0.1)
+        with CaptureReader(w.partial_path) as r:
+            if any(isinstance(x, Step) for x in r.records()):
+                break
+    else:
+        pytest.fail("an idle chunk was never flushed")
+    w.abandon()
+
+
+def test_error_in_with_block_closes_with_error_status(tmp_path):
+    path = tmp_path / "err.capture"
+    with pytest.raises(RuntimeError):
+        with CaptureWriter(path, make_header("test")) as w:
+            w.write_step(0, SchedulerOutput.make_empty(), None)
+            raise RuntimeError("engine exploded")
+    with CaptureReader(path) as r:
+        list(r.records())
+        assert r.footer.status.startswith("error: RuntimeError: engine exploded")
+
+
+def test_unencodable_value_is_one_clear_error(tmp_path):
+    from replay.contracts import CachedRequestData, NewRequestData, SamplingParams
+
+    sp = SamplingParams(extra_args={"x": 2**70})
+    new = NewRequestData("r", [1], [], sp, None, ([0],), 0, None)
+    so = SchedulerOutput([new], CachedRequestData.make_empty(), {"r": 1}, 1, {}, {}, set(), [])
+    with CaptureWriter(tmp_path / "x.capture", make_header("test")) as w:
+        with pytest.raises(UsageError, match="cannot record a Step"):
+            w.write_step(0, so, None)
+
+
+_FILL_THE_DISK = r"""
+import resource, signal, sys
+from replay.record.synth import SynthShape, record_synth
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)            # get EFBIG instead of being killed
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    record_synth(sys.argv[1], SynthShape(steps=400, running=32, seed=1), chunk_bytes=8_000)
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_write_failure_is_one_clear_error_and_flushed_chunks_stay_readable(tmp_path):
+    # A real OS write error (EFBIG from a file-size limit, the same path as ENOSPC) in a child process.
+    path = tmp_path / "full.capture"
+    out = subprocess.run([sys.executable, "-c", _FILL_THE_DISK, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("CaptureError"), out.stdout + out.stderr
+    assert "writing failed: File too large" in out.stdout
+    partial = tmp_path / "full.capture.partial"
+    with CaptureReader(partial) as r:
+        steps = [x.index for x in r.records() if isinstance(x, Step)]
+    assert steps == list(range(len(steps))) and len(steps) >= 5
+
+
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="stock zstd CLI not installed")
+def test_stock_zstd_decompresses_the_whole_file_to_msgpack_records(small_capture):
+    import msgpack  # an independent msgpack implementation: the stream is readable without replay
+
+    out = subprocess.run(["zstd", "-dc", str(small_capture)], capture_output=True, check=True).stdout
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(out)
+    records = [rec for chunk in unpacker for rec in chunk]  # one msgpack array of records per chunk
+    tags = [r[0] for r in records]
+    assert tags[0] == "header" and tags[-1] == "footer" and sum(map(tags.count, ("step", "packed_step", "aligned_step"))) == 40
+
+
+def test_close_reports_a_vanished_directory(tmp_path):
+    d = tmp_path / "gone"
+    w = CaptureWriter(d / "x.capture", make_header("test"))
+    shutil.rmtree(d)
+    with pytest.raises(CaptureError):
+        w.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("odd", [1.0, True, "7"])
+def test_a_prompt_that_is_not_all_ints_is_refused_at_its_arrival(tmp_path, monkeypatch, compiled, odd):
+    """Stored as it is, the reader's list[int] would refuse the record, and the arrival be lost: refused instead,
+    with the compiled passes (they vouch for the ints they encode) or without."""
+    from msgspec.structs import replace
+
+    from replay.capture.codec import prompts
+    from replay.record.synth import SynthShape, synth_events
+
+    if not compiled:
+        monkeypatch.setattr(prompts, "COMPILED", None)
+    ev = next(e for e in synth_events(SynthShape(steps=4, running=2, num_logprobs=None, seed=1)) if e.request)
+    bad = replace(ev.request, prompt_token_ids=[5, odd, 6])
+    path = tmp_path / "x.capture"
+    with CaptureWriter(path, make_header("test")) as w:
+        with pytest.raises(UsageError, match="prompt_token_ids are not all ints"):
+            w.add_request(bad, 0)
+        w.add_request(ev.request, 0)  # the writer goes on
+        assert w._prompts.held_tokens == (len(ev.request.prompt_token_ids) if compiled else 0)
+    with CaptureReader(path) as r:
+        assert [x.request.request_id for x in r.records() if isinstance(x, fmt.RequestAdded)] == [ev.request.request_id]
+        assert not r.damage
+
+
+def test_a_new_capture_is_private_to_its_owner_unless_a_mode_is_chosen(tmp_path, monkeypatch):
+    """A server's capture holds every user's prompt: created 0600 (as core dumps are) whatever the umask or a file
+    that was there before; REPLAY_CAPTURE_MODE chooses another mode, and a mode the owner cannot write is refused."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "private.capture"
+        path.with_name(path.name + ".partial").write_bytes(b"")
+        os.chmod(path.with_name(path.name + ".partial"), 0o666)
+        with CaptureWriter(path, make_header("test")):
+            pass
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        monkeypatch.setenv(MODE_ENV, "0640")
+        with CaptureWriter(tmp_path / "shared.capture", make_header("test")):
+            pass
+        assert stat.S_IMODE((tmp_path / "shared.capture").stat().st_mode) == 0o640
+        monkeypatch.setenv(MODE_ENV, "0444")
+        with pytest.raises(UsageError, match="REPLAY_CAPTURE_MODE"):
+            CaptureWriter(tmp_path / "bad.capture", make_header("test"))
+    finally:
+        os.umask(old)
