@@ -19,8 +19,6 @@ generated before anything is timed; generation is never timed):
   writer stage MB/s   the compression + I/O stage alone, on each format's own serialized bytes: zstd-3 of our
                       chunk bodies vs gzip-6 of the pickles (the 10x target is judged here)
   steps/s end to end  the same events written from open to close, encoding included
-  Python passes       ours with the stored form made by the Python passes (`replay.capture.codec.fastwire.PYTHON`, what a
-                      machine without a C compiler runs) instead of the compiled ones (`replay.capture._wire`)
   stored form given   ours (workloads without logprobs), each step's stored form (`stored_step`'s result, as the
                       writer makes it) made before the timing and handed to the writer: what the rest of the path
                       costs (checks, counts, encode, compression, I/O, close). The most a faster `stored_step` gets
@@ -73,9 +71,7 @@ import zstandard
 
 from replay.capture import CaptureReader, CaptureWriter, EngineConfig
 from replay.capture.format import records as fmt
-from replay.capture.codec.fastwire import COMPILED
 from replay.capture.format.ids import IdTable
-from replay.capture.codec.prompts import ArrivedPrompts
 from replay.capture.codec.stepcodec import stored_step
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, record_synth, synth_events
@@ -141,19 +137,17 @@ def size_at_level(path: Path, header, events: list) -> int:
 
 
 def stored_forms(events: list) -> dict[int, tuple]:
-    """Every step's stored form, made as the writer makes it (`stored_step`: the compiled passes where they are
-    built, one id table over the events in order, arrivals interned and their prompts held as `add_request` does),
+    """Every step's stored form, made as the writer makes it (`stored_step`, one id table over the events in order,
+    arrivals interned as `add_request` does),
     with the ids it was first to meet; keyed by id() of its SchedulerOutput. For workloads without logprobs only:
     with them, the writer also moves matrices into its chunk's columns, which this would skip."""
-    table, prompts, forms = IdTable(), ArrivedPrompts(), {}
+    table, forms = IdTable(), {}
     for ev in events:
         if ev.request is not None:
-            prompts.arrived(ev.request)
             table.handle(ev.request.request_id)
         else:
             before = len(table.ids)
-            wire, generated = stored_step(fmt.Step(ev.step, ev.scheduler_output, ev.model_runner_output), table,
-                                          None, prompts)
+            wire, generated = stored_step(fmt.Step(ev.step, ev.scheduler_output, ev.model_runner_output), table)
             forms[id(ev.scheduler_output)] = (wire, table.ids[before:], generated)
     return forms
 
@@ -163,24 +157,14 @@ def write_ours_given(path: Path, header, events: list, forms: dict) -> dict:
     the write path costs (the record's checks and counts, its encode, compression and I/O, the close). Its
     steps/s is the most any faster `stored_step` could reach."""
 
-    def given(step, ids, columns, prompts):
-        """The stored form made beforehand; the ids it met first are interned, and the prompts it stores from
-        their arrivals let go, as `stored_step` would."""
+    def given(step, ids, columns):
+        """The stored form made beforehand; the ids it met first are interned, as `stored_step` would."""
         wire, new, generated = forms[id(step.scheduler_output)]
         for req_id in new:
             ids.handle(req_id)
-        for r in step.scheduler_output.scheduled_new_reqs:
-            prompts.forget(r.req_id)
         return wire, generated
 
     with mock.patch("replay.capture.writing.writer.stored_step", given):
-        return write_ours(path, header, events)
-
-
-def write_ours_python(path: Path, header, events: list) -> dict:
-    """`write_ours` with the stored form made by the Python passes (`replay.capture.codec.fastwire.PYTHON`, what a machine
-    without a C compiler runs): what the compiled passes take off the end-to-end figure."""
-    with mock.patch("replay.capture.codec.stepcodec.COMPILED", None):
         return write_ours(path, header, events)
 
 
@@ -300,14 +284,13 @@ def read_baseline(path: Path) -> dict:
 
 
 def summarize(writes: list[dict], reads: list[dict], gen_tokens: int, stages: list[float], steps: int,
-              encodes: list[float], given: list[dict] | None = None, python: list[dict] | None = None) -> dict:
+              encodes: list[float], given: list[dict] | None = None) -> dict:
     """Median over repetitions of every reported number of one format on one workload (`given`: ours' writes
     with the stored forms given, where measured)."""
     med = statistics.median
     return {
         "steps_per_s": med(steps / w["wall_s"] for w in writes),
         "given_steps_per_s": med(steps / w["wall_s"] for w in given) if given else None,
-        "python_steps_per_s": med(steps / w["wall_s"] for w in python) if python else None,
         "encode_alone_steps_per_s": steps / med(encodes),
         "stage_mbps": med(stages),
         "write_step_p50_us": med(float(np.percentile(w["step_ns"], 50)) / 1e3 for w in writes),
@@ -335,14 +318,12 @@ def bench_workload(name: str, w: SynthShape, tmp: Path) -> dict:
     gc.freeze()  # the pre-generated backlog is not the engine's garbage: keep collections from rescanning it
     forms = stored_forms(events) if w.num_logprobs is None else None
     ours_p, base_p = tmp / "ours.rcap", tmp / "baseline.pkl.gz"
-    ow, bw, orr, br, os_, bs, oe, be, og, op = [], [], [], [], [], [], [], [], [], []
+    ow, bw, orr, br, os_, bs, oe, be, og = [], [], [], [], [], [], [], [], []
     try:
         for _ in range(REPEATS):
             ow.append(write_ours(ours_p, header, events))
             if forms is not None:
                 og.append(write_ours_given(tmp / "given.rcap", header, events, forms))
-            if COMPILED is not None:
-                op.append(write_ours_python(tmp / "python.rcap", header, events))
             bw.append(write_baseline(base_p, header, events))
             os_.append(stage_ours(ours_p, tmp / "stage.zst"))
             bs.append(stage_baseline(events, header, tmp / "stage.gz"))
@@ -355,7 +336,7 @@ def bench_workload(name: str, w: SynthShape, tmp: Path) -> dict:
         gc.unfreeze()
         ours_p.unlink(missing_ok=True)
         base_p.unlink(missing_ok=True)
-    ours = summarize(ow, orr, gen_tokens, os_, len(steps), oe, og, op)
+    ours = summarize(ow, orr, gen_tokens, os_, len(steps), oe, og)
     ours["bytes_per_gen_token_settled"] = size_at_level(tmp / "settled.rcap", header, events) / gen_tokens
     return {"name": name, "steps": len(steps), "running": w.running, "generated_tokens": gen_tokens,
             "ours": ours,
@@ -437,11 +418,9 @@ def _settled(r: dict) -> str:
 
 
 def _given_note(results: list[dict]) -> str:
-    """The e2e target's notes: the Python passes' figure, and the floor of the path but `stored_step`."""
+    """The e2e target's note: the floor of the path but `stored_step`."""
     given = [r for r in results if r["ours"]["given_steps_per_s"] is not None]
-    worst = min(results, key=lambda r: r["ours"]["steps_per_s"] / r["baseline"]["steps_per_s"])
-    python = worst["ours"]["python_steps_per_s"]
-    return ("" if python is None else f"; with the Python passes: {python / worst['baseline']['steps_per_s']:.1f}x") + "".join(f"; {r['name']}, with every step's stored form given (the rest of the path alone): "
+    return "".join(f"; {r['name']}, with every step's stored form given (the rest of the path alone): "
                    f"{r['ours']['given_steps_per_s'] / r['baseline']['steps_per_s']:.1f}x" for r in given)
 
 
@@ -471,7 +450,6 @@ def render(m: dict, results: list[dict], ra: dict | None, tg: list[dict]) -> str
                ("write MB/s (uncompressed bytes)", "write_mbps", "{:.1f}"),
                ("writer stage MB/s (compress + write)", "stage_mbps", "{:.0f}"),
                ("steps/s end to end (encode included)", "steps_per_s", "{:.0f}"),
-               ("steps/s end to end, Python passes", "python_steps_per_s", "{:.0f}"),
                ("steps/s, serializing alone (ceiling)", "encode_alone_steps_per_s", "{:.0f}"),
                ("steps/s, stored form given (floor)", "given_steps_per_s", "{:.0f}"),
                ("scan MB/s (decompress+verify)", "scan_mbps", "{:.0f}"),

@@ -112,7 +112,7 @@ def _capture_room(module: str) -> str | None:
     return parts[2] if len(parts) > 3 and parts[:2] == ["replay", "capture"] else None
 
 
-def test_the_capture_rooms_import_down_and_nobody_imports_a_compiled_module_directly():
+def test_the_capture_rooms_import_down_and_share_no_private_name():
     known = {m for m, _ in _modules()}
     bad = []
     for module, path in _modules():
@@ -120,8 +120,7 @@ def test_the_capture_rooms_import_down_and_nobody_imports_a_compiled_module_dire
         for target in _imports(module, path):
             if module.startswith("replay.capture") and any(
                     part.startswith("_") and not part.startswith("__") for part in target.split(".")):
-                bad.append(f"{module} imports {target}: a private name or module (compiled modules load through "
-                           "fastwire.load_compiled)")
+                bad.append(f"{module} imports {target}: another module's private name")
             while target not in known and "." in target:
                 target = target.rpartition(".")[0]
             there = _capture_room(target)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 from msgspec.structs import replace
 
-from replay.capture.codec.fastwire import load_compiled
 from replay.capture.format.records import ColumnGroup, LogprobColumns
 from replay.contracts import Array, LogprobsLists
 from replay.contracts.arrays import FILTER_SHUFFLE, FILTER_TRANSPOSE, NUMPY_DTYPES
@@ -176,28 +175,10 @@ def markers(dtypes: tuple[str, str, str], shape: tuple[int, int], group: int, ro
                          Array(dtypes[2], shape[:1], b"", marker), cu_num_generated_tokens)
 
 
-_pack_c = load_compiled("codec._pack")  # (None without a C compiler, or on a big-endian host: numpy packs the same bytes)
-PACK_GROUP = None if _pack_c is None else _pack_c.pack_group
-
-
 def _pack(kind: tuple, ids_rows: np.ndarray, vals_rows: np.ndarray, ranks: np.ndarray) -> ColumnGroup:
-    """A group's matrices ([rows, K], [rows, K], [rows]; `kind`: their dtype names and K) as stored: compiled
-    (`_pack.c`, one pass per output) where it is built, else numpy; the same bytes."""
-    rows, k = ids_rows.shape
-    if PACK_GROUP is None or k < 2:
-        return _pack_numpy(kind, ids_rows, vals_rows, ranks)
-    ids, shuffled, ref, vals, ranks_data, ranks_shuffled = PACK_GROUP(
-        ids_rows.data, vals_rows.data, ranks.data, rows, k, ids_rows.dtype.itemsize, ids_rows.dtype.kind == "i",
-        vals_rows.dtype.itemsize, ranks.dtype.itemsize)
-    id_filters = (FILTER_TRANSPOSE,) + (FILTER_SHUFFLE,) * shuffled + (FILTER_COL0_REF,) * ref
-    val_filters = (FILTER_TRANSPOSE, FILTER_SHUFFLE, FILTER_COL0_XOR) + (FILTER_ROW_DELTA,) * (k >= 3)
-    return ColumnGroup(Array(kind[0], (rows, k), ids, id_filters), Array(kind[1], (rows, k), vals, val_filters),
-                       Array(kind[2], (rows,), ranks_data, (FILTER_SHUFFLE,) * ranks_shuffled))
-
-
-def _pack_numpy(kind: tuple, ids_rows: np.ndarray, vals_rows: np.ndarray, ranks: np.ndarray) -> ColumnGroup:
-    """`_pack` in numpy. It works on contiguous columns ([K, rows]): the same transforms on the row-major matrix
-    took twice as long (reductions and strides along rows of K)."""
+    """A group's matrices ([rows, K], [rows, K], [rows]; `kind`: their dtype names and K) as stored. It works on
+    contiguous columns ([K, rows]): the same transforms on the row-major matrix took twice as long (reductions and
+    strides along rows of K)."""
     ids = ids_rows.T.copy()  # [K, rows], C order: the chunk's own copy, transformed in place
     vals = vals_rows.T.copy()
     k, rows = ids.shape

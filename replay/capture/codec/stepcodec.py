@@ -27,9 +27,8 @@ from replay.capture.codec.columns import (
     xor_col0_inplace,
 )
 from replay.capture.codec.columns import plain as _plain
-from replay.capture.codec.fastwire import COMPILED, PYTHON, PythonPasses
+from replay.capture.codec.passes import PASSES, PythonPasses
 from replay.capture.format.ids import IdTable
-from replay.capture.codec.prompts import ArrivedPrompts
 from replay.capture.format.records import (
     COMPUTED_MINUS_OUTPUT,
     OUTPUT_IDS_IN_BATCH_ORDER,
@@ -69,21 +68,19 @@ def _md(f, d):
     return dict(zip(map(f, d), d.values())) if d else d
 
 
-def _map_so(so: SchedulerOutput, f: Callable[[A], B], cached: Callable | None = None, prompt: Callable | None = None,
+def _map_so(so: SchedulerOutput, f: Callable[[A], B], cached: Callable | None = None,
             scheduled_left_out: bool = False, counts: tuple | None = None) -> SchedulerOutput:
     """`so` with its request ids mapped through `f` (`cached`: the cached requests' ids at once); writing, also
-    `prompt(req_id, prompt_token_ids)` for each new request's prompt as stored, `num_scheduled_tokens` stored empty
-    (`scheduled_left_out`) and the cached requests' (computed - output, output) token counts (`counts`)."""
+    `num_scheduled_tokens` stored empty (`scheduled_left_out`) and the cached requests' (computed - output, output)
+    token counts (`counts`)."""
     cr = so.scheduled_cached_reqs
     if counts is not None or cr.req_ids or cr.resumed_req_ids or cr.all_token_ids:
         packed = {} if counts is None else {"num_computed_tokens": counts[0], "num_output_tokens": counts[1]}
         cr = replace(cr, req_ids=_ml(f, cr.req_ids) if cached is None else cached(cr.req_ids),
                      resumed_req_ids=_ms(f, cr.resumed_req_ids), all_token_ids=_md(f, cr.all_token_ids), **packed)
     new = so.scheduled_new_reqs
-    if new and prompt is None:
+    if new:
         new = [replace(r, req_id=f(r.req_id)) for r in new]
-    elif new:
-        new = [replace(r, req_id=f(r.req_id), prompt_token_ids=prompt(r.req_id, r.prompt_token_ids)) for r in new]
     return replace(
         so,
         scheduled_new_reqs=new,
@@ -309,27 +306,18 @@ _STEP_FIELDS = Step.__struct_fields__  # index, scheduler_output, then the rest
 def step_to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> Step[int]:
     """The stored form of a step (an `AlignedStep` where it can be); new ids are assigned handles in `table` (collect
     them with `take_new`). With `columns` (the open chunk's), its logprob matrices go there and the step keeps
-    markers to them. The Python passes; the writer's `stored_step` stores the same bytes, faster."""
-    return _to_wire(step, table, columns, PYTHON)[0]
+    markers to them."""
+    return _to_wire(step, table, columns, PASSES)[0]
 
 
-def stored_step(step: Step[str], table: IdTable, columns: ColumnSink | None = None,
-                prompts: ArrivedPrompts | None = None) -> tuple[Step[int], int]:
-    """`step_to_wire` with the compiled passes where they take the step (its columns then msgpack already, as
-    `msgspec.Raw`: the same bytes once encoded), and the step's count of generated tokens. With `prompts` (the
-    writer's), a new request's prompt is the bytes its arrival was encoded with, where it holds the same objects."""
-    if COMPILED is not None:
-        try:
-            return _to_wire(step, table, columns, COMPILED, prompts)
-        except (TypeError, OverflowError):  # raised before anything is interned, held or joins `columns`
-            pass
-    return _to_wire(step, table, columns, PYTHON, prompts)
+def stored_step(step: Step[str], table: IdTable, columns: ColumnSink | None = None) -> tuple[Step[int], int]:
+    """`step_to_wire`, and the step's count of generated tokens (the writer's)."""
+    return _to_wire(step, table, columns, PASSES)
 
 
-def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: PythonPasses,
-             prompts: ArrivedPrompts | None = None) -> tuple[Step[int], int]:
+def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: PythonPasses) -> tuple[Step[int], int]:
     so, mro = step.scheduler_output, step.model_runner_output
-    # the pure passes first: with the compiled ones, any of them may raise for the Python passes to take the step
+    # the pure passes first, then what interns
     tokens, generated = p.tokens(mro.sampled_token_ids) if mro is not None else (None, 0)
     scheduled, layout, out_ids, out_index = _slim(so, mro, p)
     cr = so.scheduled_cached_reqs
@@ -345,8 +333,7 @@ def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: Pyt
             return columns.add(lp) or _pack_lp(lp, sampled)
     f = table.handle
     # then what interns and what moves logprobs into `columns`, each part built once
-    wso = _map_so(so, f, lambda ids: p.handles(ids, f, table.interning), None if prompts is None else prompts.scheduled,
-                  scheduled is not None, counts)
+    wso = _map_so(so, f, lambda ids: p.handles(ids, f, table.interning), scheduled is not None, counts)
     wmro = None if mro is None else _map_mro(mro, f, pack, _pack_plp, out_ids, out_index, tokens)
     rest = _map_rest(step, f)
     if scheduled is None and not layout:

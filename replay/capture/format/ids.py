@@ -12,14 +12,11 @@ class UnknownHandleError(KeyError):
 class _Handles(dict):
     """id -> handle; a missing id gets the next handle, so `dict.__getitem__` interns at C speed in `map`."""
 
-    __slots__ = ("ids", "last")
+    __slots__ = ("ids",)
 
     def __init__(self, ids: list[str]):
         super().__init__((s, i) for i, s in enumerate(ids))
         self.ids = ids
-        # (the id objects of the last list mapped at once, held; its handles encoded): a decoding batch is the same
-        # list step after step (2 of 3 steps of capture_bench's churn workload), so its handles are too
-        self.last: tuple[tuple, object] | None = None
 
     def __missing__(self, req_id: str) -> int:
         h = self[req_id] = len(self.ids)

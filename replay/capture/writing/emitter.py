@@ -1,13 +1,14 @@
 """`ChunkEmitter`: compress and write a writer's sealed chunks off the recording thread, in the order they were
-sealed. `open_emitter` gives the compiled one (`CompiledEmitter`, over `replay.capture._emit`) where it loads, else
-the Python threads below.
+sealed.
 
 Why more than one thread: zstd and file writes run without the GIL, but a thread needs it back after each, and a
 busy recording thread (capture_bench's builtin loop: a step every ~40 µs, nothing that blocks) gives it up only
 at the interpreter's switch interval (5 ms). One thread then spent ~15 ms of waits on each 1 MiB chunk that a
 recording loop sealed every ~8 ms, fell chunks behind, and left ~25 ms of them to catch up at close (a fifth of
 the run). Two threads wait for the GIL at the same time, so their waits overlap; each compresses with its own
-context (a ZstdCompressor is not thread-safe), and a frame is written once every chunk sealed before it is.
+context (a ZstdCompressor is not thread-safe), and a frame is written once every chunk sealed before it is. (C
+threads that never take the GIL saved the vLLM writer process 15-25 % of its CPU and were removed, as was
+python-zstandard's own multi-threaded compression, which cost more: docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any, Callable
 import zstandard
 
 from replay.capture.format import records as fmt
-from replay.capture.codec.fastwire import load_compiled
 
 _ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
 WORKERS = 2
@@ -34,26 +34,14 @@ CATCH_UP_BACKLOG = 2
 CATCH_UP_LEVEL = 1
 
 
-_emit = load_compiled("writing._emit")
-COMPILED = _emit if _emit is not None and _emit.available() is None else None  # (not without libzstd.so.1)
-# One core is the recording thread's: on two, a second compressing thread only takes turns with it (capture_bench: one
-# thread 7-21 % faster end to end than two); beyond that, two drain a backlog twice as fast. At close the recorder's
-# core is free too: what waits then is drained on every core, up to four.
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # (this process's)
-C_WORKERS = max(1, min(2, _CORES - 1))
-C_DRAIN_WORKERS = max(1, min(4, _CORES))
-
-
 def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Callable[[], tuple[int, Any] | None],
-                 catch_up_level: int | None = CATCH_UP_LEVEL) -> "ChunkEmitter | CompiledEmitter":
-    """The writer's emitter: `CompiledEmitter` where `replay.capture._emit` loads, else `ChunkEmitter`'s threads
-    (the same frames, in the same order; see each for why)."""
-    kind = ChunkEmitter if COMPILED is None else CompiledEmitter
-    return kind(f, level=level, fsync=fsync, interval=interval, idle=idle, catch_up_level=catch_up_level)
+                 catch_up_level: int | None = CATCH_UP_LEVEL) -> "ChunkEmitter":
+    """The writer's emitter (see `ChunkEmitter`)."""
+    return ChunkEmitter(f, level=level, fsync=fsync, interval=interval, idle=idle, catch_up_level=catch_up_level)
 
 
 class _Frames:
-    """What both emitters share: the file `f`, the bytes in it, and the numbers of the chunks sealed."""
+    """The file `f`, the bytes in it, and the numbers of the chunks sealed."""
 
     def __init__(self, f: Any):
         self.f = f
@@ -160,89 +148,3 @@ class ChunkEmitter(_Frames):
                     self._next += 1
         except BaseException as e:  # noqa: BLE001 - handed to the recording thread (CaptureWriter._check)
             self.error = e
-
-
-class CompiledEmitter(_Frames):
-    """`ChunkEmitter`'s interface over `replay.capture._emit`: C threads join, compress and write the chunks
-    without ever taking the GIL, so a busy recording loop never makes it wait (`_emit.c` says what that cost). A
-    Python thread wakes every `interval` only to ask `idle()` for an old open chunk. Frames are collected (their
-    places in the file, into each chunk's ChunkInfo) whenever a chunk is handed over, and at `stop`."""
-
-    def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
-                 idle: Callable[[], tuple[int, Any] | None], catch_up_level: int | None = CATCH_UP_LEVEL):
-        super().__init__(f)
-        self.caught_up = 0  # chunks compressed at the catch-up level
-        self.chunks: list[fmt.ChunkInfo] = []  # of the frames written, in file order
-        self._level, self._fsync, self._interval, self._idle = level, fsync, interval, idle
-        self._catch_up = catch_up_level if catch_up_level is not None and catch_up_level < level else level
-        self._sealed: dict[int, Any] = {}  # handed over, until its frame is collected
-        self._error: BaseException | None = None  # the idle path's (the C thread keeps its own)
-        self._c: Any = None
-        self._collecting = threading.Lock()  # frames join `chunks` in the order the C thread wrote them
-        self._stopped = threading.Event()
-        self._timer = threading.Thread(target=self._tick, name="replay-capture-idle", daemon=True)
-
-    def start(self) -> None:
-        """Start the C thread, writing after what the file starts with (`write`), and the idle timer."""
-        self.f.flush()  # (the C thread writes to the file descriptor, after whatever `f` has buffered)
-        self._c = COMPILED.Emitter(self.f.fileno(), self._level, self._catch_up, CATCH_UP_BACKLOG, self._fsync,
-                                   DEPTH, self._written, 0, C_WORKERS, C_DRAIN_WORKERS)
-        self._c.start()
-        self._timer.start()
-
-    def put(self, chunk: Any) -> None:
-        """Hand a sealed chunk over (under the lock that seals chunks). Blocks, the GIL let go, while DEPTH wait."""
-        seq = self.number()
-        self._sealed[seq] = chunk
-        self._submit(seq, chunk, True)
-        self._collect()
-
-    def stop(self) -> None:
-        """Write every chunk handed over, then end the threads."""
-        self._stopped.set()
-        self._timer.join()
-        self._c.stop()
-        self._collect()
-
-    @property
-    def bytes_written(self) -> int:
-        """Bytes in the file: what `write` wrote and the frames collected."""
-        if self._c is not None:
-            self._collect()
-        return self._written
-
-    @property
-    def error(self) -> BaseException | None:
-        """The first failure (a full disk): kept for the recording thread; the C thread goes on draining."""
-        if self._error is not None or self._c is None or (e := self._c.error) is None:
-            return self._error
-        return OSError(e[0], e[1]) if e[0] else zstandard.ZstdError(e[1])
-
-    def _submit(self, seq: int, chunk: Any, block: bool) -> None:
-        try:
-            self._c.submit(seq, chunk.parts, block)
-        except TypeError:  # (a part that is bytes-like but not bytes: the C threads read bytes objects only)
-            self._c.submit(seq, [bytes(p) for p in chunk.parts], block)
-
-    def _collect(self) -> None:
-        with self._collecting:
-            for seq, offset, length, raw, caught_up in self._c.done():
-                c = self._sealed.pop(seq)
-                if length < 0:  # (dropped after an error)
-                    continue
-                c.info.offset, c.info.length, c.info.raw_size = offset, length, raw
-                self.chunks.append(c.info)
-                self.caught_up += caught_up
-                self._written = offset + length
-
-    def _tick(self) -> None:
-        while not self._stopped.wait(self._interval):
-            try:
-                item = self._idle()
-                if item is not None:
-                    seq, c = item
-                    self._sealed[seq] = c
-                    self._submit(seq, c, False)  # (never waits: the C threads may be waiting for this one)
-                self._collect()  # (an idle engine's chunks let go of their records)
-            except Exception as e:  # noqa: BLE001 - handed to the recording thread; this one goes on
-                self._error = e

@@ -18,7 +18,6 @@ import numpy as np
 
 from replay.capture.format import records as fmt
 from replay.capture.codec.columns import ColumnSink, markers
-from replay.capture.codec.fastwire import COMPILED
 from replay.capture.codec.step_image import (
     SCHEDULE,
     NIL,
@@ -122,13 +121,8 @@ def one_token_each_images(column_0: np.ndarray) -> tuple[bytes, list[int]] | Non
 
 
 def _one_token_a_row(s: _Pending, n: int, ids: np.ndarray, each: dict) -> bool:
-    """Whether the step sampled its logprob rows' column 0, one token a row: one compiled pass over its tokens'
-    image where `_wire` is built (and takes the matrix), else a comparison with the chunk's images of `[t]`."""
-    if COMPILED is not None:
-        try:
-            return COMPILED.one_token_rows(s.parts.tokens, ids, s.row, n)
-        except TypeError:  # a matrix the compiled pass does not read
-            pass
+    """Whether the step sampled its logprob rows' column 0, one token a row: a comparison of its tokens' image with
+    the chunk's images of `[t]`."""
     if s.group not in each:
         each[s.group] = one_token_each_images(ids[:, 0])
     return _repeats_column_0(s.parts.tokens, each[s.group], s.row, n, ids)

@@ -28,7 +28,6 @@ from replay.capture.format.frames import skippable_frame
 from replay.capture.writing.image_batch import PartsBatch
 from replay.capture.codec.step_image import OutputParts, is_nil, store_step_image
 from replay.capture.format.ids import IdTable
-from replay.capture.codec.prompts import ArrivedPrompts
 from replay.capture.codec.stepcodec import stored_step
 from replay.contracts import (
     DraftCounts,
@@ -112,7 +111,6 @@ class CaptureWriter(WriterContext):
         self.flush_interval = flush_interval
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = IdTable()
-        self._prompts = ArrivedPrompts()  # (encoded at arrival, reused by the step that schedules the request)
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = _Chunk()
@@ -139,26 +137,17 @@ class CaptureWriter(WriterContext):
         """Record a request arrival; `step` is the index of the next step to run. Its id joins the seek index's id
         table (steps stored as images name requests by id, not by handle); the `Ids` record that declares it in
         band comes with the first step that uses its handle, as ever."""
-        with self._lock:
-            held = self._prompts.arrived(request)
         prompt = request.prompt_token_ids
-        if held is request and isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
+        if isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
             # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
             raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
-        try:
-            data = self._encode(fmt.RequestAdded(step, held))
-        except UsageError:
-            with self._lock:  # (not recorded: no step may reuse its prompt's bytes)
-                self._prompts.forget(request.request_id)
-            raise
+        data = self._encode(fmt.RequestAdded(step, request))
         with self._lock:
             self._ids.handle(request.request_id)
         self._append([data], requests_added=1)
 
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
-        with self._lock:
-            self._prompts.forget(request_id)
         self._append([self._encode(fmt.RequestAborted(step, request_id))])
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
@@ -178,7 +167,7 @@ class CaptureWriter(WriterContext):
         self._check()
         with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
             self._seal_if_old_locked()
-            wire, generated = stored_step(step, self._ids, self._chunk.columns, self._prompts)
+            wire, generated = stored_step(step, self._ids, self._chunk.columns)
             new_ids = self._ids.take_new()
             parts = [self._encode(new_ids)] if new_ids is not None else []
             parts.append(self._encode(wire))
@@ -200,7 +189,6 @@ class CaptureWriter(WriterContext):
             self.image_decoder = ImageDecoder()
         self._check()
         with self._lock:  # the step and its logprob rows join one chunk
-            self._prompts.stop()  # (steps as images never reuse an arrival's prompt: hold none)
             self._seal_if_old_locked()
             c, parts = self._chunk, model_runner_output
             try:  # an output in parts is finished with its chunk (PartsBatch) when it can be
@@ -220,12 +208,6 @@ class CaptureWriter(WriterContext):
                                     drafts=stats.drafts)
         self._last_step = index
         return size
-
-    def steps_as_images(self) -> None:
-        """Say that this capture's steps will come as images (`write_step_image`): arrivals' prompts are then not
-        held for a step to reuse (`replay.capture.codec.prompts`), which an image step never does."""
-        with self._lock:
-            self._prompts.stop()
 
     def write_crash(self, crash: fmt.Crash) -> None:
         """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,
@@ -265,7 +247,6 @@ class CaptureWriter(WriterContext):
         self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
         with self._lock:
             self._seal_locked()
-            self._prompts.clear()
         self._closed = True
         self._out.stop()
         self._check()

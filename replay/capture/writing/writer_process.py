@@ -324,7 +324,6 @@ def _child(options: dict) -> int:
                                chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
                                level=options["level"])
         if options.get("images"):
-            writer.steps_as_images()
             images.warm()  # one-time work before "ready", not on the engine's first steps
         # its start-up CPU (imports, converters), for bench/; its pid (detached, it is no child of the engine's)
         say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})

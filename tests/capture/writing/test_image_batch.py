@@ -66,19 +66,8 @@ def _figures(path):
     return i.num_steps, i.num_generated_tokens, i.num_scheduled_tokens
 
 
-@pytest.fixture(params=["compiled", "python"])
-def check(request, monkeypatch):
-    """Both checks of a step's one-token-a-row tokens: the compiled pass (`_wire.one_token_rows`) and the chunk's
-    images in Python (where `_wire` is not built)."""
-    if request.param == "compiled" and image_batch.COMPILED is None:
-        pytest.skip("replay.capture._wire was not built")
-    if request.param == "python":
-        monkeypatch.setattr(image_batch, "COMPILED", None)
-    return request.param
-
-
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 600])
-def test_batched_steps_are_stored_byte_for_byte_as_step_by_step(tmp_path, monkeypatch, chunk_bytes, check):
+def test_batched_steps_are_stored_byte_for_byte_as_step_by_step(tmp_path, monkeypatch, chunk_bytes):
     so = ENC.encode({"total_num_scheduled_tokens": 5})
     steps = [(so, p) for p in _cases()] * 2
     steps.insert(3, (so, ENC.encode({"req_ids": ["w"], "sampled_token_ids": [[9]]})))  # a whole image among them
@@ -96,7 +85,7 @@ def test_batched_steps_are_stored_byte_for_byte_as_step_by_step(tmp_path, monkey
         [msgspec.msgpack.decode(p.tokens) if isinstance(p, OutputParts) else [[9]] for _, p in steps]
 
 
-def test_a_synthetic_run_sent_in_parts_reads_back_as_its_steps(tmp_path, monkeypatch, check):
+def test_a_synthetic_run_sent_in_parts_reads_back_as_its_steps(tmp_path, monkeypatch):
     wl = SynthShape(steps=30, running=20, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=4, vocab_size=300, seed=8)
     events = [ev for ev in synth_events(wl) if ev.request is None]
     steps = [(ENC.encode(as_map(ev.scheduler_output)), as_parts(ev.model_runner_output)) for ev in events]
@@ -120,7 +109,7 @@ def test_the_chunks_one_token_images_are_msgspecs_own():
 
 
 @pytest.mark.parametrize("tokens", [ENC.encode([["five"], ["seven"]]), ENC.encode("x")])
-def test_tokens_of_another_shape_are_kept_as_sent(tmp_path, monkeypatch, tokens, check):
+def test_tokens_of_another_shape_are_kept_as_sent(tmp_path, monkeypatch, tokens):
     """No engine's tap sends these, but the writer must neither fall over nor lose them."""
     ids = np.array([[5, 6], [7, 8]])
     steps = [(ENC.encode({"total_num_scheduled_tokens": 2}), _parts([[5], [7]], ids)),
