@@ -62,7 +62,7 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             gen = sum(c.num_generated_tokens for c in good)
             added = sum(c.num_requests_added for c in good)
             drafts = DraftCounts(sum(c.num_draft_tokens for c in good), sum(c.num_accepted_draft_tokens for c in good))
-            num_requests = len(r.index.ids)
+            num_requests = len(r.index.ids) or r.index.num_requests  # (1.5 keeps the count, not the ids)
             status = r.index.status
             num_chunks = len(chunks)
         else:

@@ -101,8 +101,8 @@ class _AlignedStepHead(StepHead, tag="aligned_step"):
 
 
 # every record of a chunk, steps as heads
-DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | StepHead | _PackedStepHead
-                                  | _AlignedStepHead | fmt.LogprobColumns | fmt.StepImage | fmt.Crash | fmt.Footer)
+DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | fmt.LiveIds | StepHead
+                                  | _PackedStepHead | _AlignedStepHead | fmt.LogprobColumns | fmt.StepImage | fmt.Crash | fmt.Footer)
 _HEAD = msgspec.msgpack.Decoder(StepHead)
 
 

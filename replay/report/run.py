@@ -114,6 +114,12 @@ class _Scan:
             self.grow(len(self.ids))
         return h
 
+    def declare_live(self, rec: fmt.LiveIds) -> None:
+        """A 1.5 chunk's live handles, declared again: the same names as before, or the first this scan meets
+        (the chunk was read on its own)."""
+        for h, s in zip(rec.handles, rec.ids):
+            self.declare(fmt.Ids(h, [s]))
+
     def declare(self, rec: fmt.Ids) -> None:
         """Handles `rec.first...` name these internal ids (in-band; the same as the index's)."""
         end = rec.first + len(rec.ids)
@@ -297,6 +303,8 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
                                              last_step=rec.index))
                 elif isinstance(rec, fmt.Ids):
                     scan.declare(rec)
+                elif isinstance(rec, fmt.LiveIds):  # (1.5: the same handles again, as the chunk began)
+                    scan.declare_live(rec)
                 elif isinstance(rec, fmt.RequestAdded):
                     scan.added.setdefault(rec.request.request_id, rec)
                     scan.handle(rec.request.request_id)  # the writer gives handles in arrival order too

@@ -43,7 +43,10 @@ FORMAT_MAJOR = 1
 #      computed-token counts stored against its output-token counts (a 1.2 reader skips both)
 # 1.4: `AlignedStep`: a PackedStep whose per-request maps are stored as lists in the step's batch order (a 1.3
 #      reader skips these steps as unknown records)
-FORMAT_MINOR = 4
+# 1.5: the writer keeps only the live requests' ids: a chunk's first step is preceded by a `LiveIds` record that
+#      re-declares the handles live when it began, the seek index's `ids` is empty and `num_requests` counts them
+#      (a 1.4 reader skips LiveIds, and resolves only the handles its chunks declare as new)
+FORMAT_MINOR = 5
 
 PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
 INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
@@ -150,6 +153,16 @@ class Ids(msgspec.Struct, tag="ids", array_like=True):
     uses them, in the same chunk, so every chunk read in order resolves its handles."""
 
     first: int
+    ids: list[str]
+
+
+class LiveIds(msgspec.Struct, tag="live_ids", array_like=True):
+    """Format 1.5: the request-id handles live (arrived or scheduled, not yet finished) when a chunk's first step was
+    written, `ids[i]` being handle `handles[i]`. It precedes that step, so one chunk resolves every handle its steps
+    use (with the `Ids` of those that come new in it), and neither the writer nor a reader keeps the ids of requests
+    that finished: their memory follows the live requests, not every request since the capture began."""
+
+    handles: list[int]
     ids: list[str]
 
 
@@ -265,13 +278,14 @@ class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
     status: str = "ok"
 
 
-# Records as stored (request ids in steps are int handles). `Ids` and `LogprobColumns` never leave the reader.
-WireRecord = (Header | RequestAdded | RequestAborted | Ids | LogprobColumns | Step[int] | PackedStep | AlignedStep
-              | StepImage | Crash | Footer)
+# Records as stored (request ids in steps are int handles). `Ids`, `LiveIds` and `LogprobColumns` never leave the
+# reader.
+WireRecord = (Header | RequestAdded | RequestAborted | Ids | LiveIds | LogprobColumns | Step[int] | PackedStep
+              | AlignedStep | StepImage | Crash | Footer)
 # Records as the reader yields them (ids resolved to vLLM's strings).
 Record = Header | RequestAdded | RequestAborted | Step[str] | Crash | Footer
-RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "logprob_columns", "step", "packed_step",
-                         "aligned_step", "step_image", "crash", "footer"})
+RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "live_ids", "logprob_columns", "step",
+                         "packed_step", "aligned_step", "step_image", "crash", "footer"})
 STEP_TAGS = ("step", "packed_step", "aligned_step", "step_image")
 
 
@@ -297,9 +311,10 @@ class Index(msgspec.Struct, array_like=True, omit_defaults=True):
     """The seek index written at close (in a skippable frame) and by `recover`."""
 
     chunks: list[ChunkInfo]
-    ids: list[str]  # every request-id handle of the capture, in handle order
+    ids: list[str]  # every request-id handle of the capture, in handle order (empty from 1.5: see LiveIds)
     num_steps: int = 0
     status: str = "ok"  # the Footer's status
+    num_requests: int = 0  # 1.5: requests recorded (the arrivals, or the requests its steps named, if more)
 
 
 WIRE_ENCODER = msgspec.msgpack.Encoder()

@@ -252,7 +252,8 @@ class CaptureReader:
         """Wire records of one chunk (unknown tags skipped; `data`: its bytes, if already decompressed). Raises
         ChunkUnreadable.
 
-        With an index, `Ids` records are skipped (handles resolve from the index) and `keep_step(index) -> bool`,
+        With an index that holds the ids (before 1.5), `Ids` records are skipped (handles resolve from it); with any
+        index `keep_step(index) -> bool`,
         when given, selects steps by their index *before* decoding them: random access decodes one record."""
         if data is None:
             data = self._decompress(ref)
@@ -265,9 +266,9 @@ class CaptureReader:
             if len(raw) > self.max_record_bytes:
                 raise LimitExceededError(self.path, f"record of {len(raw)} bytes over the {self.max_record_bytes}-byte "
                                          "limit", chunk=ref.number, offset=ref.offset)
-            if self.index is not None:  # handles come from the index: skip the in-band declarations
+            if self.index is not None:  # before 1.5 handles come from the index: skip the in-band declarations
                 tag, index = peek(raw)
-                if tag == "ids" or (keep_step is not None and tag in fmt.STEP_TAGS and index is not None
+                if (tag == "ids" and self.index.ids) or (keep_step is not None and tag in fmt.STEP_TAGS and index is not None
                                     and not keep_step(index)):
                     continue
             try:
@@ -309,6 +310,8 @@ class CaptureReader:
             for rec in recs:
                 if isinstance(rec, fmt.Ids):
                     table.declare(rec)
+                elif isinstance(rec, fmt.LiveIds):
+                    table.declare_live(rec)
                 elif isinstance(rec, fmt.LogprobColumns):
                     columns = ColumnSource(rec)
                 elif isinstance(rec, (fmt.Step, fmt.StepImage)):

@@ -27,7 +27,7 @@ from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
 from replay.capture.format.frames import skippable_frame
 from replay.capture.writing.image_batch import PartsBatch
 from replay.capture.codec.step_image import OutputParts, is_nil, store_step_image
-from replay.capture.format.ids import IdTable
+from replay.capture.format.ids import LiveIdTable
 from replay.capture.codec.stepcodec import stored_step
 from replay.contracts import (
     DraftCounts,
@@ -43,7 +43,7 @@ class _Chunk:
     """Encoded records waiting to be compressed, plus the stats the index keeps for them, and the logprob matrices
     of its steps (`columns`), which become its first record when it is sealed."""
 
-    __slots__ = ("parts", "raw", "info", "born", "columns", "batch")
+    __slots__ = ("parts", "raw", "info", "born", "columns", "batch", "declared")
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
@@ -52,6 +52,7 @@ class _Chunk:
         self.born = time.monotonic()
         self.columns = ColumnSink()
         self.batch = PartsBatch()  # its image steps with outputs in parts (None in `parts` until sealed)
+        self.declared = False  # whether its first step's LiveIds is written (format 1.5)
 
     def seal(self, decoder) -> None:
         """Finish the steps set aside, then put the chunk's logprob columns first (format 1.3): a reader meets them
@@ -110,7 +111,8 @@ class CaptureWriter(WriterContext):
         self.chunk_bytes = chunk_bytes
         self.flush_interval = flush_interval
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
-        self._ids = IdTable()
+        self._ids = LiveIdTable()
+        self._arrivals = 0
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = _Chunk()
@@ -134,16 +136,13 @@ class CaptureWriter(WriterContext):
     # -- public API ---------------------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest, step: int) -> None:
-        """Record a request arrival; `step` is the index of the next step to run. Its id joins the seek index's id
-        table (steps stored as images name requests by id, not by handle); the `Ids` record that declares it in
-        band comes with the first step that uses its handle, as ever."""
+        """Record a request arrival; `step` is the index of the next step to run."""
         prompt = request.prompt_token_ids
         if isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
             # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
             raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
         data = self._encode(fmt.RequestAdded(step, request))
-        with self._lock:
-            self._ids.handle(request.request_id)
+        self._arrivals += 1  # (its id is interned by the first step that names it: image steps never do)
         self._append([data], requests_added=1)
 
     def abort_request(self, request_id: str, step: int) -> None:
@@ -168,11 +167,16 @@ class CaptureWriter(WriterContext):
         with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
             self._seal_if_old_locked()
             wire, generated = stored_step(step, self._ids, self._chunk.columns)
-            new_ids = self._ids.take_new()
-            parts = [self._encode(new_ids)] if new_ids is not None else []
+            if self._chunk.declared:
+                declare = self._ids.take_new()
+            else:  # a chunk's first step: every live handle (new ones included), so the chunk reads on its own
+                self._chunk.declared, declare = True, self._ids.live()
+            parts = [self._encode(declare)] if declare is not None else []
             parts.append(self._encode(wire))
             self._append_locked(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens,
                                 generated=generated, drafts=drafts)
+            for rid in step.scheduler_output.finished_req_ids:  # named for the last time: the runner drops them
+                self._ids.drop(rid)
         self._last_step = step.index
         return sum(len(p) for p in parts)
 
@@ -251,7 +255,8 @@ class CaptureWriter(WriterContext):
         self._out.stop()
         self._check()
         try:
-            index = fmt.Index(list(self._out.chunks), list(self._ids.ids), self._num_steps, status)  # type: ignore[arg-type]
+            index = fmt.Index(list(self._out.chunks), [], self._num_steps, status,  # type: ignore[arg-type]
+                              max(self._ids.count, self._arrivals))
             body = self._cctx.compress(fmt.WIRE_ENCODER.encode(index))
             offset = self.bytes_written
             trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ZSTD

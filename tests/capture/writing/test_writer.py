@@ -161,3 +161,29 @@ def test_a_new_capture_is_private_to_its_owner_unless_a_mode_is_chosen(tmp_path,
             CaptureWriter(tmp_path / "bad.capture", make_header("test"))
     finally:
         os.umask(old)
+
+
+def test_the_writer_keeps_only_the_live_requests_ids_and_every_chunk_reads_on_its_own(tmp_path):
+    """A server records for a week: the writer's id table must follow the requests in flight, not every request
+    since the start (format 1.5: a finished request's id is dropped, each chunk re-declares the live ones), and a
+    step looked up through the index still resolves every request it names from its own chunk."""
+    from replay.record.synth import SynthShape, synth_events
+
+    shape = SynthShape(steps=400, running=6, prompt_len=(4, 12), output_len=(2, 6), num_logprobs=2, seed=11)
+    path, steps, most = tmp_path / "long.capture", {}, 0
+    with CaptureWriter(path, make_header("test"), chunk_bytes=3000) as w:
+        for ev in synth_events(shape):
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+                steps[ev.step] = ev
+                most = max(most, len(w._ids.interning))
+        handles = w._ids.count
+    assert handles > 10 * most and most <= 2 * shape.running  # hundreds of requests, a dozen ids held at most
+    with CaptureReader(path) as r:
+        assert r.index.ids == [] and r.index.num_requests == handles and len(r.index.chunks) > 20
+        for k in (7, 199, 333, 399):  # one chunk each: what that chunk declares is all it needs
+            got, want = r.step(k), steps[k]
+            assert got.scheduler_output == want.scheduler_output and got.model_runner_output == want.model_runner_output
+        assert not r.damage
