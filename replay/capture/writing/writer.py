@@ -112,7 +112,6 @@ class CaptureWriter(WriterContext):
         self.flush_interval = flush_interval
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = LiveIdTable()
-        self._arrivals = 0
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = _Chunk()
@@ -141,8 +140,7 @@ class CaptureWriter(WriterContext):
         if isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
             # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
             raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
-        data = self._encode(fmt.RequestAdded(step, request))
-        self._arrivals += 1  # (its id is interned by the first step that names it: image steps never do)
+        data = self._encode(fmt.RequestAdded(step, request))  # (its id is interned by the first step that names it)
         self._append([data], requests_added=1)
 
     def abort_request(self, request_id: str, step: int) -> None:
@@ -255,8 +253,9 @@ class CaptureWriter(WriterContext):
         self._out.stop()
         self._check()
         try:
-            index = fmt.Index(list(self._out.chunks), [], self._num_steps, status,  # type: ignore[arg-type]
-                              max(self._ids.count, self._arrivals))
+            chunks = list(self._out.chunks)
+            arrivals = sum(c.num_requests_added for c in chunks)
+            index = fmt.Index(chunks, [], self._num_steps, status, max(self._ids.count, arrivals))  # type: ignore[arg-type]
             body = self._cctx.compress(fmt.WIRE_ENCODER.encode(index))
             offset = self.bytes_written
             trailer = struct.pack("<IQ", zlib.crc32(body), offset) + fmt.INDEX_TRAILER_ZSTD
