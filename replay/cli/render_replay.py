@@ -46,13 +46,21 @@ def _drafts(d: Divergence) -> str:
             f"{d.num_drafts} replayed{rejected}")
 
 
+def flip_name(flip: str | None) -> str:
+    """'TIE FLIP', 'CONFIDENT FLIP', 'NOT-ARGMAX FLIP', or 'RANDOM DRAW'."""
+    return "RANDOM DRAW" if flip == "draw" else f"{(flip or '').upper()} FLIP"
+
+
 def render_divergence(d: Divergence) -> list[str]:
     """The lines that describe one divergence."""
     if d.kind == "token":
         margin = f"top1-top2 margin {_fmt(d.margin, '.4g')}" if d.margin is not None else "margin unknown (no top-2 logprobs)"
+        if d.flip == "draw":
+            margin = ("logprobs equal within the tolerance: the same distribution, another draw" if d.same_distribution
+                      else "a random draw: its margin says nothing")
         drafts = f", {_drafts(d)}" if d.num_drafts is not None else ""
         return [f"  step {d.step}, request {d.request_id}, output position {d.position}: token {d.expected_token} "
-                f"expected, {d.actual_token} replayed ({(d.flip or '').upper()} FLIP)",
+                f"expected, {d.actual_token} replayed ({flip_name(d.flip)})",
                 f"  rank {d.expected_rank} -> {d.actual_rank}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)}, {margin}"
                 f"{drafts}"] + ([f"  a greedy request emitted a token that is not its argmax (rank {d.expected_rank} "
                                  f"recorded, {d.actual_rank} replayed): the sampler decided it, not the numerics"]
@@ -220,7 +228,7 @@ def render_capture_diff(res: CaptureDiff, verbose: bool | None = None) -> str:
     if d is None:
         return "\n".join(lines)
     if d.kind == "token":
-        lines.append(f"  token {d.a_token} in A, {d.b_token} in B ({(d.flip or '').upper()} FLIP, top1-top2 margin "
+        lines.append(f"  token {d.a_token} in A, {d.b_token} in B ({flip_name(d.flip)}, top1-top2 margin "
                      f"{_fmt(d.margin, '.4g')}, max |Δlogprob| {_fmt(d.max_abs_logprob_diff)})")
     elif d.kind == "logprobs":
         lines.append(f"  same token {d.a_token}, "

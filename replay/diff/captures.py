@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from replay.capture import CaptureReader, Header, RequestAdded, Step
+from replay.contracts import SAMPLING_EPS
 from replay.diff.rules import (
     Row,
     Tolerance,
@@ -39,6 +40,7 @@ class AlignedRun:
     batches: dict[int, BatchComposition] = field(default_factory=dict)
     key_of: dict[str, str] = field(default_factory=dict)  # internal id -> key
     header: Header | None = None
+    random: set[str] = field(default_factory=set)  # keys of random-sampling requests: their flips are draws
 
 
 class TokenMismatch(msgspec.Struct, omit_defaults=True):
@@ -61,6 +63,8 @@ class TokenMismatch(msgspec.Struct, omit_defaults=True):
     a_rank: int | None = None  # the token's rank on each side, where logprobs were recorded
     b_rank: int | None = None
     topk_changed: bool = False  # the top-k ids or their order differ
+    # a "draw" flip (a random-sampling request) whose logprobs are equal within the tolerance: another draw
+    same_distribution: bool = False
 
 
 class CaptureDiff(msgspec.Struct):
@@ -99,6 +103,9 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                     seen_prompts[prompt] += 1
                 side.key_of[req.request_id] = key
                 side.prompts[key] = prompt
+                sp = req.sampling_params
+                if sp is not None and sp.temperature >= SAMPLING_EPS:
+                    side.random.add(key)
                 side.order.append(key)
             elif isinstance(rec, Step):
                 mro = rec.model_runner_output
@@ -142,8 +149,10 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
                 near_ties += cmp.near_tie and ta == tb
             m = margin(ra)
             if ta != tb:
+                draw = key in a.random
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "token", sa, sb, ta, tb, lp_diff, m,
-                                         classify(m, tol, lp_diff))
+                                         "draw" if draw else classify(m, tol, lp_diff),
+                                         same_distribution=draw and lp_equal and ra is not None)
                 break
             if not lp_equal:
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "logprobs", sa, sb, ta, tb, lp_diff, m,
@@ -163,7 +172,12 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         knobs = [d.as_pair() for d in differences if is_suspect(d)]
         hardware = [d.as_pair() for d in hardware_differences(differences)]
         layout = [d.as_pair() for d in differences if d.affects == "layout"]
-        if hardware:  # the first thing to rule out: other kernels compute other bits whatever the batch
+        version = [d.as_pair() for d in differences if d.field == "engine_version"]
+        if first.same_distribution:  # equal logprobs, another random draw: the sampler, whatever else differs
+            first.suspect = "the sampler: same distribution, another draw" + (f" ({version[0]})" if version else "")
+        elif version and not any(d.field == "engine" for d in differences):  # an upgrade: kernels and samplers
+            first.suspect = "configuration (" + "; ".join(version + [k for k in knobs if k not in version][:2]) + ")"
+        elif hardware:  # the first thing to rule out: other kernels compute other bits whatever the batch
             first.suspect = "hardware (" + "; ".join(hardware[:3]) + ")"
         elif layout:  # another parallel layout or compilation reduces in another order
             first.suspect = "layout (" + "; ".join(layout[:3]) + ")"

@@ -2,7 +2,9 @@
 top1-top2 margin, and whether a token flip is a tie flip or a confident one.
 
 A token flip at a near-tie (the top1-top2 margin below `tie_margin`) is a *tie flip*: numerics noise made visible.
-A flip at a large margin is a *confident flip*: something is wrong (wrong KV block, wrong position, a bug).
+A flip at a large margin is a *confident flip*: something is wrong (wrong KV block, wrong position, a bug). A
+random-sampling request's flip is a *draw*: a margin says nothing about a random sample; with its logprobs equal
+within the tolerance it is the same distribution, another draw (the sampler changed, not the numerics).
 "Near" means below `tie_margin`, or within twice the logprob noise measured at the same position.
 Tolerances default to bitwise (`atol = rtol = 0`); vLLM's own tests compare scheduling modes with rtol 1e-3 and
 atol 1e-6. Under a tolerance two rows are equal when every logprob both hold is within it (`compare_rows`): a rank
@@ -81,15 +83,17 @@ class RowDiff(NamedTuple):
 
 
 def _held_pairs(a: Row, b: Row) -> tuple[np.ndarray, np.ndarray]:
-    """The logprobs both rows hold, side by side: the sampled token's (column 0), each top-k token both rows list,
+    """The logprobs both rows hold, side by side: each token both rows list (the sampled token's column 0 included,
+    so two sides that sampled different tokens compare what both computed, not one token's logprob with another's),
     and the k-th best logprob of each side position by position (a token only one side lists among its top k was
     just past the other side's cut-off, which is what its k-th value says)."""
-    xs, ys = [float(a.values[0])], [float(b.values[0])]
     other: dict[int, float] = {}
-    for t, v in zip(b.ids[1:].tolist(), b.values[1:].tolist()):
+    for t, v in zip(b.ids.tolist(), b.values.tolist()):
         other.setdefault(t, v)
-    for t, v in zip(a.ids[1:].tolist(), a.values[1:].tolist()):
-        if t in other:
+    xs, ys, seen = [], [], set()
+    for t, v in zip(a.ids.tolist(), a.values.tolist()):
+        if t in other and t not in seen:
+            seen.add(t)
             xs.append(v)
             ys.append(other[t])
     k = min(len(a.values), len(b.values)) - 1

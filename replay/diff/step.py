@@ -44,7 +44,8 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     sampled_logprob_diff: float | None = None
     margin: float | None = None  # top1 - top2 raw logprob where the flip happened
     # a token flip: "tie" | "confident" | "not-argmax" (a greedy request emitted a token that is not its argmax on
-    # one side: the sampler, not the numerics, decided it)
+    # one side: the sampler, not the numerics, decided it) | "draw" (a random-sampling request drew another token:
+    # a top1-top2 margin says nothing about a random draw)
     flip: str | None = None
     topk_changed: bool = False
     internal_id: str = ""
@@ -55,6 +56,8 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     # the draft the side that accepted fewer rejected first, and its output position
     rejected_draft: int | None = None
     rejected_position: int | None = None
+    # a "draw" flip whose logprobs are equal within the tolerance: the same distribution, another draw (the sampler)
+    same_distribution: bool = False
 
 
 class StepSummary(msgspec.Struct):
@@ -89,9 +92,11 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
                  foreign_draws: set[str] | frozenset = frozenset(),
                  drafts: dict[str, list[int]] | None = None,
                  skip: set[str] | frozenset = frozenset(),
-                 greedy: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
+                 greedy: set[str] | frozenset = frozenset(),
+                 random_draws: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
     """Diff one step's outputs (`drafts`: the draft tokens the step scheduled per request, if any; `skip`: requests
-    the replay left out, not compared; `greedy`: greedy requests, whose tokens must be their argmax). `positions[rid]` = output tokens the request had before this step. A request may
+    the replay left out, not compared; `greedy`: greedy requests, whose tokens must be their argmax; `random_draws`:
+    random-sampling requests whose draws are compared, whose flips are draws). `positions[rid]` = output tokens the request had before this step. A request may
     emit several tokens in one step (speculative decoding: accepted drafts plus the bonus token); they are compared
     position by position, each with its own logprob row, and the first position that differs is the one reported.
     Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
@@ -112,7 +117,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
         et, at = expected.sampled_token_ids[i], actual.sampled_token_ids[j]
         summary.tokens_compared += len(et)
         div = _compare_request(step, name, rid, pos, et, at, _rows(expected, i), _rows(actual, j),
-                               rid in foreign_draws, tol, summary, actual_margins, rid in greedy)
+                               rid in foreign_draws, tol, summary, actual_margins, rid in greedy, rid in random_draws)
         if div is not None:
             d = (drafts or {}).get(rid)
             if d:
@@ -162,7 +167,8 @@ def _rows(out: ModelRunnerOutput, index: int) -> list[Row | None]:
 
 def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at: list[int], ers: list[Row | None],
                      ars: list[Row | None], foreign: bool, tol: Tolerance, summary: StepSummary,
-                     actual_margins: dict[str, float] | None, greedy: bool = False) -> Divergence | None:
+                     actual_margins: dict[str, float] | None, greedy: bool = False,
+                     draw: bool = False) -> Divergence | None:
     """One request's tokens of one step, position by position; the first position that differs, as a Divergence
     (a token there, else its logprobs), and the step's counters updated."""
     first_lp: Divergence | None = None
@@ -199,11 +205,12 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
             m = margin(er)
             if m is None and actual_margins is not None and k == 0:
                 m = actual_margins.get(rid)
-            flip = classify(m, tol, lp_diff)
+            flip = "draw" if draw else classify(m, tol, lp_diff)
             if greedy and any(r is not None and r.rank != 1 for r in (er, ar)):
                 flip = "not-argmax"
             return Divergence(step, name, pos + k, "token", e_tok, a_tok, er.rank if er else None,
-                              ar.rank if ar else None, lp_diff, None, m, flip, topk_changed, rid)
+                              ar.rank if ar else None, lp_diff, None, m, flip, topk_changed, rid,
+                              same_distribution=draw and lp_equal and er is not None and ar is not None)
         if not lp_equal and first_lp is None:
             sampled_diff = float(ar.values[0] - er.values[0]) if er is not None and ar is not None else None
             first_lp = Divergence(step, name, pos + k, "logprobs", e_tok, a_tok, er.rank if er else None,

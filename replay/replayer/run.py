@@ -195,6 +195,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     out.recorded_draws = recorded_draws(r.header)
     foreign_random: set[str] = set()
     greedy: set[str] = set()
+    random_draws: set[str] = set()  # random-sampling requests whose draws this runner repeats: their flips are draws
     # with speculative decoding every random draw goes through vLLM's rejection sampler, which only vLLM repeats
     speculative = bool(r.header.engine_config and r.header.engine_config.layout.get("speculative_config"))
     by_vllm = built.kind == "vllm"
@@ -205,13 +206,16 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
             not built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None)
             or (speculative and not by_vllm)))
         greedy.update(n.req_id for n in so.scheduled_new_reqs if not _random(n.sampling_params))
+        random_draws.update(n.req_id for n in so.scheduled_new_reqs
+                            if _random(n.sampling_params) and n.req_id not in foreign_random)
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
         out.digests.append(_digest(actual))
         if opts.diff and (rng is None or rec.index >= rng.first):
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
-                                         foreign_random, so.scheduled_spec_decode_tokens, out.skip, greedy)
+                                         foreign_random, so.scheduled_spec_decode_tokens, out.skip, greedy,
+                                         random_draws)
             out.summaries.append(summary)
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:
@@ -235,12 +239,22 @@ _KNOB_OF_FIELD = {"attention_impl": "attention", "num_threads": "threads", "runn
 
 def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
     """The difference the user made with `--set` (a planted change is the first thing that explains a divergence
-    it causes), as its note; "" when no override changed what the header describes."""
+    it causes), as its note; else another version of the same engine (an upgrade changes kernels and samplers
+    alike); "" when neither applies."""
     for d in built.differences:
         name = d.field.rsplit(".", 1)[-1]
         if _KNOB_OF_FIELD.get(name, name) in overrides and d.affects != "host":
             return d.as_note()
+    if not any(d.field == "engine" for d in built.differences):
+        return next((d.as_note() for d in built.differences if d.field == "engine_version"), "")
     return ""
+
+
+def sampler_suspect(notes: list[str]) -> str:
+    """The suspect where every divergence is a random draw from logprobs equal within the tolerance: the sampler,
+    with the engine versions where they differ."""
+    version = next((n for n in notes if n.startswith("engine version:")), "")
+    return "the sampler: same distribution, another draw" + (f" ({version})" if version else "")
 
 
 def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:
@@ -312,6 +326,10 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                          "at least one compared step")
     divs = sorted(p.divergences, key=lambda d: (d.step, d.kind not in ("token", "drafts")))
     first = divs[0] if divs else None
+    flip = next((d for d in divs if d.kind == "token"), None)
+    if flip is not None and flip.same_distribution and not any(d.kind != "token" or not d.same_distribution
+                                                               for d in divs):
+        p.suspect = sampler_suspect(p.notes)  # every divergence is another draw from the same logprobs
     return ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
                         _repro(str(path), first.step, opts) if first else None, p.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,

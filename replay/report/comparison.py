@@ -23,7 +23,8 @@ from replay.report.run import RunFacts
 
 SCATTER_W, SCATTER_H = 360, 200  # scatter cells: about one per 2 x 2 CSS pixels
 MAX_MARKERS = 20_000  # token-flip markers drawn over the heat map (one per cell at most)
-FLIP_CLASS = {"tie": 1, "confident": 2, "not-argmax": 2}  # marker class; 3: missing output or another length, 0: no flip
+# marker class; 3: missing output or another length, 4: a random draw (no margin classifies it), 0: no flip
+FLIP_CLASS = {"tie": 1, "confident": 2, "not-argmax": 2, "draw": 4}
 MARGIN_FLOOR = -6  # log10 of the smallest margin the scatter tells apart from zero
 
 
@@ -45,8 +46,8 @@ def _points(run: RunFacts, divs: list[Divergence], order: dict[str, int]) -> _Po
     row = np.fromiter((order[d.internal_id or d.request_id] for d in keep), np.int64, len(keep))
     delta = np.fromiter((d.max_abs_logprob_diff for d in keep), np.float64, len(keep))
     margin = np.fromiter((math.nan if d.margin is None else d.margin for d in keep), np.float64, len(keep))
-    flip = np.fromiter((FLIP_CLASS.get(d.flip, 3) if d.kind in ("token", "missing", "length", "drafts") else 0 for d in keep),
-                       np.int64, len(keep))
+    flip = np.fromiter((FLIP_CLASS.get(d.flip, 3) if d.kind in ("token", "missing", "length", "drafts") else 0
+                        for d in keep), np.int64, len(keep))
     return _Points(pos, row, np.nan_to_num(delta, nan=0.0), margin, flip)
 
 

@@ -43,6 +43,7 @@ pre.cmd{background:#0f172a;color:#e2e8f0;padding:8px 12px;border-radius:6px;over
 .grad{display:inline-block;width:160px;height:12px;vertical-align:-2px;margin:0 4px;border:1px solid #cbd5e1;
 background:linear-gradient(90deg,#fcfdbf,#feb078,#f1605d,#b73779,#721f81,#2c115f,#000004)}
 .ring{display:inline-block;width:11px;height:11px;border:2px solid #2563eb;border-radius:50%;vertical-align:-2px;margin-right:4px}
+.sq{display:inline-block;width:10px;height:10px;border:2px solid #7c3aed;vertical-align:-2px;margin-right:4px}
 .dia{display:inline-block;width:9px;height:9px;background:#e11d48;transform:rotate(45deg);margin:0 5px 0 2px}
 .bar{height:14px;background:#94a3b8;border-radius:2px}.bar.first{background:#e11d48}.bar.diverged{background:#f59e0b}
 table.data{border-collapse:collapse;width:100%;background:#fff;font-size:12.5px}
@@ -131,7 +132,8 @@ def _legend(lg: dict) -> str:
         parts.append("<span><i class=sw style=\"background:#cbcbcb\"></i>not compared (after a token flip)</span>")
     start = f"≤ atol {lg['atol']:g}" if lg.get("atol") else f"1e{lg['lo']}"
     parts += [f"<span>max |Δlogprob| {esc(start)}<i class=grad></i>1e{lg['hi']} (log)</span>",
-              "<span><i class=ring></i>tie flip</span>", "<span><i class=dia></i>confident flip</span>"]
+              "<span><i class=ring></i>tie flip</span>", "<span><i class=dia></i>confident flip</span>",
+              "<span><i class=sq></i>random draw</span>"]
     return "<div class=legend>" + "".join(parts) + "</div>"
 
 

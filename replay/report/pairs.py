@@ -41,9 +41,11 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
                 lp_diff, equal = cmp.max_abs, cmp.equal
             m = margin(ra)
             if ta != tb:
+                draw = key in a.random  # a random draw: its margin says nothing
                 out.append(Divergence(sa, name, pos, "token", ta, tb, ra.rank if ra else None,
-                                      rb.rank if rb else None, lp_diff, None, m, classify(m, tol, lp_diff),
-                                      internal_id=rid))
+                                      rb.rank if rb else None, lp_diff, None, m,
+                                      "draw" if draw else classify(m, tol, lp_diff), internal_id=rid,
+                                      same_distribution=draw and equal and ra is not None))
                 flipped[rid] = sa
                 break
             if not equal:

@@ -155,6 +155,7 @@ function ring(ctx, x, y, r, cls) {
   ctx.lineWidth = 1.5; ctx.beginPath();
   if (cls === 1) { ctx.arc(x, y, r, 0, 7); ctx.strokeStyle = "#fff"; ctx.lineWidth = 3.5; ctx.stroke(); ctx.strokeStyle = "#2563eb"; ctx.lineWidth = 1.8; ctx.stroke(); return; }
   if (cls === 2) { ctx.moveTo(x, y - r - 1); ctx.lineTo(x + r + 1, y); ctx.lineTo(x, y + r + 1); ctx.lineTo(x - r - 1, y); ctx.closePath(); ctx.strokeStyle = "#fff"; ctx.lineWidth = 3; ctx.stroke(); ctx.fillStyle = "#e11d48"; ctx.fill(); return; }
+  if (cls === 4) { ctx.rect(x - r, y - r, 2 * r, 2 * r); ctx.strokeStyle = "#fff"; ctx.lineWidth = 3.5; ctx.stroke(); ctx.strokeStyle = "#7c3aed"; ctx.lineWidth = 1.8; ctx.stroke(); return; }
   ctx.moveTo(x - r, y - r); ctx.lineTo(x + r, y + r); ctx.moveTo(x + r, y - r); ctx.lineTo(x - r, y + r); ctx.strokeStyle = "#111"; ctx.stroke();
 }
 function crosshair(ctx, g, x, y, color, dash, text, below, avoid) {
@@ -202,7 +203,7 @@ function heatmap() {
   if (C.first_cell) box1 = crosshair(o, g, (C.first_cell[0] + 0.5) * cw, (C.first_cell[1] + 0.5) * ch, "#111827", [6, 3], C.first_label + (same ? " (a token flip)" : ""), false);
   if (C.first_flip_cell && !same) crosshair(o, g, (C.first_flip_cell[0] + 0.5) * cw, (C.first_flip_cell[1] + 0.5) * ch, "#1d4ed8", [2, 3], C.first_flip_label, true, box1);
   painted(ov);
-  var names = ["not scheduled", C.equal_label, "not compared (after a token flip)"], flipName = ["", "tie flip", "confident flip", "no matching output"];
+  var names = ["not scheduled", C.equal_label, "not compared (after a token flip)"], flipName = ["", "tie flip", "confident flip", "no matching output", "random draw"];
   hover(ov, function (fx, fy) {
     var c = Math.min(H.cols - 1, Math.floor(fx * H.cols)), r = Math.min(H.rows - 1, Math.floor(fy * H.rows)), v = cells[r * H.cols + c];
     var out = [stepRange(c), H.row_labels[r]];

