@@ -9,9 +9,9 @@ vllm.entrypoints.openai.api_server`) run side by side on the same machine, one w
 without, each served by its own `--clients` threads with the same traffic mix: greedy completions with top-5
 logprobs, seeded sampling, and streams the client drops after the first event (the server aborts them). Every
 `--every` seconds it samples, per server, the RSS of the API server, the EngineCore, its worker and (tap on) the
-writer process, the capture's bytes, and the requests completed. Growth is the slope of RSS against completed
-requests after the warm-up (the first `--warmup` fraction of the run), in MB per million requests; the spread is
-the slope of each half of the run. The writer's CPU is its process CPU over the run. Both servers are stopped
+writer process, the capture's bytes, and the requests completed. Growth is the change of RSS between the medians of
+the first and last tenth of the samples after the warm-up (the first `--warmup` fraction of the run), in MB per
+million requests; the spread is the same over each half of the run. The writer's CPU is its process CPU over the run. Both servers are stopped
 with SIGTERM at the end, and the capture must be sealed.
 
 `--shutdowns K` starts each kind of server K times, sends a little traffic, stops it with SIGTERM and counts the
@@ -165,26 +165,27 @@ def sample(server: Server, t0: float) -> dict:
     return out
 
 
-def slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope of y against x (None for fewer than 3 points or no spread in x)."""
-    if len(points) < 3:
-        return None
-    xs, ys = zip(*points)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    den = sum((x - mx) ** 2 for x in xs)
-    return None if den == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
-
-
 def growth(samples: list[dict], key: str, warmup: float) -> dict:
-    """MB per million requests after the warm-up: the whole rest, and each half of it (the spread)."""
+    """MB per million requests after the warm-up, between the medians of the first and the last tenth of the
+    samples (an allocator's RSS wanders by megabytes: a least-squares slope over tens of thousands of requests
+    follows that, the medians much less), and the same over each half (the spread); with the RSS range."""
     end = samples[-1]["t"]
     rest = [s for s in samples if s["t"] >= warmup * end and key in s]
-    def per_million(part):
-        k = slope([(s["completed"] + s["dropped"], s[key]) for s in part])
-        return None if k is None else k * 1e6
+
+    def per_million(part: list[dict]) -> float | None:
+        tenth = max(1, len(part) // 10)
+        if len(part) < 4:
+            return None
+        a, b = part[:tenth], part[-tenth:]
+        requests = (statistics.median(s["completed"] + s["dropped"] for s in b)
+                    - statistics.median(s["completed"] + s["dropped"] for s in a))
+        mb = statistics.median(s[key] for s in b) - statistics.median(s[key] for s in a)
+        return None if requests <= 0 else mb / requests * 1e6
+
     half = len(rest) // 2
     return {"all": per_million(rest), "first_half": per_million(rest[:half]), "second_half": per_million(rest[half:]),
-            "start_mb": rest[0][key] if rest else None, "end_mb": rest[-1][key] if rest else None}
+            "start_mb": rest[0][key] if rest else None, "end_mb": rest[-1][key] if rest else None,
+            "min_mb": min((s[key] for s in rest), default=None), "max_mb": max((s[key] for s in rest), default=None)}
 
 
 def soak(model: Path, tmp: Path, minutes: float, clients: int, every: float, warmup: float) -> dict:
@@ -276,7 +277,8 @@ def table(res: dict) -> str:
                 cells.append("-")
                 continue
             halves = "/".join("-" if g[h] is None else f"{g[h]:.1f}" for h in ("first_half", "second_half"))
-            cells.append(f"{g['all']:.1f} (halves {halves}; {g['start_mb']:.0f} -> {g['end_mb']:.0f} MB)")
+            cells.append(f"{g['all']:.1f} (halves {halves}; {g['start_mb']:.0f} -> {g['end_mb']:.0f} MB, range "
+                         f"{g['min_mb']:.0f}-{g['max_mb']:.0f})")
         lines.append(f"| {role.replace('_', ' ')} RSS growth, MB per million requests | {cells[0]} | {cells[1]} |")
     lines.append(f"| writer process CPU over the run | {on['writer_cpu_s'] or 0:.1f} s | |")
     lines.append(f"| capture | {on['capture_bytes'] / 1e6:.1f} MB, {on['steps']:,} steps, "
