@@ -55,6 +55,7 @@ def record(
     logprobs: Optional[int] = typer.Option(None, "--logprobs", min=-1),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Capture path (default: captures/<model>-<time>.capture)."),
     flush_interval: Optional[float] = typer.Option(None, "--flush-interval", min=0.01, help="Seconds before an open chunk is written (default 1): bounds what a crash of the writer can lose."),
+    keyframe_steps: Optional[int] = typer.Option(None, "--keyframe-steps", min=0, help="Steps between keyframes, where `run --from-keyframe` can start (default 4096, or REPLAY_KEYFRAME_STEPS; 0: none)."),
     vllm_arg: Optional[list[str]] = typer.Option(None, "--vllm-arg", help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, e.g. gpu_memory_utilization=0.5 (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json: bool = JsonOpt,
@@ -76,7 +77,7 @@ def record(
                                  output_len=int_range(output_len, "--output-len"), arrival_rate=arrival_rate,
                                  defaults=sampling, **({} if seed is None else {"seed": seed}))
     res = do_record(options, workload_requests(model, prompts, workload), out, overwrite=force,
-                    progress=sys.stderr.isatty(), flush_interval=flush_interval)
+                    progress=sys.stderr.isatty(), flush_interval=flush_interval, keyframe_steps=keyframe_steps)
     emit(res, render_record, json=json)
 
 

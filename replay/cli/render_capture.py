@@ -77,6 +77,10 @@ def render_info(info: CaptureInfo) -> str:
         *([f"drafts    {info.drafts.drafted:,} draft tokens verified, {info.drafts.accepted:,} accepted "
            f"({info.drafts.acceptance_rate:.0%}; speculative decoding)"] if info.drafts.drafted else []),
     ]
+    if info.keyframes:
+        k = info.keyframes
+        at = ", ".join(map(str, k[:8])) + (f", ... {k[-1]}" if len(k) > 8 else "")
+        lines.append(f"keyframes {len(k)}, before steps {at} (run --steps A-B --from-keyframe starts at one)")
     bpt = f", {info.bytes_per_generated_token} B per generated token" if info.bytes_per_generated_token else ""
     lines.append(f"size      {_mb(info.file_bytes)} on disk, {_mb(info.raw_bytes)} raw, ratio {info.compression_ratio:.2f}x{bpt}")
     if info.unknown_records:

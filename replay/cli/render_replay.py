@@ -152,7 +152,9 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
         lines += [f"note (cannot change numerics by itself): {d}" for d in rep.host_differences]
     for f in rep.ignored:
         lines.append(f"ignored (--force): {f}")
-    head = (f"replayed {rep.steps_replayed} steps of {rep.capture} ({rep.mode} mode, {tol_text}; a tie flip is a "
+    start = "" if rep.keyframe is None else (f" from the keyframe at step {rep.keyframe} ({rep.primed_tokens} tokens "
+                                              "prefilled to rebuild its K/V)")
+    head = (f"replayed {rep.steps_replayed} steps of {rep.capture}{start} ({rep.mode} mode, {tol_text}; a tie flip is a "
             f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
             f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
             "tokens")
@@ -165,7 +167,9 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
     if rep.run_to_run:
         lines.append(f"run to run: {rep.run_to_run}")
     if rep.foreign_draws_differ:
-        who = ("vLLM drew them with its own sampler kernels and random streams, which only vLLM's runner repeats "
+        who = ("vLLM drew them from its global generator, whose state at the keyframe no capture holds (a replay "
+               "from step 0 repeats them)" if rep.foreign_draws_by == "vllm-global" else
+               "vLLM drew them with its own sampler kernels and random streams, which only vLLM's runner repeats "
                "(--set runner=vllm)" if rep.foreign_draws_by == "vllm" else
                "the builtin engine drew them with its per-request generators, which only the builtin runner "
                "repeats (--set runner=builtin)")
@@ -183,6 +187,9 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
             return "\n".join(lines)
     lines.append(divergence_verdict(rep))
     lines += render_divergence(rep.first_divergence)
+    if rep.first_divergence.request_id in rep.rebuilt and rep.rebuild_tolerance is not None:
+        lines.append(f"  rebuilt: its K/V was rebuilt from the keyframe at step {rep.keyframe}, and it is compared "
+                     f"within atol {rep.rebuild_tolerance.atol:g}")
     if rep.batch is not None:
         lines.append("  batch: " + _batch_line(rep.batch))
     if rep.suspect:

@@ -46,6 +46,7 @@ def run(
     tolerance: Optional[str] = ToleranceOpt,
     tie_margin: float = TieOpt,
     repeat: int = typer.Option(1, "--repeat", min=1, help="Replay N times and report whether the runner is run-to-run deterministic."),
+    from_keyframe: bool = typer.Option(False, "--from-keyframe", help="With --steps A-B: start at the keyframe nearest before A (its live requests rebuilt, and compared as such), not at step 0."),
     force: bool = ForceOpt,
     plant: Optional[str] = PlantOpt,
     jobs: int = JobsOpt,
@@ -66,7 +67,7 @@ def run(
     from replay.replayer import replay_capture
 
     opts = replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff, runner, tolerance)
-    opts = dataclasses.replace(opts, fan_out=fan_out_options(jobs, ray, ray_address))
+    opts = dataclasses.replace(opts, fan_out=fan_out_options(jobs, ray, ray_address), from_keyframe=from_keyframe)
     diverged = lost = False
     for i, path in enumerate(capture_paths(capture)):
         rep = replay_capture(path, opts)

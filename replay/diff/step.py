@@ -93,12 +93,15 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
                  drafts: dict[str, list[int]] | None = None,
                  skip: set[str] | frozenset = frozenset(),
                  greedy: set[str] | frozenset = frozenset(),
-                 random_draws: set[str] | frozenset = frozenset()) -> tuple[StepSummary, list[Divergence]]:
+                 random_draws: set[str] | frozenset = frozenset(),
+                 tol_of: dict[str, Tolerance] | None = None) -> tuple[StepSummary, list[Divergence]]:
     """Diff one step's outputs (`drafts`: the draft tokens the step scheduled per request, if any; `skip`: requests
     the replay left out, not compared; `greedy`: greedy requests, whose tokens must be their argmax; `random_draws`:
-    random-sampling requests whose draws are compared, whose flips are draws). `positions[rid]` = output tokens the request had before this step. A request may
-    emit several tokens in one step (speculative decoding: accepted drafts plus the bonus token); they are compared
-    position by position, each with its own logprob row, and the first position that differs is the one reported.
+    random-sampling requests whose draws are compared, whose flips are draws; `tol_of`: requests compared within
+    another tolerance than `tol`, such as those a replay from a keyframe rebuilt). `positions[rid]` = output tokens
+    the request had before this step. A request may emit several tokens in one step (speculative decoding: accepted
+    drafts plus the bonus token); they are compared position by position, each with its own logprob row, and the
+    first position that differs is the one reported.
     Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
     (and its logprob column and rank) is counted when it differs, not compared; their top-k logprobs are."""
     exp_ids = expected.req_ids if expected is not None else []
@@ -109,6 +112,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             continue
         name = ext.get(rid, rid)
         pos = positions.get(rid, 0)
+        t = tol_of.get(rid, tol) if tol_of else tol
         j = actual.req_id_to_index.get(rid) if actual is not None else None
         if j is None:
             divs.append(Divergence(step, name, pos, "missing", internal_id=rid))
@@ -117,7 +121,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
         et, at = expected.sampled_token_ids[i], actual.sampled_token_ids[j]
         summary.tokens_compared += len(et)
         div = _compare_request(step, name, rid, pos, et, at, _rows(expected, i), _rows(actual, j),
-                               rid in foreign_draws, tol, summary, actual_margins, rid in greedy, rid in random_draws)
+                               rid in foreign_draws, t, summary, actual_margins, rid in greedy, rid in random_draws)
         if div is not None:
             d = (drafts or {}).get(rid)
             if d:
@@ -129,7 +133,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             divs.append(div)
         ep, ap = expected.prompt_logprobs_dict.get(rid), actual.prompt_logprobs_dict.get(rid)
         if ep is not None or ap is not None:
-            equal, d = _prompt_logprobs_equal(ep, ap, tol, summary)
+            equal, d = _prompt_logprobs_equal(ep, ap, t, summary)
             if not equal:
                 summary.logprob_mismatches += 1
                 divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))

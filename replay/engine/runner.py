@@ -11,11 +11,11 @@ The runner caches the tokens it sampled and feeds them back as the next step's i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from replay.capture.format.keyframe import Keyframe, LiveRequest
 from replay.contracts import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     SAMPLING_EPS,
@@ -32,35 +32,10 @@ from replay.contracts.lora import lora_fields
 from replay.engine.attention import KVCache, PagedAttention, SeqSpan
 from replay.engine.grammar import apply_grammar_bitmask
 from replay.engine.lora import LoRAHooks
-from replay.engine.sampler import SampleRow, margins, sample
+from replay.engine.sampler import SampleRow, advance, margins, sample
 from replay.engine.spec_decode import verify_drafts
+from replay.engine.runner_state import CachedRequestState, RunnerSnapshot, StepSnapshot
 from replay.errors import UsageError
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    """What the runner keeps per request between steps (vLLM's `CachedRequestState`)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    stop_token_ids: tuple[int, ...] = ()
-    prompt_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # chunks so far
-    lora: str | None = None  # the LoRA adapter (by name) its tokens go through, if any
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt + output tokens known to the runner."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token(self, i: int) -> int:
-        """The i-th token of prompt + output."""
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
 
 class ModelRunner:
@@ -126,23 +101,7 @@ class ModelRunner:
         in_batch = set(self.batch)
         self.last_drawn_seeds = {}
         for new in so.scheduled_new_reqs:
-            sp = new.sampling_params or SamplingParams()
-            if new.prompt_token_ids is None:
-                raise UsageError(f"request {new.req_id}: prompt embeddings are not supported by the builtin runner")
-            gen = None
-            if sp.temperature >= SAMPLING_EPS:
-                seed = sp.seed
-                if seed is None:
-                    seed = drawn_seeds[new.req_id] if drawn_seeds and new.req_id in drawn_seeds else \
-                        int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-                    self.last_drawn_seeds[new.req_id] = seed
-                gen = torch.Generator(device="cpu").manual_seed(seed)
-            eos = sp.eos_token_id if sp.eos_token_id is not None else self.eos_token_id
-            stops = tuple(sp.stop_token_ids or ()) + (() if eos is None or sp.ignore_eos else (eos,))
-            self.requests[new.req_id] = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
-                                                           list(new.block_ids[0]), new.num_computed_tokens,
-                                                           stop_token_ids=stops, lora=self._adapter(new))
-            self._ensure_blocks(new.block_ids[0])
+            self.requests[new.req_id] = self._new_state(new, drawn_seeds)
             self.batch.append(new.req_id)
             in_batch.add(new.req_id)
         cr = so.scheduled_cached_reqs
@@ -164,6 +123,50 @@ class ModelRunner:
             if rid not in in_batch:
                 self.batch.append(rid)
                 in_batch.add(rid)
+
+    def _new_state(self, new: NewRequestData, drawn_seeds: dict[str, int] | None) -> CachedRequestState:
+        """The cached state of a request scheduled for the first time (its generator seeded: by the request, by the
+        recorded draw of the engine, or drawn now)."""
+        sp = new.sampling_params or SamplingParams()
+        if new.prompt_token_ids is None:
+            raise UsageError(f"request {new.req_id}: prompt embeddings are not supported by the builtin runner")
+        gen = None
+        if sp.temperature >= SAMPLING_EPS:
+            seed = sp.seed
+            if seed is None:
+                seed = drawn_seeds[new.req_id] if drawn_seeds and new.req_id in drawn_seeds else \
+                    int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+                self.last_drawn_seeds[new.req_id] = seed
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        eos = sp.eos_token_id if sp.eos_token_id is not None else self.eos_token_id
+        stops = tuple(sp.stop_token_ids or ()) + (() if eos is None or sp.ignore_eos else (eos,))
+        self._ensure_blocks(new.block_ids[0] if new.block_ids else [])
+        return CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
+                                  list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens,
+                                  stop_token_ids=stops, lora=self._adapter(new))
+
+    def restore_requests(self, keyframe: Keyframe) -> None:
+        """Take the keyframe's live requests (`replay.capture.format.keyframe`), their K/V already in their blocks
+        (`replay.replayer.prime`), and its persistent batch in its order. A request still waiting is a new request
+        of a later step."""
+        for live in keyframe.requests:
+            if live.scheduled:
+                self._restore(live)
+        self.batch = [rid for rid in keyframe.batch if rid in self.requests]
+
+    def _restore(self, live: LiveRequest) -> None:
+        """One request as the keyframe describes it: its tokens so far, its block table, and its generator moved
+        past the draws it made."""
+        req = live.request
+        new = NewRequestData(req.request_id, req.prompt_token_ids, [], req.sampling_params, None,
+                             tuple(live.block_ids) or ([],), live.num_computed_tokens, req.lora_request)
+        drawn = {req.request_id: live.drawn_seed} if live.drawn_seed is not None else None
+        st = self._new_state(new, drawn)
+        st.output_token_ids = list(live.output_token_ids)
+        if st.generator is not None:
+            advance(st.generator, live.num_draws, self.vocab_size, self.vllm_cpu_draws and st.sampling_params.seed
+                    is not None)
+        self.requests[req.request_id] = st
 
     def _ensure_blocks(self, block_ids) -> None:
         if block_ids:
@@ -216,8 +219,8 @@ class ModelRunner:
                 raise UsageError(f"step schedules {n} tokens of request {rid} past its {st.num_tokens} known tokens"
                                  + (f" and {k} drafts" if k else ""))
             ids.extend(st.token(i) for i in range(a, b - k))
-            ids.extend(drafts[rid])
-            pos.extend(range(a, b))
+            ids.extend(max(t, 0) for t in drafts[rid])  # vLLM's placeholder drafts (-1) go in as token 0, as vLLM
+            pos.extend(range(a, b))                      # clamps them; never accepted, they cannot match a sample
             context = self.kv.slots(st.block_ids, 0, b, self.device)
             spans.append(SeqSpan(start, start + n, a, context[a:b], context))
             self.current_spans[rid] = (start, start + n)
@@ -288,7 +291,7 @@ class ModelRunner:
 
     # -- snapshots (re-executing a step several ways without replaying the steps before it) -----------------------
 
-    def snapshot(self) -> "RunnerSnapshot":
+    def snapshot(self) -> RunnerSnapshot:
         """The complete runner state: KV blocks, per-request state (generators as their states), the batch."""
         reqs = {}
         for rid, st in self.requests.items():
@@ -297,7 +300,7 @@ class ModelRunner:
         return RunnerSnapshot([k.clone() for k in self.kv.k], [v.clone() for v in self.kv.v], reqs, list(self.batch),
                               self._seed_gen.get_state(), dict(self.last_emitted))
 
-    def restore(self, snap: "RunnerSnapshot") -> None:
+    def restore(self, snap: RunnerSnapshot) -> None:
         """Go back to a `snapshot`: the runner behaves exactly as it did then."""
         self.kv.k = [t.clone() for t in snap.k]  # (blocks allocated after the snapshot were never used before it)
         self.kv.v = [t.clone() for t in snap.v]
@@ -313,7 +316,7 @@ class ModelRunner:
 
     # -- snapshots of one step's effects (re-executing a step several ways) ----------------------------------------
 
-    def snapshot_step(self, so: SchedulerOutput) -> "StepSnapshot":
+    def snapshot_step(self, so: SchedulerOutput) -> StepSnapshot:
         """Everything `run_step(so)` will change: the KV slots it writes, generators, outputs, progress."""
         slots = []
         for rid, n in so.num_scheduled_tokens.items():
@@ -328,7 +331,7 @@ class ModelRunner:
                 for rid, st in self.requests.items()}
         return StepSnapshot(flat, kv, reqs, dict(self.last_emitted))
 
-    def restore_step(self, snap: "StepSnapshot") -> None:
+    def restore_step(self, snap: StepSnapshot) -> None:
         """Undo a `run_step` to the state `snapshot_step` saw."""
         for (k, v), (ks, vs) in zip(zip(self.kv.k, self.kv.v), snap.kv):
             k.view(-1, *k.shape[2:])[snap.slots] = ks
@@ -375,25 +378,3 @@ class ModelRunner:
             else:
                 out[rid] = None
         return out
-
-
-@dataclass(slots=True)
-class StepSnapshot:
-    """The part of the runner's state one step can change."""
-
-    slots: torch.Tensor
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    requests: dict[str, tuple[int, int, torch.Tensor | None, list]]
-    last_emitted: dict[str, int]  # tokens each request emitted in the step before (forced mode replaces that many)
-
-
-@dataclass(slots=True)
-class RunnerSnapshot:
-    """The whole runner state between two steps."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    requests: dict[str, tuple]
-    batch: list[str]
-    seed_gen: torch.Tensor
-    last_emitted: dict[str, int]

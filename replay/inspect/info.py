@@ -6,7 +6,7 @@ import os
 
 import msgspec
 
-from replay.capture import CaptureReader, Damage, Header, RequestAdded, Step
+from replay.capture import CaptureReader, Damage, Header, Keyframe, RequestAdded, Step
 from replay.capture.format.records import Footer
 from replay.contracts import DraftCounts, draft_counts
 
@@ -34,6 +34,7 @@ class CaptureInfo(msgspec.Struct):
     bytes_per_generated_token: float | None
     unknown_records: int
     damage: list[Damage]
+    keyframes: list[int] = []  # the steps the capture's keyframes stand before (where `run --from-keyframe` starts)
 
     @property
     def damaged(self) -> bool:
@@ -65,14 +66,18 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             num_requests = len(r.index.ids) or r.index.num_requests  # (1.5 keeps the count, not the ids)
             status = r.index.status
             num_chunks = len(chunks)
+            keyframes = [c.keyframe for c in good if c.keyframe >= 0]
         else:
             num_steps = sched = gen = added = raw = 0
             drafts = DraftCounts()
             first = last = None
             ids: set[str] = set()
             status = "unfinished"
+            keyframes = []
             for rec in r.records():
-                if isinstance(rec, Step):
+                if isinstance(rec, Keyframe):
+                    keyframes.append(rec.step)
+                elif isinstance(rec, Step):
                     num_steps += 1
                     first = rec.index if first is None else first
                     last = rec.index
@@ -114,4 +119,5 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             bytes_per_generated_token=round(size / gen, 2) if gen else None,
             unknown_records=r.unknown_records,
             damage=list(r.damage),
+            keyframes=keyframes,
         )

@@ -30,6 +30,7 @@ class RecordOptions:
     listeners: list[StepListener] = field(default_factory=list)  # extra listeners (tests, benchmarks)
     tap: bool = True  # False: run without recording (the tap-overhead benchmark's baseline)
     flush_interval: float | None = None  # seconds; bounds what a crash of the writer can lose (default 1 s)
+    keyframe_steps: int | None = None  # steps between keyframes (None: REPLAY_KEYFRAME_STEPS or the default; 0: none)
 
 
 def _tokenize(engine: LLMEngine, reqs: list[WorkloadRequest]) -> list[list[int]]:
@@ -91,7 +92,8 @@ def record_builtin(opts: RecordOptions) -> RecordResult:
     writer = tap = None
     if opts.tap:
         extra = {} if opts.flush_interval is None else {"flush_interval": opts.flush_interval}
-        writer = ProcessCaptureWriter(opts.out, engine.header(), overwrite=opts.overwrite, **extra)
+        writer = ProcessCaptureWriter(opts.out, engine.header(), overwrite=opts.overwrite,
+                                      keyframes=opts.keyframe_steps, **extra)
         tap = CaptureTap(writer)
         engine.listeners.append(tap)
     t = time.perf_counter()

@@ -20,9 +20,10 @@ from typing import Callable, Iterable, Iterator
 
 import msgspec
 
-from replay.capture import Crash, Record, RequestAdded, Step
+from replay.capture import Crash, Keyframe, Record, RequestAdded, Step
 from replay.contracts import ModelRunnerOutput
 from replay.errors import UsageError
+from replay.replayer.prime import Priming, prime
 from replay.replayer.runner import Runner
 
 MODES = ("forced", "free")
@@ -46,7 +47,8 @@ def check_mode(mode: str) -> None:
 class StepLoop:
     """Replays steps on `runner` and keeps what every consumer of a replay needs to know along the way."""
 
-    def __init__(self, path: str | os.PathLike, runner: Runner, mode: str = "forced") -> None:
+    def __init__(self, path: str | os.PathLike, runner: Runner, mode: str = "forced", *,
+                 keyframe: int | None = None, prime_budget: int = 2048) -> None:
         check_mode(mode)
         self.path = str(path)
         self.runner = runner
@@ -61,6 +63,11 @@ class StepLoop:
         self.stopped: str | None = None  # why the loop ended before the capture did (steps missing after a gap)
         self.crash: CrashOutcome | None = None  # the recorded crash, re-executed (when the capture has one)
         self.skip: set[str] = set()  # requests left out of every step (a --force replay of what cannot run)
+        # replay from the keyframe of this step (None: from step 0): records before it are skipped, the runner is
+        # primed from it (`prime`), `prime_budget` tokens a priming step
+        self.keyframe = keyframe
+        self.prime_budget = prime_budget
+        self.priming: Priming | None = None
         self._crash: Crash | None = None
 
     def steps(self, records: Iterable[Record]) -> Iterator[Step]:
@@ -69,6 +76,11 @@ class StepLoop:
         Request arrivals are noted on the way."""
         expected = None
         for rec in records:
+            if self.keyframe is not None and self.priming is None:
+                if isinstance(rec, Keyframe) and rec.step == self.keyframe:
+                    self._prime(rec)
+                    expected = rec.step
+                continue  # what came before the keyframe is in it
             if isinstance(rec, RequestAdded):
                 rid = rec.request.request_id
                 self.external[rid] = rec.request.name
@@ -86,7 +98,24 @@ class StepLoop:
                 self.stopped = f"steps {expected}-{rec.index - 1} are missing: the replay stops after step {expected - 1}"
                 return
             expected = rec.index + 1
+            if self.priming is not None:
+                self.priming.note_step(rec.scheduler_output)
             yield self._without_skipped(rec) if self.skip else rec
+        if self.keyframe is not None and self.priming is None:
+            raise UsageError(f"{self.path}: no keyframe at step {self.keyframe}")
+
+    def _prime(self, kf: Keyframe) -> None:
+        """Start from a keyframe: the runner rebuilt (`prime`), its live requests named and positioned."""
+        for r in kf.requests:
+            rid = r.request.request_id
+            self.external[rid] = r.request.name
+            self.internal[r.request.name] = rid
+            self.positions[rid] = len(r.output_token_ids)
+        live = [r.request.request_id for r in kf.requests if r.request.request_id in self.skip]
+        if live:
+            raise UsageError(f"{self.path}: request {live[0]!r} is live at the keyframe of step {kf.step} and cannot "
+                             "be left out of a replay from it")
+        self.priming = prime(self.runner, kf, self.prime_budget)
 
     def _without_skipped(self, step: Step) -> Step:
         """`step` as the runner gets it with the requests in `skip` left out (their outputs are not compared)."""

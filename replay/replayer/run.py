@@ -14,6 +14,7 @@ import msgspec
 
 from replay.capture import CaptureReader, Header, Step, StepRange
 from replay.capture.format import records as fmt
+from replay.capture.reading.keyframes import chunks_from, keyframe_steps
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
 from replay.diff import (
     BatchComposition,
@@ -28,7 +29,9 @@ from replay.replayer.fanout import FanOut, fan_out
 from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, install
+from replay.replayer.prime import MIN_PRIME_BUDGET, rebuild_tolerance
 from replay.replayer.runner import BuiltRunner, build_runner
+from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 
 
@@ -48,6 +51,7 @@ class ReplayOptions:
     progress: Callable[[int | None], None] | None = None  # each replayed step's index, then None at the end
     max_divergences: int = 1000  # kept in the report (all are counted)
     fan_out: FanOut = field(default_factory=FanOut)  # --jobs / --ray: where the 2nd..Nth --repeat replays run
+    from_keyframe: bool = False  # start at the keyframe nearest before `steps` (its requests rebuilt), not step 0
 
 
 class ReplayReport(msgspec.Struct):
@@ -75,7 +79,9 @@ class ReplayReport(msgspec.Struct):
     foreign_draws_differ: int = 0
     # what differs but cannot change numerics by itself (platform, Python, executor backend, what the engine logged)
     host_differences: list[str] = []
-    foreign_draws_by: str = ""  # whose sampler drew the foreign draws ("vllm" | "builtin"), when there are any
+    # whose sampler drew the foreign draws ("vllm" | "builtin"), when there are any; "vllm-global": vLLM's unseeded
+    # draws, which a replay from a keyframe cannot repeat
+    foreign_draws_by: str = ""
     crash: CrashOutcome | None = None  # the recording crashed at a step: re-executed, reproduced or not
     data_lost: list[str] = []  # what the capture lost (damaged chunks, an unfinished tail): the replay is of a prefix
     stopped: str | None = None  # where and why the replay ended before the capture's last step
@@ -90,6 +96,13 @@ class ReplayReport(msgspec.Struct):
     # with --force: the recorded features the runner could not honour and replayed without (LoRA adapters,
     # speculative decoding, ...; see `features`), one line each
     ignored: list[str] = []
+    # with --from-keyframe: the step of the keyframe the replay started at (None: from step 0), the requests whose
+    # K/V it rebuilt (by name: live at the keyframe, or hitting a rebuilt block), compared within
+    # `rebuild_tolerance`, and the tokens it prefilled to rebuild it
+    keyframe: int | None = None
+    rebuilt: list[str] = []
+    rebuild_tolerance: Tolerance | None = None
+    primed_tokens: int = 0
 
 
 def recorded_draws(header: Header) -> str:
@@ -108,6 +121,8 @@ def _digest(mro: ModelRunnerOutput | None) -> bytes:
 
 def _repro(path: str, step: int, opts: ReplayOptions) -> str:
     args = ["replay", "run", path, "--diff", "--steps", f"{step}-{step}", "--mode", opts.mode]
+    if opts.from_keyframe:
+        args.append("--from-keyframe")
     if opts.auto_tolerance:
         args += ["--tolerance", "auto"]
     elif not opts.tolerance.bitwise:
@@ -144,6 +159,10 @@ class _Pass:
     ignored: list[str] = field(default_factory=list)
     skip: set[str] = field(default_factory=set)  # requests --force leaves out (internal ids)
     suspect: str = ""  # the difference that leads the suspects, should the replay diverge
+    keyframe: int | None = None  # the keyframe the replay started at
+    rebuilt: list[str] = field(default_factory=list)  # requests compared as rebuilt, by name
+    rebuild_tolerance: Tolerance | None = None
+    primed_tokens: int = 0
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -185,7 +204,11 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     out.suspect = lead_suspect(built, opts.overrides) or (out.notes[0] if out.notes else "")
-    loop = StepLoop(path, built.runner, opts.mode)
+    out.keyframe = _keyframe_for(r, opts) if opts.from_keyframe else None
+    # vLLM's runner sizes its buffers by its token budget; ours has none (a step as large as the engine's, at least)
+    budget = getattr(built.runner, "prime_budget", 0) or max(r.header.engine_config.max_num_batched_tokens,
+                                                             MIN_PRIME_BUDGET)
+    loop = StepLoop(path, built.runner, opts.mode, keyframe=out.keyframe, prime_budget=budget)
     loop.skip = out.skip
     # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
     # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine
@@ -200,14 +223,26 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     speculative = bool(r.header.engine_config and r.header.engine_config.layout.get("speculative_config"))
     by_vllm = built.kind == "vllm"
     run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
-    for rec, actual in loop.replay(r.records(), last=rng.last if rng is not None else None, run=run):
+    records = r.records(chunks=chunks_from(r, out.keyframe)) if out.keyframe is not None else r.records()
+    rebuilt_tol = out.rebuild_tolerance = rebuild_tolerance(
+        out.tolerance, (r.header.model.dtype if r.header.model else "") or "float32") if out.keyframe is not None else None
+
+    # from a keyframe, vLLM's unseeded draws cannot repeat: they come from its global generator, whose state there
+    # no capture holds (from step 0 the replay makes the same draws in the same order)
+    global_draws = out.keyframe is not None and out.recorded_draws == "vllm"
+
+    def classify(reqs: list[tuple[str, SamplingParams | None]]) -> None:
+        foreign_random.update(rid for rid, sp in reqs if _random(sp) and (
+            not built.runner.repeats(out.recorded_draws, sp.seed is not None) or (speculative and not by_vllm)
+            or (global_draws and sp.seed is None)))
+        greedy.update(rid for rid, sp in reqs if not _random(sp))
+        random_draws.update(rid for rid, sp in reqs if _random(sp) and rid not in foreign_random)
+
+    for rec, actual in loop.replay(records, last=rng.last if rng is not None else None, run=run):
         so, expected = rec.scheduler_output, rec.model_runner_output
-        foreign_random.update(n.req_id for n in so.scheduled_new_reqs if _random(n.sampling_params) and (
-            not built.runner.repeats(out.recorded_draws, n.sampling_params.seed is not None)
-            or (speculative and not by_vllm)))
-        greedy.update(n.req_id for n in so.scheduled_new_reqs if not _random(n.sampling_params))
-        random_draws.update(n.req_id for n in so.scheduled_new_reqs
-                            if _random(n.sampling_params) and n.req_id not in foreign_random)
+        if loop.priming is not None and rec.index == out.keyframe:  # the requests live at the keyframe
+            classify([(x.request.request_id, x.request.sampling_params) for x in loop.priming.keyframe.requests])
+        classify([(n.req_id, n.sampling_params) for n in so.scheduled_new_reqs])
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
         out.digests.append(_digest(actual))
@@ -215,7 +250,8 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
                                          foreign_random, so.scheduled_spec_decode_tokens, out.skip, greedy,
-                                         random_draws)
+                                         random_draws,
+                                         {rid: rebuilt_tol for rid in loop.priming.rebuilt} if loop.priming else None)
             out.summaries.append(summary)
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:
@@ -230,31 +266,18 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     out.data_lost = [d.describe() for d in r.damage]
     out.stopped = loop.stopped
     out.crash = loop.crash
+    if loop.priming is not None:
+        out.rebuilt = sorted(loop.external.get(rid, rid) for rid in loop.priming.rebuilt if rid in out.requests)
+        out.primed_tokens = loop.priming.tokens
 
 
-# header fields (their last name) -> the --set knob that changes them, where the two names differ
-_KNOB_OF_FIELD = {"attention_impl": "attention", "num_threads": "threads", "runner_class": "runner", "name": "model",
-                  "fingerprint": "model"}
-
-
-def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
-    """The difference the user made with `--set` (a planted change is the first thing that explains a divergence
-    it causes), as its note; else another version of the same engine (an upgrade changes kernels and samplers
-    alike); "" when neither applies."""
-    for d in built.differences:
-        name = d.field.rsplit(".", 1)[-1]
-        if _KNOB_OF_FIELD.get(name, name) in overrides and d.affects != "host":
-            return d.as_note()
-    if not any(d.field == "engine" for d in built.differences):
-        return next((d.as_note() for d in built.differences if d.field == "engine_version"), "")
-    return ""
-
-
-def sampler_suspect(notes: list[str]) -> str:
-    """The suspect where every divergence is a random draw from logprobs equal within the tolerance: the sampler,
-    with the engine versions where they differ."""
-    version = next((n for n in notes if n.startswith("engine version:")), "")
-    return "the sampler: same distribution, another draw" + (f" ({version})" if version else "")
+def _keyframe_for(r: CaptureReader, opts: ReplayOptions) -> int | None:
+    """The keyframe a --from-keyframe replay starts at: the last one at or before the first step compared (None:
+    there is none, and the replay starts at step 0, exact; the report's `keyframe` says which)."""
+    if opts.steps is None:
+        raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
+    before = [k for k in keyframe_steps(r) if k <= opts.steps.first]
+    return before[-1] if before else None
 
 
 def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:
@@ -334,11 +357,19 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         _repro(str(path), first.step, opts) if first else None, p.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
                         next((d for d in divs if d.kind == "token"), None),
-                        sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, p.recorded_draws, p.crash,
+                        sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, _draws_by(p, opts), p.crash,
                         p.data_lost, p.stopped, len(p.summaries),
                         len(p.requests),
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
-                        p.suspect if p.count or crash_diverged else "", p.ignored)
+                        p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
+                        p.rebuild_tolerance, p.primed_tokens)
+
+
+def _draws_by(p: _Pass, opts: ReplayOptions) -> str:
+    """Whose draws the uncompared ones are: the recording's sampler, or vLLM's global generator from a keyframe."""
+    if p.keyframe is not None and p.recorded_draws == "vllm" and opts.overrides.get("runner") == "vllm":
+        return "vllm-global"
+    return p.recorded_draws
 
 
 def _span(steps: int) -> str:

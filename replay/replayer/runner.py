@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from replay.capture import Header
+from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
 from replay.integrations.vllm.layout import LAYOUT_KNOBS, check_layout_knob
@@ -46,6 +46,10 @@ class Runner(Protocol):
 
     def margins(self) -> dict[str, float]:
         """top1 - top2 raw logprob per request sampled in the last step, where the runner knows it."""
+
+    def restore_requests(self, keyframe: Keyframe) -> None:
+        """Take the keyframe's live requests as it describes them, their K/V already rebuilt, and its persistent batch
+        in its order (a replay from a keyframe)."""
 
     def close(self) -> None:
         """Release what the runner holds (an engine, a redirected terminal); the replay is over."""

@@ -28,6 +28,21 @@ def near_ties(count: int) -> str:
     return f"; {count} near-tie rank change{'s' * (count != 1)}, within tolerance"
 
 
+def rebuilt(rep: ReplayReport) -> str:
+    """'; 3 requests rebuilt from the keyframe at step 72 (req-9, req-11, req-13), compared within atol 0.0001'
+    ('' for a replay from step 0): a replay from a keyframe says which requests read K/V it rebuilt, and how
+    closely they are held; every other request is held to the replay's own tolerance."""
+    if rep.keyframe is None:
+        return ""
+    n = len(rep.rebuilt)
+    if not n:
+        return f"; from the keyframe at step {rep.keyframe}, no compared request read rebuilt K/V"
+    names = ", ".join(rep.rebuilt[:6]) + (f", and {n - 6} more" if n > 6 else "")
+    tol = rep.rebuild_tolerance
+    return (f"; {n} request{'s' * (n != 1)} rebuilt from the keyframe at step {rep.keyframe} ({names}), compared "
+            f"within atol {tol.atol:g}" if tol is not None else "")
+
+
 def divergence_verdict(rep: ReplayReport) -> str | None:
     """How many divergences and token flips, and the step of the first (None when no step diverged)."""
     if rep.first_divergence is None:
@@ -36,7 +51,7 @@ def divergence_verdict(rep: ReplayReport) -> str | None:
     drafts = sum(s.draft_mismatches for s in rep.steps)
     accepted = f", {drafts} with another number of drafts accepted" if drafts else ""
     return (f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s){accepted}, first at step "
-            f"{rep.first_divergence.step}{near_ties(sum(s.near_ties for s in rep.steps))}")
+            f"{rep.first_divergence.step}{near_ties(sum(s.near_ties for s in rep.steps))}{rebuilt(rep)}")
 
 
 def replay_verdict(rep: ReplayReport) -> str:
@@ -45,7 +60,7 @@ def replay_verdict(rep: ReplayReport) -> str:
         tol = rep.tolerance
         within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
         return (f"MATCH: every replayed step equals the recording{within}"
-                + near_ties(sum(s.near_ties for s in rep.steps))
+                + near_ties(sum(s.near_ties for s in rep.steps)) + rebuilt(rep)
                 + (" (data was lost: the readable prefix matches)" if rep.data_lost else ""))
     return crash_verdict(rep) or divergence_verdict(rep) or "DIVERGED"
 

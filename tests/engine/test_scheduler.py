@@ -78,6 +78,9 @@ class FakeRunner:
     next_token: Callable[[str, int], int] = lambda rid, i: 1000 + 100 * (sum(map(ord, rid)) % 50) + i
     reqs: dict[str, _ReqState] = field(default_factory=dict)
     kv: list[list[int | None]] = field(default_factory=list)
+    # a write into a block another request holds fails at once; off where a request in the same step may hit a block
+    # another one computes in it (vLLM caches a block when it is allocated): the reads still check its content
+    exclusive_writes: bool = True
 
     def __post_init__(self):
         self.kv = [[None] * self.block_size for _ in range(self.num_blocks)]
@@ -114,7 +117,7 @@ class FakeRunner:
             assert len(st.block_ids) * bs >= st.num_computed + n, "no slot for a scheduled token"
             for p in range(st.num_computed, st.num_computed + n):
                 block = st.block_ids[p // bs]
-                for other_id, other in self.reqs.items():
+                for other_id, other in self.reqs.items() if self.exclusive_writes else ():
                     assert other_id == rid or other.preempted or block not in other.block_ids, \
                         f"{rid} writes block {block} that {other_id} still holds"
                 self.kv[block][p % bs] = st.tokens[p]

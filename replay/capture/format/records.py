@@ -24,6 +24,7 @@ from typing import Any, Generic
 
 import msgspec
 
+from replay.capture.format.keyframe import Keyframe
 from replay.contracts import (
     RID,
     Array,
@@ -46,7 +47,9 @@ FORMAT_MAJOR = 1
 # 1.5: the writer keeps only the live requests' ids: a chunk's first step is preceded by a `LiveIds` record that
 #      re-declares the handles live when it began, the seek index's `ids` is empty and `num_requests` counts them
 #      (a 1.4 reader skips LiveIds, and resolves only the handles its chunks declare as new)
-FORMAT_MINOR = 5
+# 1.6: `Keyframe` records (`replay.capture.format.keyframe`): the runner state before a chunk's first step, first in
+#      that chunk, so a replay can start there; `ChunkInfo.keyframe` names that step (a 1.5 reader skips them)
+FORMAT_MINOR = 6
 
 PROLOGUE_MAGIC = 0x184D2A5E  # zstd skippable-frame magic (0x184D2A50..5F), nibble E: "replay prologue"
 INDEX_MAGIC = 0x184D2A5F  # nibble F: "replay seek index"
@@ -281,11 +284,11 @@ class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
 # Records as stored (request ids in steps are int handles). `Ids`, `LiveIds` and `LogprobColumns` never leave the
 # reader.
 WireRecord = (Header | RequestAdded | RequestAborted | Ids | LiveIds | LogprobColumns | Step[int] | PackedStep
-              | AlignedStep | StepImage | Crash | Footer)
+              | AlignedStep | StepImage | Crash | Keyframe | Footer)
 # Records as the reader yields them (ids resolved to vLLM's strings).
-Record = Header | RequestAdded | RequestAborted | Step[str] | Crash | Footer
+Record = Header | RequestAdded | RequestAborted | Step[str] | Crash | Keyframe | Footer
 RECORD_TAGS = frozenset({"header", "request_added", "request_aborted", "ids", "live_ids", "logprob_columns", "step",
-                         "packed_step", "aligned_step", "step_image", "crash", "footer"})
+                         "packed_step", "aligned_step", "step_image", "crash", "keyframe", "footer"})
 STEP_TAGS = ("step", "packed_step", "aligned_step", "step_image")
 
 
@@ -305,6 +308,7 @@ class ChunkInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     # speculative decoding; trailing and omitted when 0, so a capture without drafts is what earlier versions wrote
     num_draft_tokens: int = 0  # draft tokens the chunk's steps scheduled for verification
     num_accepted_draft_tokens: int = 0
+    keyframe: int = -1  # 1.6: the step of the chunk's Keyframe record (the state before it), -1 when it has none
 
 
 class Index(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -53,7 +53,8 @@ def recover(src: str | os.PathLike, out: str | os.PathLike | None = None, *, for
             raise UsageError(f"{dst}: recover writes a new file; choose an output other than the input")
         # Recovering `x.capture.partial` into `x.capture`: the writer's own `.partial` would be the input itself.
         tmp = dst.with_name(dst.name + ".recovering") if _same(dst.with_name(dst.name + ".partial"), src) else None
-        writer = CaptureWriter(dst, reader.header, overwrite=force, partial_path=tmp)
+        # the source's keyframes are copied as they are (a snapshot's first one holds what no record before it does)
+        writer = CaptureWriter(dst, reader.header, overwrite=force, partial_path=tmp, keyframes=0)
         try:
             for rec in reader.records(images=True):  # image steps stay images; the writer writes its own Header, Footer
                 writer.write_record(rec)

@@ -22,12 +22,13 @@ import zstandard
 
 from replay.capture.writing import filemode
 from replay.capture.format import records as fmt
-from replay.capture.codec.columns import ColumnSink
 from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
 from replay.capture.format.frames import skippable_frame
-from replay.capture.writing.image_batch import PartsBatch
+from replay.capture.writing.chunk import Chunk
+from replay.capture.writing.keyframes import KeyframeMaker, keyframe_interval
 from replay.capture.codec.step_image import OutputParts, is_nil, store_step_image
 from replay.capture.format.ids import LiveIdTable
+from replay.capture.format.keyframe import Keyframe
 from replay.capture.codec.stepcodec import stored_step
 from replay.contracts import (
     DraftCounts,
@@ -37,37 +38,6 @@ from replay.contracts import (
     draft_counts,
 )
 from replay.errors import CaptureError, UsageError
-
-
-class _Chunk:
-    """Encoded records waiting to be compressed, plus the stats the index keeps for them, and the logprob matrices
-    of its steps (`columns`), which become its first record when it is sealed."""
-
-    __slots__ = ("parts", "raw", "info", "born", "columns", "batch", "declared")
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.raw = 0
-        self.info = fmt.ChunkInfo(0, 0, 0, 0)
-        self.born = time.monotonic()
-        self.columns = ColumnSink()
-        self.batch = PartsBatch()  # its image steps with outputs in parts (None in `parts` until sealed)
-        self.declared = False  # whether its first step's LiveIds is written (format 1.5)
-
-    def seal(self, decoder) -> None:
-        """Finish the steps set aside, then put the chunk's logprob columns first (format 1.3): a reader meets them
-        before the steps that use them."""
-        if len(self.batch):
-            records, generated = self.batch.finish(self.columns, decoder)
-            done = iter(records)
-            self.parts = [p if p is not None else next(done) for p in self.parts]
-            self.info.num_generated_tokens += generated
-        record = self.columns.seal()
-        if record is not None:
-            data = fmt.WIRE_ENCODER.encode(record)
-            self.parts.insert(0, data)
-            self.raw += len(data)
-            self.info.num_records += 1
 
 
 class WriterContext:
@@ -89,7 +59,9 @@ class WriterContext:
 class CaptureWriter(WriterContext):
     """Writes a capture to `path` (as `path.partial` until `close`), compressed at zstd `level`; while the recorder
     outruns compression, at `catch_up_level` (None: never; `replay.capture.writing.emitter`). The file is created with
-    `mode` (default 0600, or REPLAY_CAPTURE_MODE: `replay.capture.writing.filemode`).
+    `mode` (default 0600, or REPLAY_CAPTURE_MODE: `replay.capture.writing.filemode`). A keyframe (format 1.6) opens a
+    chunk every `keyframes` steps (default REPLAY_KEYFRAME_STEPS, else 4096; 0: none): the writer's shadow of the
+    request table (`replay.capture.writing.keyframes`).
 
     Usage::
 
@@ -101,7 +73,7 @@ class CaptureWriter(WriterContext):
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
                  overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None,
-                 catch_up_level: int | None = CATCH_UP_LEVEL, mode: int | None = None):
+                 catch_up_level: int | None = CATCH_UP_LEVEL, mode: int | None = None, keyframes: int | None = None):
         self.path = Path(path)
         self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
@@ -112,9 +84,11 @@ class CaptureWriter(WriterContext):
         self.flush_interval = flush_interval
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = LiveIdTable()
+        interval = keyframe_interval(keyframes)
+        self._keyframes = KeyframeMaker(header, interval) if interval else None
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
-        self._chunk = _Chunk()
+        self._chunk = Chunk()
         self._num_steps = 0
         self._num_records = 0
         self._last_step = -1
@@ -140,12 +114,14 @@ class CaptureWriter(WriterContext):
         if isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt):
             # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
             raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
-        data = self._encode(fmt.RequestAdded(step, request))  # (its id is interned by the first step that names it)
-        self._append([data], requests_added=1)
+        record = fmt.RequestAdded(step, request)
+        data = self._encode(record)  # (its id is interned by the first step that names it)
+        self._append([data], requests_added=1, fold=record)
 
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
-        self._append([self._encode(fmt.RequestAborted(step, request_id))])
+        record = fmt.RequestAborted(step, request_id)
+        self._append([self._encode(record)], fold=record)
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
                    **extra: Any) -> int:
@@ -172,7 +148,7 @@ class CaptureWriter(WriterContext):
             parts = [self._encode(declare)] if declare is not None else []
             parts.append(self._encode(wire))
             self._append_locked(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens,
-                                generated=generated, drafts=drafts)
+                                generated=generated, drafts=drafts, fold=step)
             for rid in step.scheduler_output.finished_req_ids:  # named for the last time: the runner drops them
                 self._ids.drop(rid)
         self._last_step = step.index
@@ -203,11 +179,11 @@ class CaptureWriter(WriterContext):
                 raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
             if scheduled is not None:
                 size = len(scheduler_output) + len(parts.rest) + len(parts.tokens) + 64
-                self._append_locked([None], raw=size, step=index, scheduled=scheduled)
+                self._append_locked([None], raw=size, step=index, scheduled=scheduled, fold=-1)
             else:
                 size = len(data := self._encode(rec))
                 self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
-                                    drafts=stats.drafts)
+                                    drafts=stats.drafts, fold=-1)
         self._last_step = index
         return size
 
@@ -223,7 +199,7 @@ class CaptureWriter(WriterContext):
 
     def write_record(self, record: fmt.Record) -> None:
         """Copy a record read from another capture (`recover`, rewriting a capture): steps (image steps as images),
-        arrivals, aborts and crashes; a Header or Footer is this writer's own to write, so it is skipped."""
+        arrivals, aborts, crashes and keyframes; a Header or Footer is this writer's own to write, so it is skipped."""
         if isinstance(record, fmt.Step):
             self.write_step_record(record)
         elif isinstance(record, fmt.StepImage):  # another engine's step, output whole (`records(images=True)`)
@@ -235,6 +211,18 @@ class CaptureWriter(WriterContext):
             self.abort_request(record.request_id, record.step)
         elif isinstance(record, fmt.Crash):
             self.write_crash(record)
+        elif isinstance(record, Keyframe):
+            self.write_keyframe(record)
+
+    def write_keyframe(self, keyframe: Keyframe) -> None:
+        """Copy a keyframe read from another capture (`recover`, a snapshot): it opens a chunk of its own, as the
+        writer's own keyframes do. A writer that makes its own keyframes refuses it (it would stand twice)."""
+        if self._keyframes is not None:
+            raise UsageError("a writer that makes its own keyframes takes none from another capture")
+        self._check()
+        with self._lock:
+            self._seal_locked()
+            self._put_keyframe(self._chunk, keyframe)
 
     def flush(self) -> None:
         """Close the open chunk now and hand it to the background threads."""
@@ -246,6 +234,7 @@ class CaptureWriter(WriterContext):
         """Write the footer and the seek index, then rename `NAME.partial` to `NAME`. Returns the final path."""
         if self._closed:
             return self.path
+        self._keyframes = None  # (no keyframe for the footer's chunk: no step follows it)
         self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
         with self._lock:
             self._seal_locked()
@@ -315,24 +304,29 @@ class CaptureWriter(WriterContext):
 
     def _append(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
                 requests_added: int = 0, header: bool = False,
-                drafts: DraftCounts | None = None) -> None:
+                drafts: DraftCounts | None = None, fold: Any = None) -> None:
         self._check()
         with self._lock:
             self._seal_if_old_locked()
             self._append_locked(parts, step=step, scheduled=scheduled, generated=generated,
-                                requests_added=requests_added, drafts=drafts)
+                                requests_added=requests_added, drafts=drafts, fold=fold)
 
     def _seal_if_old_locked(self) -> None:
         c = self._chunk
-        if c.raw and time.monotonic() - c.born >= self.flush_interval:
-            self._seal_locked()
+        if c.raw and (time.monotonic() - c.born >= self.flush_interval or (
+                self._keyframes is not None and self._keyframes.due_at(self._last_step + 1))):
+            self._seal_locked()  # (a keyframe opens the next chunk: a reader can start there)
 
     def _append_locked(self, parts: list[bytes | None], *, step: int | None = None, scheduled: int = 0,
                        generated: int = 0, requests_added: int = 0, drafts: DraftCounts | None = None,
-                       raw: int | None = None) -> None:
+                       raw: int | None = None, fold: Any = None) -> None:
         if self._closed:
             raise UsageError(f"{self.path}: capture writer is closed")
         c = self._chunk
+        if not c.parts and self._keyframes is not None and self._keyframes.due():
+            self._put_keyframe(c, self._keyframes.make())
+        if fold is not None and self._keyframes is not None:
+            c.folds.append(len(c.parts) + len(parts) - 1 if fold == -1 else fold)  # -1: this image step's part
         c.parts.extend(parts)
         c.raw += sum(map(len, parts)) if raw is None else raw
         info = c.info
@@ -353,15 +347,31 @@ class CaptureWriter(WriterContext):
         if c.raw + c.columns.nbytes >= self.chunk_bytes:
             self._seal_locked()
 
+    def _put_keyframe(self, c: Chunk, keyframe: Keyframe) -> None:
+        """Put a keyframe first in the chunk `c`, just opened (format 1.6), and say so in its index entry."""
+        data = self._encode(keyframe)
+        c.parts.append(data)
+        c.raw += len(data)
+        c.info.num_records += 1
+        c.info.keyframe = keyframe.step
+        self._num_records += 1
+
+    def _sealed(self, c: Chunk) -> None:
+        """Seal `c` and fold it into the keyframe shadow."""
+        c.seal(self.image_decoder)
+        if self._keyframes is not None:
+            self._keyframes.fold(c.folds, c.parts)
+            c.folds = []
+
     def _seal_locked(self) -> None:
         c = self._chunk
         if not c.parts:
             return
-        self._chunk = _Chunk()
-        c.seal(self.image_decoder)
+        self._chunk = Chunk()
+        self._sealed(c)
         self._out.put(c)  # blocks while the background threads are 8 chunks behind
 
-    def _idle_seal(self) -> tuple[int, _Chunk] | None:
+    def _idle_seal(self) -> tuple[int, Chunk] | None:
         """The open chunk, sealed and numbered, once it is older than `flush_interval` (a background thread asks
         when it has waited that long for work). Never blocks on the lock: a producer holding it may itself be
         blocked on the full queue."""
@@ -371,8 +381,8 @@ class CaptureWriter(WriterContext):
             c = self._chunk
             if not c.parts or time.monotonic() - c.born < self.flush_interval or self._closed:
                 return None
-            self._chunk = _Chunk()
-            c.seal(self.image_decoder)
+            self._chunk = Chunk()
+            self._sealed(c)
             return self._out.number(), c
         finally:
             self._lock.release()

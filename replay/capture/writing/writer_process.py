@@ -61,13 +61,14 @@ class ProcessCaptureWriter(WriterContext):
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
                  level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False, transport: str | None = None,
-                 ring_bytes: int = ring.DEFAULT_RING_BYTES):
+                 ring_bytes: int = ring.DEFAULT_RING_BYTES, keyframes: int | None = None):
         self.path = Path(path)
         self.partial_path = self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
             raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
         options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
-                   "flush_interval": flush_interval, "level": level, "nice": nice, "images": images}
+                   "flush_interval": flush_interval, "level": level, "nice": nice, "images": images,
+                   "keyframes": keyframes}
         asked = transport or os.environ.get(TRANSPORT_ENV)
         transport = asked or ("ring" if ring.available() else "pipe")
         if transport not in ("ring", "pipe") or (transport == "ring" and not ring.available()):
@@ -322,7 +323,7 @@ def _child(options: dict) -> int:
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
         writer = CaptureWriter(options["path"], header, overwrite=options["overwrite"],
                                chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
-                               level=options["level"])
+                               level=options["level"], keyframes=options.get("keyframes"))
         if options.get("images"):
             images.warm()  # one-time work before "ready", not on the engine's first steps
         # its start-up CPU (imports, converters), for bench/; its pid (detached, it is no child of the engine's)

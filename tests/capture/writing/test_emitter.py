@@ -12,7 +12,6 @@ import zstandard
 
 from replay.capture import CaptureReader, CaptureWriter
 from replay.capture.writing import emitter
-from replay.capture.format import records as fmt
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
 

@@ -1,0 +1,29 @@
+"""Which difference between the recording and the replay a divergence names first (`ReplayReport.suspect`)."""
+
+from __future__ import annotations
+
+from replay.replayer.runner import BuiltRunner
+
+# header fields (their last name) -> the --set knob that changes them, where the two names differ
+_KNOB_OF_FIELD = {"attention_impl": "attention", "num_threads": "threads", "runner_class": "runner", "name": "model",
+                  "fingerprint": "model"}
+
+
+def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
+    """The difference the user made with `--set` (a planted change is the first thing that explains a divergence
+    it causes), as its note; else another version of the same engine (an upgrade changes kernels and samplers
+    alike); "" when neither applies."""
+    for d in built.differences:
+        name = d.field.rsplit(".", 1)[-1]
+        if _KNOB_OF_FIELD.get(name, name) in overrides and d.affects != "host":
+            return d.as_note()
+    if not any(d.field == "engine" for d in built.differences):
+        return next((d.as_note() for d in built.differences if d.field == "engine_version"), "")
+    return ""
+
+
+def sampler_suspect(notes: list[str]) -> str:
+    """The suspect where every divergence is a random draw from logprobs equal within the tolerance: the sampler,
+    with the engine versions where they differ."""
+    version = next((n for n in notes if n.startswith("engine version:")), "")
+    return "the sampler: same distribution, another draw" + (f" ({version})" if version else "")
