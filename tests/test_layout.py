@@ -102,8 +102,9 @@ def _violations() -> list[str]:
 
 
 # The capture package's rooms, bottom up: the format, a step's stored form both ways, then writing and reading
-# (reading may use the writer: `recover` writes a new capture).
-CAPTURE_ROOMS = {"format": 0, "codec": 1, "writing": 2, "reading": 2}
+# (reading may use the writer: `recover` writes a new capture), then the flight recorder (a ring of captures it
+# writes and reads back into snapshots).
+CAPTURE_ROOMS = {"format": 0, "codec": 1, "writing": 2, "reading": 2, "flight": 3}
 CAPTURE_SIDEWAYS = {("reading", "writing")}
 
 

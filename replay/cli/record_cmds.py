@@ -55,6 +55,7 @@ def record(
     logprobs: Optional[int] = typer.Option(None, "--logprobs", min=-1),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Capture path (default: captures/<model>-<time>.capture)."),
     flush_interval: Optional[float] = typer.Option(None, "--flush-interval", min=0.01, help="Seconds before an open chunk is written (default 1): bounds what a crash of the writer can lose."),
+    ring: Optional[str] = typer.Option(None, "--ring", help="Builtin engine: record into a ring of SIZE bytes (e.g. 4MB) in the directory OUT: a bounded flight recorder; `replay snapshot OUT` seals its window."),
     keyframe_steps: Optional[int] = typer.Option(None, "--keyframe-steps", min=0, help="Steps between keyframes, where `run --from-keyframe` can start (default 4096, or REPLAY_KEYFRAME_STEPS; 0: none)."),
     vllm_arg: Optional[list[str]] = typer.Option(None, "--vllm-arg", help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, e.g. gpu_memory_utilization=0.5 (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
@@ -64,6 +65,7 @@ def record(
     from replay.cli.render_capture import render_record
     from replay.record import EngineOptions, SyntheticWorkload, workload_requests
     from replay.record import record as do_record
+    from replay.capture.flight import parse_size
     from replay.record.options import parse_vllm_args
 
     options = EngineOptions(engine, model, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
@@ -77,8 +79,25 @@ def record(
                                  output_len=int_range(output_len, "--output-len"), arrival_rate=arrival_rate,
                                  defaults=sampling, **({} if seed is None else {"seed": seed}))
     res = do_record(options, workload_requests(model, prompts, workload), out, overwrite=force,
-                    progress=sys.stderr.isatty(), flush_interval=flush_interval, keyframe_steps=keyframe_steps)
+                    progress=sys.stderr.isatty(), flush_interval=flush_interval, keyframe_steps=keyframe_steps,
+                    ring=parse_size(ring, "--ring") if ring else None)
     emit(res, render_record, json=json)
+
+
+@command
+def snapshot(
+    ring: Path = typer.Argument(..., help="The ring's directory (REPLAY_CAPTURE of a recorder with REPLAY_CAPTURE_RING set, or `record --ring SIZE --out DIR`).", show_default=False),
+    after: int = typer.Option(0, "--after", min=0, help="Wait for N more steps first."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds to wait for the snapshot."),
+    json: bool = JsonOpt,
+) -> None:
+    """Seal a ring's window (its segments, each opening with a keyframe) into one capture that info, run, diff,
+    report and check take; print its path, last. Works from another shell against a running recorder, or on the
+    segments a stopped one left."""
+    from replay.capture.flight.control import request_snapshot
+    from replay.cli.render_capture import render_snapshot
+
+    emit(request_snapshot(ring, after, timeout), render_snapshot, json=json)
 
 
 @command

@@ -11,6 +11,7 @@ from replay.contracts import accepted_drafts
 if TYPE_CHECKING:
     from replay.capture import Crash, Damage, Step
     from replay.capture.reading.recover import RecoverResult
+    from replay.capture.flight.control import SnapshotResult
     from replay.inspect import CaptureInfo, ShownSteps
     from replay.record import RecordResult
 
@@ -77,6 +78,8 @@ def render_info(info: CaptureInfo) -> str:
         *([f"drafts    {info.drafts.drafted:,} draft tokens verified, {info.drafts.accepted:,} accepted "
            f"({info.drafts.acceptance_rate:.0%}; speculative decoding)"] if info.drafts.drafted else []),
     ]
+    if info.snapshot:
+        lines.append("snapshot  " + _snapshot_line(info.snapshot))
     if info.keyframes:
         k = info.keyframes
         at = ", ".join(map(str, k[:8])) + (f", ... {k[-1]}" if len(k) > 8 else "")
@@ -91,6 +94,22 @@ def render_info(info: CaptureInfo) -> str:
     else:
         lines.append("damage    none")
     return "\n".join(lines)
+
+
+def render_snapshot(res: SnapshotResult) -> str:
+    """`replay snapshot`: who sealed it, then its path (last, for scripts)."""
+    who = "sealed by the running recorder" if res.live else "sealed from the segments on disk (no recorder is running)"
+    return f"snapshot of {res.ring}, {who}:\n{res.path}"
+
+
+def _snapshot_line(s: dict) -> str:
+    """'on demand, steps 2140-2560 over 4.1 s, from 2 segments of ringA; the ring had dropped steps 0-2139'."""
+    span = f"steps {s.get('first_step')}-{s.get('last_step')}"
+    if s.get("start_time") and s.get("end_time"):
+        span += f" over {s['end_time'] - s['start_time']:.1f} s"
+    dropped = s.get("dropped_before") or 0
+    gone = f"; steps 0-{dropped - 1} are not in it (the ring had dropped them)" if dropped else ""
+    return f"{s.get('trigger')}, {span}, from {len(s.get('segments', []))} segments of {s.get('ring')}{gone}"
 
 
 def _lp_cells(step: Step, index: int) -> tuple[str, str, str]:

@@ -35,6 +35,7 @@ class CaptureInfo(msgspec.Struct):
     unknown_records: int
     damage: list[Damage]
     keyframes: list[int] = []  # the steps the capture's keyframes stand before (where `run --from-keyframe` starts)
+    snapshot: dict | None = None  # a ring's snapshot: what triggered it, its window, what the ring had dropped
 
     @property
     def damaged(self) -> bool:
@@ -120,4 +121,5 @@ def capture_info(path: str | os.PathLike) -> CaptureInfo:
             unknown_records=r.unknown_records,
             damage=list(r.damage),
             keyframes=keyframes,
+            snapshot=r.header.extra.get("snapshot"),
         )

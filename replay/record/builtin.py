@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from replay.capture.flight import RingLayout
+from replay.capture.flight.process import ring_writer
 from replay.capture.writing.writer_process import ProcessCaptureWriter
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
@@ -31,6 +33,7 @@ class RecordOptions:
     tap: bool = True  # False: run without recording (the tap-overhead benchmark's baseline)
     flush_interval: float | None = None  # seconds; bounds what a crash of the writer can lose (default 1 s)
     keyframe_steps: int | None = None  # steps between keyframes (None: REPLAY_KEYFRAME_STEPS or the default; 0: none)
+    ring: int | None = None  # bytes: record into a ring of segments in the directory `out` (a flight recorder)
 
 
 def _tokenize(engine: LLMEngine, reqs: list[WorkloadRequest]) -> list[list[int]]:
@@ -92,8 +95,11 @@ def record_builtin(opts: RecordOptions) -> RecordResult:
     writer = tap = None
     if opts.tap:
         extra = {} if opts.flush_interval is None else {"flush_interval": opts.flush_interval}
-        writer = ProcessCaptureWriter(opts.out, engine.header(), overwrite=opts.overwrite,
-                                      keyframes=opts.keyframe_steps, **extra)
+        if opts.ring:
+            writer = ring_writer(opts.out, engine.header(), opts.ring, overwrite=opts.overwrite, **extra)
+        else:
+            writer = ProcessCaptureWriter(opts.out, engine.header(), overwrite=opts.overwrite,
+                                          keyframes=opts.keyframe_steps, **extra)
         tap = CaptureTap(writer)
         engine.listeners.append(tap)
     t = time.perf_counter()
@@ -107,5 +113,6 @@ def record_builtin(opts: RecordOptions) -> RecordResult:
     size = 0
     if writer is not None:
         writer.close()
-        size = opts.out.stat().st_size
+        # a ring: what its segments hold on disk
+        size = sum(p.stat().st_size for p in RingLayout(opts.out).segments()) if opts.ring else opts.out.stat().st_size
     return RecordResult.of(opts.out, steps, len(opts.requests), prompt_tokens, generated, wall, size)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from replay.capture.writing.keyframes import KEYFRAME_ENV, keyframe_interval
+from replay.errors import UsageError
 from replay.record.options import EngineOptions, builtin_config
 from replay.record.result import RecordResult
 from replay.record.workload import WorkloadRequest
@@ -23,22 +24,26 @@ def default_capture_path(model: str) -> Path:
 
 def record(engine: EngineOptions, requests: list[WorkloadRequest], out: str | Path | None = None, *,
            overwrite: bool = False, progress: bool = False, flush_interval: float | None = None,
-           keyframe_steps: int | None = None) -> RecordResult:
+           keyframe_steps: int | None = None, ring: int | None = None) -> RecordResult:
     """Record `requests` on the engine `engine` describes (its defaults for every knob it leaves unset) into
     `out` (default: `default_capture_path`); a keyframe every `keyframe_steps` steps (default: REPLAY_KEYFRAME_STEPS,
-    else `replay.capture.writing.keyframes.DEFAULT_KEYFRAME_STEPS`; 0: none)."""
+    else `replay.capture.writing.keyframes.DEFAULT_KEYFRAME_STEPS`; 0: none); `ring`: bytes of a ring of segments in
+    the directory `out` instead (the builtin engine; vLLM's tap takes REPLAY_CAPTURE_RING)."""
     engine.check()
     path = Path(out) if out is not None else default_capture_path(engine.model)
     if engine.engine == "vllm":
         from replay.record.vllm import record_vllm, vllm_record_options
 
+        if ring:
+            raise UsageError("--ring records the builtin engine; a vLLM engine records into a ring with "
+                             "REPLAY_CAPTURE=DIR REPLAY_CAPTURE_RING=SIZE")
         with _keyframe_env(keyframe_steps):  # the tap's writer process reads it
             return record_vllm(vllm_record_options(engine, requests, path, overwrite=overwrite, progress=progress))
     from replay.record.builtin import RecordOptions, record_builtin
 
     return record_builtin(RecordOptions(builtin_config(engine), requests, path, overwrite=overwrite,
                                         progress=progress, flush_interval=flush_interval,
-                                        keyframe_steps=keyframe_steps))
+                                        keyframe_steps=keyframe_steps, ring=ring))
 
 
 @contextlib.contextmanager

@@ -204,7 +204,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     out.suspect = lead_suspect(built, opts.overrides) or (out.notes[0] if out.notes else "")
-    out.keyframe = _keyframe_for(r, opts) if opts.from_keyframe else None
+    out.keyframe = _keyframe_for(r, opts)
     # vLLM's runner sizes its buffers by its token budget; ours has none (a step as large as the engine's, at least)
     budget = getattr(built.runner, "prime_budget", 0) or max(r.header.engine_config.max_num_batched_tokens,
                                                              MIN_PRIME_BUDGET)
@@ -272,12 +272,23 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
 
 
 def _keyframe_for(r: CaptureReader, opts: ReplayOptions) -> int | None:
-    """The keyframe a --from-keyframe replay starts at: the last one at or before the first step compared (None:
-    there is none, and the replay starts at step 0, exact; the report's `keyframe` says which)."""
+    """The keyframe a replay starts at (None: step 0, exact; the report's `keyframe` says which): with
+    --from-keyframe, the last one at or before the first step compared; for a capture that starts later (a ring's
+    snapshot or segment), the keyframe it opens with."""
+    span = r.step_span()
+    if span is not None and span[0] > 0:
+        if span[0] not in keyframe_steps(r):
+            raise UsageError(f"{r.path}: capture starts at step {span[0]} without a keyframe there: a SchedulerOutput "
+                             "is a diff against state the runner never saw")
+        first = [span[0]]
+    else:
+        first = []
+    if not opts.from_keyframe:
+        return first[0] if first else None
     if opts.steps is None:
         raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
     before = [k for k in keyframe_steps(r) if k <= opts.steps.first]
-    return before[-1] if before else None
+    return before[-1] if before else (first[0] if first else None)
 
 
 def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:

@@ -4,6 +4,7 @@ a documented exit code; a value of the wrong type is exit 2; and `-v` is what tu
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,16 @@ def _base(path: tuple[str, ...], tmp: Path) -> tuple[list[str], dict[str, list[s
     """Arguments that make each command valid and quick: (positional arguments, options by their flag)."""
     out = str(tmp / "out.capture")
     runs = {"--steps": ["0-1"]}
+    ring = tmp / "ring"  # a ring a stopped recorder left: one closed segment
+    if path == ("snapshot",) and tmp.is_dir() and not ring.exists():
+        ring.mkdir()
+        shutil.copy(GOLDEN, ring / "segment-000001.capture")
     table: dict[tuple[str, ...], tuple[list[str], dict[str, list[str]]]] = {
         ("info",): ([GOLDEN], {}), ("show",): ([GOLDEN], {"--step": ["1"]}), ("export",): ([GOLDEN], {"-o": [str(tmp / "x.jsonl")]}),
         ("recover",): ([GOLDEN], {"-o": [out]}), ("synth",): ([out], {"--steps": ["2"], "--running": ["2"]}),
         ("run",): ([GOLDEN], runs), ("check",): ([GOLDEN], {}), ("diff",): ([GOLDEN, GOLDEN], {}),
         ("record",): ([], {"--num-requests": ["1"], "--prompt-len": ["2:2"], "--output-len": ["1:1"], "-o": [out]}),
-        ("demo",): ([], {"-o": [out]}), ("report",): ([GOLDEN], {"-o": [str(tmp / "report.html")]}),
+        ("demo",): ([], {"-o": [out]}), ("snapshot",): ([str(ring)], {}), ("report",): ([GOLDEN], {"-o": [str(tmp / "report.html")]}),
         ("stress",): ([], {"--prompt-token-ids": ["5,6"], "--trials": ["2"], "--max-tokens": ["1"],
                            "--neighbours": ["0:0"]}),
         ("bisect", "steps"): ([GOLDEN], {}),

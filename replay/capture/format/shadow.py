@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from replay.capture.format.keyframe import CachedBlocks, Keyframe, LiveRequest
 from replay.contracts import SAMPLING_EPS, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 
@@ -64,6 +66,11 @@ class ShadowTable:
         self._kept = 32  # `left` is pruned each time it doubles from what the last pruning kept
         self.next_step = 0  # the step the next record precedes
         self.batch: list[str] = []  # the runner's persistent batch after the last step (its output's req_ids)
+        # a ring's triggers, kept only when `watch` is set: requests finished since the last `take_finished`, and
+        # the steps whose logprobs held a NaN (or whose logits the engine counted NaNs in)
+        self.watch = False
+        self.finished: list[str] = []
+        self.nonfinite: list[int] = []
 
     # -- folding --------------------------------------------------------------------------------------------------
 
@@ -82,6 +89,8 @@ class ShadowTable:
         """Fold step `index`: its diff, then its output."""
         self.next_step = index
         for rid in sorted(so.finished_req_ids):  # (sorted: a set's order differs from process to process)
+            if self.watch:
+                self.finished.append(rid)
             st = self.live.pop(rid, None)
             if st is not None and not st.preempted:
                 self._leave(st.writer)
@@ -143,7 +152,14 @@ class ShadowTable:
                 if sp is not None and sp.temperature >= SAMPLING_EPS:
                     st.draws += 1
         self.batch = list(out.req_ids) if out is not None else []
+        if self.watch and out is not None and _nonfinite(out):
+            self.nonfinite.append(index)
         self.next_step = index + 1
+
+    def take_finished(self) -> list[str]:
+        """The requests finished since the last call."""
+        out, self.finished = self.finished, []
+        return out
 
     def _take(self, w: _Writer, first: int, computed: int) -> None:
         """`w` holds its blocks from `first` on. A block that held another writer's content, and was not handed
@@ -221,3 +237,11 @@ class ShadowTable:
 def _arrival(new) -> EngineCoreRequest:
     """An arrival rebuilt from a step's NewRequestData, for a request scheduled without one."""
     return EngineCoreRequest(new.req_id, new.prompt_token_ids, None, new.sampling_params, None, 0.0, None, None, None)
+
+
+def _nonfinite(out: ModelRunnerOutput) -> bool:
+    """Whether a step's output shows NaNs: counted in the logits by the engine, or in its logprobs."""
+    if out.num_nans_in_logits and any(out.num_nans_in_logits.values()):
+        return True
+    lp = out.logprobs
+    return lp is not None and bool(np.isnan(lp.logprobs.to_numpy()).any())

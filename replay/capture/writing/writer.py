@@ -73,7 +73,8 @@ class CaptureWriter(WriterContext):
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
                  overwrite: bool = False, fsync: bool = False, partial_path: str | os.PathLike | None = None,
-                 catch_up_level: int | None = CATCH_UP_LEVEL, mode: int | None = None, keyframes: int | None = None):
+                 catch_up_level: int | None = CATCH_UP_LEVEL, mode: int | None = None, keyframes: int | None = None,
+                 keyframe_maker: KeyframeMaker | None = None):
         self.path = Path(path)
         self.partial_path = Path(partial_path) if partial_path else self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
@@ -85,14 +86,15 @@ class CaptureWriter(WriterContext):
         self._cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)  # (the index)
         self._ids = LiveIdTable()
         interval = keyframe_interval(keyframes)
-        self._keyframes = KeyframeMaker(header, interval) if interval else None
+        self._keyframes: KeyframeMaker | None = None  # (from the first record after the header on)
         self.image_decoder = None  # an ImageDecoder (for drafts in image steps), made on first use if not given
         self._lock = threading.Lock()
         self._chunk = Chunk()
         self._num_steps = 0
         self._num_records = 0
         self._last_step = -1
-        self._closed = False
+        self._closed = self._closing = False
+        self.keyframe_bytes = 0  # the last keyframe's size, uncompressed
         try:
             self.partial_path.parent.mkdir(parents=True, exist_ok=True)
             self._f = filemode.create(self.partial_path, mode=mode)
@@ -105,6 +107,8 @@ class CaptureWriter(WriterContext):
         self._out.start()
         self._append([self._encode(header)], header=True)
         self.flush()  # the header is durable as soon as the writer exists
+        # a ring's segments share one (`keyframe_maker`): its shadow goes on from one segment file to the next
+        self._keyframes = keyframe_maker or (KeyframeMaker(header, interval) if interval else None)
 
     # -- public API ---------------------------------------------------------------------------------------------
 
@@ -234,7 +238,7 @@ class CaptureWriter(WriterContext):
         """Write the footer and the seek index, then rename `NAME.partial` to `NAME`. Returns the final path."""
         if self._closed:
             return self.path
-        self._keyframes = None  # (no keyframe for the footer's chunk: no step follows it)
+        self._closing = True  # (no keyframe for the footer's chunk: no step follows it)
         self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
         with self._lock:
             self._seal_locked()
@@ -314,7 +318,7 @@ class CaptureWriter(WriterContext):
     def _seal_if_old_locked(self) -> None:
         c = self._chunk
         if c.raw and (time.monotonic() - c.born >= self.flush_interval or (
-                self._keyframes is not None and self._keyframes.due_at(self._last_step + 1))):
+                self._keyframes is not None and not self._closing and self._keyframes.due_at(self._last_step + 1))):
             self._seal_locked()  # (a keyframe opens the next chunk: a reader can start there)
 
     def _append_locked(self, parts: list[bytes | None], *, step: int | None = None, scheduled: int = 0,
@@ -323,7 +327,7 @@ class CaptureWriter(WriterContext):
         if self._closed:
             raise UsageError(f"{self.path}: capture writer is closed")
         c = self._chunk
-        if not c.parts and self._keyframes is not None and self._keyframes.due():
+        if not c.parts and self._keyframes is not None and not self._closing and self._keyframes.due():
             self._put_keyframe(c, self._keyframes.make())
         if fold is not None and self._keyframes is not None:
             c.folds.append(len(c.parts) + len(parts) - 1 if fold == -1 else fold)  # -1: this image step's part
@@ -350,6 +354,7 @@ class CaptureWriter(WriterContext):
     def _put_keyframe(self, c: Chunk, keyframe: Keyframe) -> None:
         """Put a keyframe first in the chunk `c`, just opened (format 1.6), and say so in its index entry."""
         data = self._encode(keyframe)
+        self.keyframe_bytes = len(data)
         c.parts.append(data)
         c.raw += len(data)
         c.info.num_records += 1

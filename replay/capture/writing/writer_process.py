@@ -31,12 +31,14 @@ child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -53,6 +55,7 @@ from replay.errors import CaptureError, UsageError
 _ENCODER = msgspec.msgpack.Encoder()
 TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "ring" or "pipe"; unset: the ring where `ring.available()`
 _NOW = frozenset((b"H", b"F", b"C", b"Q"))  # frames the child is woken for (the others wait for its next poll)
+CHILD = "replay.capture.writing.writer_process"  # the writer process's module (a ring's: replay.capture.flight)
 
 
 class ProcessCaptureWriter(WriterContext):
@@ -61,14 +64,15 @@ class ProcessCaptureWriter(WriterContext):
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
                  level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False, transport: str | None = None,
-                 ring_bytes: int = ring.DEFAULT_RING_BYTES, keyframes: int | None = None):
+                 ring_bytes: int = ring.DEFAULT_RING_BYTES, keyframes: int | None = None,
+                 child: str = CHILD, child_options: dict | None = None):
         self.path = Path(path)
         self.partial_path = self.path.with_name(self.path.name + ".partial")
         if not overwrite and self.path.exists():
             raise UsageError(f"{self.path}: already exists (pass overwrite=True / --force to replace it)")
         options = {"path": str(self.path), "overwrite": overwrite, "chunk_bytes": chunk_bytes,
                    "flush_interval": flush_interval, "level": level, "nice": nice, "images": images,
-                   "keyframes": keyframes}
+                   "keyframes": keyframes, **(child_options or {})}
         asked = transport or os.environ.get(TRANSPORT_ENV)
         transport = asked or ("ring" if ring.available() else "pipe")
         if transport not in ("ring", "pipe") or (transport == "ring" and not ring.available()):
@@ -90,7 +94,7 @@ class ProcessCaptureWriter(WriterContext):
         if self._ring is not None:
             options.update(ring_fd=self._ring.fd, ring_bytes=ring_bytes)
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "replay.capture.writing.writer_process", json.dumps(options)],
+            self._proc = subprocess.Popen([sys.executable, "-m", child, json.dumps(options)],
                                           stdin=read_end, stdout=subprocess.PIPE, env=env,
                                           pass_fds=(self._ring.fd,) if self._ring else ())
         finally:
@@ -295,9 +299,20 @@ def stopped_status(last_step: int, pending: dict | None = None, cut: bool = Fals
             f"{whole}{unfinished}")
 
 
-def _child(options: dict) -> int:
-    """The writer process: read frames from stdin, write the capture with a CaptureWriter."""
+def _capture_writer(options: dict, header: fmt.Header) -> Any:
+    """The writer process's writer of one capture file."""
     from replay.capture.writing.writer import CaptureWriter
+
+    return CaptureWriter(options["path"], header, overwrite=options["overwrite"], chunk_bytes=options["chunk_bytes"],
+                         flush_interval=options["flush_interval"], level=options["level"],
+                         keyframes=options.get("keyframes"))
+
+
+def serve(options: dict, make_writer: Callable[[dict, fmt.Header], Any] = _capture_writer,
+          lock: threading.Lock | None = None) -> int:
+    """The writer process: read frames from stdin, write them with the writer `make_writer(options, header)` builds
+    (a CaptureWriter; a ring of them in ring mode). `lock` is held while a frame is handled, so another thread (a
+    ring's snapshot requests) may use the writer between frames."""
     from replay.errors import ReplayError
 
     if options.get("nice"):
@@ -306,8 +321,6 @@ def _child(options: dict) -> int:
     # never read through sys.stdin: frames would hide in its buffer
     frames = (ring.RingReader(options["ring_fd"], options["ring_bytes"], sys.stdin.fileno()) if "ring_fd" in options
               else FrameReader(sys.stdin.fileno()))
-    decoders = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
-                b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
 
     def say(obj: dict) -> None:
         if "error" in obj and isinstance(frames, ring.RingReader):
@@ -321,39 +334,17 @@ def _child(options: dict) -> int:
     try:
         kind, payload = frames.next()
         header = msgspec.msgpack.decode(payload, type=fmt.Header)
-        writer = CaptureWriter(options["path"], header, overwrite=options["overwrite"],
-                               chunk_bytes=options["chunk_bytes"], flush_interval=options["flush_interval"],
-                               level=options["level"], keyframes=options.get("keyframes"))
+        writer = make_writer(options, header)
         if options.get("images"):
             images.warm()  # one-time work before "ready", not on the engine's first steps
         # its start-up CPU (imports, converters), for bench/; its pid (detached, it is no child of the engine's)
         say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})
+        lock = lock or contextlib.nullcontext()
         while True:
             kind, payload = frames.next()
-            if kind is None:  # the engine went away without closing: seal what it sent
-                writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
-                                                                             cut=payload is None))
-                return 0
-            if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
-                writer.abandon()
-                return 0
-            if kind == b"C":
-                status = bytes(payload).decode()
-                writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
-                # its CPU (it is no child of the engine's, see `process.detach`: the engine's rusage never counts it)
-                say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})
-                return 0
-            if kind == b"F":
-                writer.flush()
-                continue
-            if kind in IMAGE_FRAMES:
-                images.write(writer, kind, payload)
-                continue
-            if kind == b"K":
-                images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
-                writer.write_crash(images.crash)
-                continue
-            writer.write_record(decoders[kind].decode(payload))  # S, A, X: a step, an arrival, an abort
+            with lock:
+                if _handle(writer, images, kind, payload, say, before_fork):
+                    return 0
     except ReplayError as e:
         if writer is not None:
             writer.abandon()
@@ -366,5 +357,37 @@ def _child(options: dict) -> int:
         return 1
 
 
+_DECODERS = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
+             b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
+
+
+def _handle(writer: Any, images: ImageFrames, kind: bytes | None, payload: Any, say: Callable[[dict], None],
+            before_fork: float) -> bool:
+    """Handle one frame; True once the capture is sealed or abandoned (the writer process then exits)."""
+    if kind is None:  # the engine went away without closing: seal what it sent
+        writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
+                                                                     cut=payload is None))
+        return True
+    if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
+        writer.abandon()
+        return True
+    if kind == b"C":
+        status = bytes(payload).decode()
+        writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
+        # its CPU (it is no child of the engine's, see `process.detach`: the engine's rusage never counts it)
+        say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})
+        return True
+    if kind == b"F":
+        writer.flush()
+    elif kind in IMAGE_FRAMES:
+        images.write(writer, kind, payload)
+    elif kind == b"K":
+        images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
+        writer.write_crash(images.crash)
+    else:
+        writer.write_record(_DECODERS[kind].decode(payload))  # S, A, X: a step, an arrival, an abort
+    return False
+
+
 if __name__ == "__main__":
-    sys.exit(_child(json.loads(sys.argv[1])))
+    sys.exit(serve(json.loads(sys.argv[1])))

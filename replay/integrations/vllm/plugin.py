@@ -1,6 +1,7 @@
 """The `vllm.general_plugins` entry point: taps vLLM's scheduler into a capture when `REPLAY_CAPTURE` is set.
 
     REPLAY_CAPTURE=/path/run.capture vllm serve ...        # or any program that builds a vLLM engine
+    REPLAY_CAPTURE=/path/ring REPLAY_CAPTURE_RING=512MB ...  # always on: a bounded ring, `replay snapshot /path/ring`
 
 vLLM loads general plugins in every process it starts (front end, EngineCore, workers); the tap patches the
 `Scheduler` class, so it records in whichever process hosts the scheduler, in-process or multiprocess. For each
@@ -19,13 +20,15 @@ import logging
 import os
 import time
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from replay.capture.codec.step_image import OutputParts
 
 ENV = "REPLAY_CAPTURE"
+# SIZE (e.g. 512MB): REPLAY_CAPTURE names a directory holding a ring of that size (replay.capture.flight.RING_ENV;
+# spelled here so that a process that does not record imports none of it)
+RING_ENV = "REPLAY_CAPTURE_RING"
 LEVEL_ENV = "REPLAY_ZSTD_LEVEL"  # 1-22; higher: smaller captures, more writer CPU
 DEFAULT_LEVEL = 3
 _state: dict = {}
@@ -211,8 +214,15 @@ class _Tap:
         known = _executors.pop(id(scheduler.vllm_config), None)
         executor = getattr(scheduler, "_replay_executor", None) or known
         header = vllm_header(scheduler, executor)
-        self.writer = ProcessCaptureWriter(path, header, overwrite=True, nice=19, level=level,
-                                           images=True)
+        ring = os.environ.get(RING_ENV)
+        if ring:  # a flight recorder: a ring of segments in the directory `path` (replay.capture.flight)
+            from replay.capture.flight.layout import parse_size
+            from replay.capture.flight.process import ring_writer
+
+            self.writer = ring_writer(path, header, parse_size(ring), overwrite=True, nice=19, level=level,
+                                      images=True)
+        else:
+            self.writer = ProcessCaptureWriter(path, header, overwrite=True, nice=19, level=level, images=True)
         self._closed = False
         atexit.register(self.close)
 
@@ -330,7 +340,9 @@ def _tap(scheduler) -> _Tap | None:
         base = os.environ.get(ENV)
         tap = None
         if base:
-            path = capture_path(base, scheduler)
+            from replay.integrations.vllm.paths import capture_path
+
+            path = capture_path(base, scheduler, ring=bool(os.environ.get(RING_ENV)))
             try:
                 tap = _Tap(scheduler, path)
                 log.info("replay: recording this engine's steps into %s", path)
@@ -338,42 +350,6 @@ def _tap(scheduler) -> _Tap | None:
                 log.error("replay: cannot record into %s (%s): this engine is not recorded", path, e)
         scheduler._replay_tap = tap
     return tap
-
-
-_paths_in_use: set[str] = set()  # capture paths of this process's taps: two schedulers never share a file
-
-
-def capture_path(base: str | os.PathLike, scheduler: Any) -> str:
-    """Where a scheduler records: REPLAY_CAPTURE as given for a single engine; with data parallelism one file per
-    rank (`run.capture` -> `run.dp1.capture`); a second scheduler in one process gets `.e2`, `.e3`, ... so that one
-    engine's capture never overwrites or blocks another's."""
-    p = Path(base)
-    stem, suffix = (p.name[: -len(p.suffix)], p.suffix) if p.suffix else (p.name, ".capture")
-    rank = _data_parallel_rank(scheduler)
-    if rank is not None:
-        stem += f".dp{rank}"
-    path, n = p.with_name(stem + suffix), 1
-    while str(path) in _paths_in_use:
-        n += 1
-        path = p.with_name(f"{stem}.e{n}{suffix}")
-    _paths_in_use.add(str(path))
-    return str(path)
-
-
-def _data_parallel_rank(scheduler: Any) -> int | None:
-    """This engine's data-parallel rank, None without data parallelism. vLLM runs each rank of a dense model as an
-    independent engine (its parallel config says DP=1 there), naming the process EngineCore_DP<rank> and keeping the
-    rank in `data_parallel_index`; a MoE model keeps data_parallel_size and data_parallel_rank."""
-    import multiprocessing
-
-    parallel = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
-    rank = getattr(parallel, "data_parallel_index", None)
-    if rank is None:
-        rank = getattr(parallel, "data_parallel_rank", 0)
-    if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1 or \
-            multiprocessing.current_process().name.startswith("EngineCore_DP"):
-        return int(rank or 0)
-    return None
 
 
 def _int_env(name: str, default: int) -> int:

@@ -1,0 +1,270 @@
+"""`SegmentRing`: the `CaptureWriter` API over a ring of segment files, in the writer process (DESIGN §9).
+
+Each segment is a whole capture. When one passes its share of the ring (SIZE / SEGMENTS bytes on disk) it is closed
+and the next opens with a keyframe: the writers share one `KeyframeMaker`, whose shadow of the request table goes on
+from file to file. Closed segments past SIZE are deleted, oldest first, so the ring holds at most SIZE plus the segment
+being written. A segment a pending snapshot still needs is not deleted (`pins`).
+
+Snapshots (`snapshot`) seal the closed segments, the open one closed first, into one capture under `snapshots/`, the
+last `keep` of them kept. They are taken
+- on demand: `request(after)` (from `replay snapshot`, through the control thread), now or `after` more steps on;
+- when the engine crashed: the crashing step, last, as in any capture;
+- when a step's logprobs hold a NaN (or the engine counted NaNs in its logits);
+- when a request the client marked (`SamplingParams.extra_args["replay_snapshot"]`) finishes: the window from its
+  arrival to its finish (the segments since it arrived are pinned meanwhile).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replay.capture.flight.layout import (
+    MIN_SEGMENT_BYTES,
+    SEGMENTS,
+    RingLayout,
+    keep_snapshots,
+)
+from replay.capture.flight.snapshot import SnapshotInfo, prune_snapshots, seal_snapshot
+from replay.capture.format import records as fmt
+from replay.capture.writing.keyframes import KeyframeMaker
+from replay.capture.writing.writer import CaptureWriter
+from replay.contracts import EngineCoreRequest
+
+MARK = "replay_snapshot"  # SamplingParams.extra_args key a client sets to keep its request's window
+
+
+@dataclass(slots=True)
+class _Segment:
+    seq: int
+    path: Path
+    size: int = 0
+    first_step: int = -1
+    last_step: int = -1
+
+
+@dataclass(slots=True)
+class _Request:
+    """A snapshot asked for: taken once step `target` is written (-1: at once)."""
+
+    target: int
+    done: threading.Event = field(default_factory=threading.Event)
+    path: str = ""
+    error: str = ""
+
+
+class SegmentRing:
+    """Writes a ring of segments under `directory`, `size` bytes on disk at most (plus the open segment)."""
+
+    def __init__(self, directory: str | Path, header: fmt.Header, *, size: int, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+                 flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
+                 keep: int | None = None) -> None:
+        self.layout = RingLayout(directory)
+        self.layout.create()
+        self.header = header
+        self.size = size
+        self.segment_bytes = max(size // SEGMENTS, MIN_SEGMENT_BYTES)
+        self.chunk_bytes = min(chunk_bytes, self.segment_bytes)  # (raw bytes: a chunk compresses to less)
+        self.flush_interval, self.level = flush_interval, level
+        self.keep = keep or keep_snapshots()
+        self.maker = KeyframeMaker(header, 0)
+        self.maker.shadow.watch = True
+        self.closed: list[_Segment] = []
+        self.pins: dict[str, int] = {}  # why -> the first segment it needs
+        self.marked: dict[str, tuple[int, str]] = {}  # marked request (internal id) -> (first segment, its name)
+        self.requests: list[_Request] = []
+        self.snapshots: list[str] = []  # snapshots taken, oldest first
+        self.dropped_before = 0  # steps before this one were dropped from the ring
+        self.image_decoder = None
+        self._crash: fmt.Crash | None = None
+        self._seq = 0
+        self._seen_nonfinite = 0
+        self.finished = False  # closed or abandoned: the control thread leaves it alone
+        self.on_finish: list = []  # called once it is (the control socket closes: a request then seals offline)
+        self._open()
+
+    # -- the CaptureWriter API --------------------------------------------------------------------------------------
+
+    @property
+    def image_decoder(self) -> Any:
+        """The converter of image steps (set by the writer process), handed to every segment's writer."""
+        return self._decoder
+
+    @image_decoder.setter
+    def image_decoder(self, value: Any) -> None:
+        """Set it for the open segment and the ones after it."""
+        self._decoder = value
+        if getattr(self, "current", None) is not None:
+            self.current.image_decoder = value
+
+    @property
+    def last_step(self) -> int:
+        """The last step written (-1 before the first)."""
+        return self._last_step
+
+    @property
+    def num_records(self) -> int:
+        """Records in the open segment."""
+        return self.current.num_records
+
+    def add_request(self, request: EngineCoreRequest, step: int) -> None:
+        """An arrival; a request the client marked pins the ring from here until it finishes."""
+        self.current.add_request(request, step)
+        sp = request.sampling_params
+        if sp is not None and sp.extra_args and sp.extra_args.get(MARK):
+            self.marked[request.request_id] = (self._seq, request.name)
+            self.pins[f"request {request.request_id}"] = self._seq
+
+    def abort_request(self, request_id: str, step: int) -> None:
+        """A client abort."""
+        self.current.abort_request(request_id, step)
+
+    def write_record(self, record: Any) -> None:
+        """A step, an arrival or an abort given as a record."""
+        if isinstance(record, fmt.RequestAdded):
+            self.add_request(record.request, record.step)
+            return
+        self.current.write_record(record)
+        if isinstance(record, fmt.Step):
+            self._written(record.index)
+
+    def write_step_image(self, index: int, *args: Any, **kw: Any) -> int:
+        """Another engine's step, as images."""
+        n = self.current.write_step_image(index, *args, **kw)
+        self._written(index)
+        return n
+
+    def write_crash(self, crash: fmt.Crash) -> None:
+        """The engine raised executing `crash.step`: that step comes next, then the crash's snapshot."""
+        self._crash = crash
+        self.current.write_crash(crash)
+
+    def flush(self) -> None:
+        """Close the open chunk now."""
+        self.current.flush()
+
+    def close(self, status: str = "ok") -> Path:
+        """Close the open segment (the ring stays on disk); answer what is still waiting."""
+        self._finish()
+        self.current.close(status=status)
+        self._closed_current()
+        for r in self.requests:
+            r.error = r.error or "the engine stopped before the snapshot's step"
+            r.done.set()
+        return self.layout.dir
+
+    def abandon(self) -> None:
+        """Stop without a footer in the open segment."""
+        self._finish()
+        self.current.abandon()
+
+    def _finish(self) -> None:
+        self.finished = True
+        for f in self.on_finish:
+            f()
+
+    # -- snapshots ---------------------------------------------------------------------------------------------------
+
+    def request(self, after: int = 0) -> _Request:
+        """Ask for a snapshot `after` steps from now (0: now). Call with the writer process's lock held."""
+        req = _Request(self._last_step + after if after > 0 else -1)
+        if req.target < 0:
+            self._serve(req)
+        else:
+            self.requests.append(req)
+            self.pins[f"request@{id(req)}"] = self.closed[0].seq if self.closed else self._seq
+        return req
+
+    def poll(self) -> None:
+        """Look for what the shadow saw since the last look (finished marked requests, non-finite logprobs): the
+        control thread calls it while the engine is idle, as every step does."""
+        shadow = self.maker.shadow
+        for rid in shadow.take_finished():
+            mark = self.marked.pop(rid, None)
+            if mark is not None:
+                self._snapshot(f"request {mark[1]} (marked by the client)", first_seq=mark[0])
+                self.pins.pop(f"request {rid}", None)
+        bad = shadow.nonfinite
+        if len(bad) > self._seen_nonfinite:
+            self._seen_nonfinite = len(bad)
+            self._snapshot(f"non-finite logprob at step {bad[-1]}")
+
+    def snapshot(self, trigger: str, status: str = "ok") -> Path:
+        """Seal the ring's window now (the open segment closed first)."""
+        return self._snapshot(trigger, status)
+
+    def _serve(self, req: _Request) -> None:
+        try:
+            req.path = str(self._snapshot("on demand"))
+        except Exception as e:  # noqa: BLE001 - said to whoever asked, in one line; the recording goes on
+            req.error = f"{type(e).__name__}: {e}"
+        self.pins.pop(f"request@{id(req)}", None)
+        req.done.set()
+
+    def _snapshot(self, trigger: str, status: str = "ok", first_seq: int = 0) -> Path:
+        if self._first_step >= 0:
+            self._rotate()
+        segments = [s.path for s in self.closed if s.seq >= first_seq]
+        info = SnapshotInfo(trigger, time.time(), str(self.layout.dir), [p.name for p in segments],
+                            dropped_before=self.dropped_before)
+        out = seal_snapshot(segments, self.layout.snapshot(trigger), info, status)
+        self.snapshots.append(str(out))
+        prune_snapshots(self.layout.snapshots, self.keep)
+        return out
+
+    # -- segments ----------------------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._seq += 1
+        self.maker.forced = self._seq > 1  # every segment but the first (at step 0) opens with a keyframe
+        self.current = CaptureWriter(self.layout.segment(self._seq), self.header, overwrite=True,
+                                     chunk_bytes=self.chunk_bytes, flush_interval=self.flush_interval,
+                                     level=self.level, keyframes=0, keyframe_maker=self.maker)
+        self.current.image_decoder = self._decoder
+        self._first_step = -1
+        self._last_step = getattr(self, "_last_step", -1)
+
+    def _written(self, index: int) -> None:
+        """After each step: the crash's snapshot, the requests it was waiting for, the shadow's triggers, then a new
+        segment if this one is full."""
+        self._first_step = index if self._first_step < 0 else self._first_step
+        self._last_step = index
+        if self._crash is not None and self._crash.step == index:
+            crash, self._crash = self._crash, None
+            self._snapshot(f"crash at step {index}", crash.status())
+        for req in [r for r in self.requests if 0 <= r.target <= index]:
+            self.requests.remove(req)
+            self._serve(req)
+        self.poll()
+        # a keyframe compresses about threefold: a segment is at least its keyframe's raw size, so that steps fill
+        # two thirds of it or more however many requests are live (a long queue makes large keyframes)
+        if self.current.bytes_written >= max(self.segment_bytes, self.current.keyframe_bytes):
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Close the open segment, open the next, drop what the ring no longer holds."""
+        self.current.close()
+        self._closed_current()
+        self._open()
+        self._drop()
+
+    def _closed_current(self) -> None:
+        path = self.current.path
+        size = path.stat().st_size if path.exists() else 0
+        if self._first_step < 0:  # a segment without a step holds nothing a replay needs
+            path.unlink(missing_ok=True)
+            return
+        self.closed.append(_Segment(self._seq, path, size, self._first_step, self._last_step))
+
+    def _drop(self) -> None:
+        pinned = min(self.pins.values(), default=math.inf)
+        total = sum(s.size for s in self.closed)
+        while len(self.closed) > 1 and total > self.size and self.closed[0].seq < pinned:  # (the newest stays)
+            s = self.closed.pop(0)
+            total -= s.size
+            s.path.unlink(missing_ok=True)
+            self.dropped_before = s.last_step + 1
