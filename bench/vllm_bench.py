@@ -11,6 +11,8 @@ rotating order (the machine is shared and noisy: medians, and every variant sees
           ModelRunnerOutput at update_from_output(); a writer process (nice 19) converts, interns, compresses
           (zstd level 3) and writes
   ours-z17  the same with REPLAY_ZSTD_LEVEL=17 (smaller, more writer CPU)
+  ring    the plugin's tap in ring mode (REPLAY_CAPTURE_RING=128KB): the same sends; its writer process writes
+          segments, each opening with a keyframe, and drops the oldest
   naive   a baseline tap: `pickle.dump((scheduler_output, model_runner_output))` to a file at every
           update_from_output (what one writes in five minutes; unseekable, not crash-safe, pickle)
 
@@ -63,6 +65,7 @@ NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
 # here: a run started at once 1.06-1.19x, one started 0.3 s later 0.97x): a one-time cost of starting a process
 # beside a large one, counted in `open+close`, not in the per-step overhead a long recording sees.
 SETTLE_S = float(os.environ.get("VLLM_BENCH_SETTLE_S", "0.3"))
+RING = "128KB"  # the ring variant's size: smaller than a run's capture, so it wraps
 
 
 def _clock_ns() -> int:
@@ -137,8 +140,13 @@ def run_once(llm, scheduler, variant: str, tmp: Path, naive: NaiveTap, i: int) -
     path = tmp / f"{variant}-{i}.{'pkl' if variant == 'naive' else 'capture'}"
     t0 = time.perf_counter()
     tap = None
-    if variant.startswith("ours"):
-        tap = attach(scheduler, path, level=17 if variant == "ours-z17" else 3)
+    if variant.startswith("ours") or variant == "ring":
+        if variant == "ring":  # a 128 KiB ring, smaller than what a run writes: it drops segments, snapshots none
+            os.environ["REPLAY_CAPTURE_RING"] = RING
+        try:
+            tap = attach(scheduler, path, level=17 if variant == "ours-z17" else 3)
+        finally:
+            os.environ.pop("REPLAY_CAPTURE_RING", None)
         calls = time_calls(tap)
         time.sleep(SETTLE_S)  # past the writer's start-up transient: the steady state is what a long run sees
     elif variant == "naive":
@@ -147,7 +155,7 @@ def run_once(llm, scheduler, variant: str, tmp: Path, naive: NaiveTap, i: int) -
     t1, c1, th1 = time.perf_counter(), time.process_time(), time.thread_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     t2, c2, th2 = time.perf_counter(), time.process_time(), time.thread_time()
-    if variant.startswith("ours"):
+    if tap is not None:
         detach(scheduler)
     elif variant == "naive":
         naive.file.close()
@@ -304,7 +312,7 @@ def main() -> None:
     naive = NaiveTap()
     naive.install()
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    variants = ["none", "ours", "ours-z17", "naive"]
+    variants = ["none", "ours", "ours-z17", "ring", "naive"]
     run_once(llm, scheduler, "none", tmp, naive, -1)  # warm-up: first-generate compiles and allocations
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(args.rounds):
@@ -372,6 +380,13 @@ def main() -> None:
                        "steps (medians; goal <= 0.5x)",
              "measured": round(in_run["ours"] / in_run["naive"], 3), "pass": in_run["ours"] <= 0.5 * in_run["naive"],
              "note": f"ours {in_run['ours']:.0f} us, naive {in_run['naive']:.0f} us a step"},
+            {"target": "ring mode's tap (REPLAY_CAPTURE_RING=128KB) vs normal mode's: engine-thread calls per step, "
+                       "medians (goal <= 1.1x: the same sends; keyframes and segments are the writer process's)",
+             "measured": round(per_step["tap_calls_s"]["ring"]["median"] / in_run["ours"], 3),
+             "pass": per_step["tap_calls_s"]["ring"]["median"] <= 1.1 * in_run["ours"],
+             "note": f"writer process CPU per step: ring {per_step['writer_cpu_s']['ring']['median']:.0f} us, "
+                     f"normal {per_step['writer_cpu_s']['ours']['median']:.0f} us; wall x none: ring "
+                     f"{med['ring'] / med['none']:.3f}, normal {ratio:.3f}"},
             {"target": "vLLM-runner replay: bitwise, step time vs the recorded run (x)",
              "measured": round(rep.replay_s / med["ours"], 3), "pass": not rep.diverged},
         ],
@@ -405,9 +420,10 @@ def main() -> None:
           f"process {mmm(c['ours_background_us'])} (its close: {c['ours_close_ms']['median']:.1f} ms); ours in all "
           f"{own_total:.0f} = {own_total / naive_own:.2f}x the naive tap's (vLLM's own step: "
           f"{med['none'] / c['steps'] * 1e6:.0f} us)")
-    calls = {v: per_step["tap_calls_s"][v] for v in ("ours", "ours-z17", "naive")}
+    calls = {v: per_step["tap_calls_s"][v] for v in ("ours", "ours-z17", "ring", "naive")}
     print(f"the taps' calls timed in the runs, where vLLM's loop makes them (engine thread CPU per step, min / median / "
-          f"max, us): ours {mmm(calls['ours'])}, ours-z17 {mmm(calls['ours-z17'])}, naive {mmm(calls['naive'])}: "
+          f"max, us): ours {mmm(calls['ours'])}, ours-z17 {mmm(calls['ours-z17'])}, ring {mmm(calls['ring'])}, "
+          f"naive {mmm(calls['naive'])}: "
           f"ours {calls['ours']['median'] / calls['naive']['median']:.2f}x")
     print("  of ours, by entry point (medians, us per step): " + ", ".join(
         f"{k} {statistics.median(r['calls_s'][k] for r in results['ours']) / num_steps * 1e6:.1f}"

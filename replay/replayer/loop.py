@@ -15,6 +15,7 @@ or that it raises nothing, is kept in `crash` for the report.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -27,6 +28,16 @@ from replay.replayer.prime import Priming, prime
 from replay.replayer.runner import Runner
 
 MODES = ("forced", "free")
+# vLLM's multiprocess executor re-raises a worker's exception as its own RuntimeError around the worker's message:
+# the same failure as the one-process executor raises bare (a server's crash replayed in this process)
+_WORKER_FAILED = re.compile(r"^RuntimeError: Worker failed with error '(.*)', please check the stack trace above "
+                            r"for the root cause$", re.S)
+
+
+def _root(described: str) -> str:
+    """An exception as `Crash.describe` puts it, out of vLLM's multiprocess wrapper: 'RuntimeError: <message>'."""
+    m = _WORKER_FAILED.match(described)
+    return f"RuntimeError: {m.group(1)}" if m else described
 
 
 class CrashOutcome(msgspec.Struct):
@@ -143,7 +154,7 @@ class StepLoop:
         except Exception as e:  # noqa: BLE001 - whatever the engine raises is what is compared
             replayed = Crash(step.index, type(e).__name__, str(e)).describe()
         recorded = crash.describe()
-        return CrashOutcome(step.index, recorded, replayed, replayed == recorded)
+        return CrashOutcome(step.index, recorded, replayed, replayed is not None and _root(replayed) == _root(recorded))
 
     def advance(self, step: Step) -> None:
         """Move past `step`: its recorded tokens become the cached ones and count towards output positions."""

@@ -10,6 +10,7 @@ last `keep` of them kept. They are taken
 - on demand: `request(after)` (from `replay snapshot`, through the control thread), now or `after` more steps on;
 - when the engine crashed: the crashing step, last, as in any capture;
 - when a step's logprobs hold a NaN (or the engine counted NaNs in its logits);
+- when a request finishes with an error (`trigger`, from vLLM's tap);
 - when a request the client marked (`SamplingParams.extra_args["replay_snapshot"]`) finishes: the window from its
   arrival to its finish (the segments since it arrived are pinned meanwhile).
 """
@@ -192,6 +193,10 @@ class SegmentRing:
         if len(bad) > self._seen_nonfinite:
             self._seen_nonfinite = len(bad)
             self._snapshot(f"non-finite logprob at step {bad[-1]}")
+
+    def trigger(self, why: str) -> None:
+        """The engine saw trouble (a request finished with an error): seal a snapshot, once its step is written."""
+        self._snapshot(why)
 
     def snapshot(self, trigger: str, status: str = "ok") -> Path:
         """Seal the ring's window now (the open segment closed first)."""

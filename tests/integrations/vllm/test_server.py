@@ -39,6 +39,7 @@ from tests.vllm_checkpoints import add_tokenizer, real_vocab_qwen2, tiny_llama  
 
 ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
 GREEDY = 4  # greedy requests with top-3 logprobs
+RING_SIZE = "128KB"
 SEEDED_N = 3  # one seeded request with n=3: three sequences
 
 
@@ -56,14 +57,15 @@ def _port() -> int:
 class Server:
     """A vLLM OpenAI server started with REPLAY_CAPTURE=capture; `up()` waits for it to answer."""
 
-    def __init__(self, model: Path, capture: Path, *extra: str):
+    def __init__(self, model: Path, capture: Path, *extra: str, env: dict | None = None):
         self.capture, self.port = capture, _port()
         self.log = Path(f"{capture}.server.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                           str(model), "--dtype", "float32", "--max-model-len", "512", "--block-size",
                                           "32", "--enforce-eager", "--port", str(self.port), *extra],
-                                         env=dict(ENV, REPLAY_CAPTURE=str(capture)), stdout=log, stderr=subprocess.STDOUT)
+                                         env=dict(ENV, REPLAY_CAPTURE=str(capture), **(env or {})), stdout=log,
+                                         stderr=subprocess.STDOUT)
 
     def up(self) -> int:
         """Wait until the server answers /health; returns its port."""
@@ -99,6 +101,9 @@ def started(model, vocab_model, tmp_path_factory):
                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})),
             "dp": Server(model, d / "dp.capture", "--data-parallel-size", "2"),
             "vocab": Server(vocab_model, d / "vocab.capture"),
+            # always on: a small ring; the budget chunks long prefills, so a seeded one crashes vllm-cpu 0.32
+            "ring": Server(model, d / "ring", "--max-num-batched-tokens", "64",
+                           env={"REPLAY_CAPTURE_RING": RING_SIZE, "REPLAY_KEYFRAME_STEPS": "0"}),
             "killed": subprocess.Popen([sys.executable, str(script), str(model), "4"], stdout=out,
                                        stderr=subprocess.STDOUT, text=True, env=dict(ENV, REPLAY_CAPTURE=str(killed))),
         }
@@ -310,3 +315,91 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
     assert bf16.diverged and bf16.suspect.startswith("dtype: recorded float32, replay bfloat16"), bf16.suspect
     children = {d.request_id for d in bf16.divergences if "#" in d.request_id}
     assert len(children) == 2 * 2 + 3, children  # each child's divergences under its own name
+
+
+def _ring_bytes(ring: Path) -> int:
+    return sum(p.stat().st_size for p in ring.glob("segment-*"))
+
+
+def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(model, started):
+    """The flight recorder on a real server: traffic until the ring wrapped several times, on disk within SIZE plus
+    the open segment all along; a snapshot from another shell starts mid-run and replays as a MATCH on vLLM's own
+    runner (the requests live at its keyframe named as rebuilt); bf16 diverges. A request the client marked
+    (vllm_xargs) leaves its window; a real vLLM crash (a seeded prefill in chunks) leaves one that reproduces it."""
+    from replay.capture.flight import parse_size
+    from replay.capture.flight.layout import MIN_SEGMENT_BYTES, SEGMENTS
+
+    server = started["ring"]
+    ring, port = server.capture, server.up()
+    size = parse_size(RING_SIZE)
+    segment = max(size // SEGMENTS, MIN_SEGMENT_BYTES)
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _ring_bytes(ring))
+            time.sleep(0.05)
+
+    def wave(k: int) -> None:
+        bodies = [{"model": str(model), "prompt": [3 + k, 17 + i, 200, 99, 7 * i + 11], "max_tokens": 64,
+                   "temperature": 0, "logprobs": 20, "ignore_eos": True} for i in range(8)]
+        threads = [threading.Thread(target=_post, args=(port, b)) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def segments() -> list[int]:
+        return sorted(int(p.name[8:14]) for p in ring.glob("segment-*.capture*"))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        k = 0
+        # until the ring (two or three segments of 64 KiB or more) wrapped three times over
+        while (not segments() or segments()[-1] < 8) and k < 200:
+            wave(k)
+            k += 1
+        marked = {"model": str(model), "prompt": [11, 12, 13], "max_tokens": 16, "temperature": 0,
+                  "vllm_xargs": {"replay_snapshot": True}}
+        threading.Thread(target=wave, args=(50,)).start()
+        _post(port, marked)
+        asked = subprocess.Popen([sys.executable, "-m", "replay.cli", "snapshot", str(ring), "--after", "10"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while asked.poll() is None and k < 400:  # traffic goes on until the snapshot is sealed
+            wave(k)
+            k += 1
+        out, err = asked.communicate(timeout=300)
+    finally:
+        stop.set()
+        watcher.join()
+    assert asked.returncode == 0, err
+    seqs = segments()
+    assert seqs[-1] >= 3 * len(seqs), seqs  # the ring wrapped several times
+    assert peak[0] <= size + 2 * segment, (peak[0], size, segment)  # SIZE, plus the open segment (and its chunk)
+
+    snap = Path(out.strip().splitlines()[-1])
+    with CaptureReader(snap) as r:
+        first = r.step_span()[0]
+    assert first > 0
+    rep = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.keyframe == first and rep.rebuilt, rep.first_divergence
+    assert "rebuilt from the keyframe" in render_replay(rep, verbose=False)
+    bf16 = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm", "dtype": "bfloat16"}))
+    assert bf16.diverged
+
+    [kept] = [p for p in (ring / "snapshots").glob("*marked*.capture")]
+    with CaptureReader(kept) as r:
+        prompts = [x.request.prompt_token_ids for x in r.records() if isinstance(x, RequestAdded)]
+    assert [11, 12, 13] in prompts  # its arrival is in its window
+
+    with pytest.raises(OSError):  # the crash takes the server down mid-request
+        _post(port, {"model": str(model), "prompt": [(7 * j) % 900 + 3 for j in range(150)], "max_tokens": 4,
+                     "temperature": 0.8, "seed": 1})
+    server.proc.wait(timeout=120)
+    deadline = time.monotonic() + 30
+    while not list((ring / "snapshots").glob("*crash*.capture")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [crash] = (ring / "snapshots").glob("*crash*.capture")
+    rep = replay_capture(crash, ReplayOptions(overrides={"runner": "vllm"}))
+    assert rep.crash is not None and rep.crash.reproduced and not rep.diverged, rep.crash
