@@ -7,9 +7,11 @@ order over ROUNDS rounds: without keyframes (`--keyframe-steps 0`: the writer ke
 interval (the shadow folds every chunk it seals; a keyframe every 4,096 steps, none in this run), and with a
 keyframe every 256 steps. CPU time of this process (the writer process's work: encoding, folding, compressing on
 the emitter's threads) per step, min / median / max; and for the keyframes themselves: their bytes before and after
-compression (zstd level 3, as their chunk is) and the time to build one.
+compression (zstd level 3, as their chunk is) and the time to build one. With `--ring-steps N`, then, a ring
+(`SegmentRing`, SIZE 16 MB) written for N steps of the same stream shape: this process's RSS and the ring's bytes on
+disk at every tenth, so that a long run shows whether memory and disk stay flat.
 
-    .venv/bin/python -m bench.keyframe_bench [--steps N] [--rounds N] [--json]
+    .venv/bin/python -m bench.keyframe_bench [--steps N] [--rounds N] [--ring-steps N] [--json]
 """
 
 from __future__ import annotations
@@ -89,6 +91,33 @@ def run(steps: int, rounds: int) -> dict:
     return out
 
 
+def ring_rss(steps: int, size: int = 16 << 20) -> dict:
+    """RSS (MB) and bytes on disk at each tenth of a ring written for `steps` steps (the stream made as it goes)."""
+    import os
+
+    from replay.capture.flight.segments import SegmentRing
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+    marks = {max(steps * k // 10 - 1, 0) for k in range(1, 11)}
+    rss, disk = [], []
+    with tempfile.TemporaryDirectory() as d:
+        ring = SegmentRing(Path(d) / "ring", make_header("synthetic"), size=size)
+        for ev in synth_events(SynthShape(steps=steps, **SHAPE)):
+            if ev.request is not None:
+                ring.add_request(ev.request, ev.step)
+                continue
+            ring.write_record(Step(ev.step, ev.scheduler_output, ev.model_runner_output))
+            if ev.step in marks:
+                rss.append(round(rss_mb(), 1))
+                disk.append(round(sum(p.stat().st_size for p in ring.layout.dir.glob("segment-*")) / 1e6, 2))
+        ring.close()
+        segments = ring.segments_written
+    return {"steps": steps, "size_mb": size / 1e6, "rss_mb": rss, "disk_mb": disk, "segments_written": segments}
+
+
 def render(res: dict) -> str:
     """The results as a table."""
     lines = [f"{res['steps']} steps, 256 live requests, prompts 1,000-2,000 tokens, {res['rounds']} rounds "
@@ -99,6 +128,10 @@ def render(res: dict) -> str:
     k = res["keyframe"]
     lines.append(f"one keyframe: {k['live_requests']} live requests, {k['tokens']:,} tokens, {k['raw_bytes']:,} B raw, "
                  f"{k['zstd_bytes']:,} B compressed ({k['bytes_per_token']:.2f} B/token), built in {k['build_ms']:.1f} ms")
+    if "ring" in res:
+        r = res["ring"]
+        lines.append(f"a {r['size_mb']:.0f} MB ring over {r['steps']:,} steps ({r['segments_written']} segments written), "
+                     f"at each tenth: RSS {r['rss_mb']} MB; on disk {r['disk_mb']} MB")
     return "\n".join(lines)
 
 
@@ -107,9 +140,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ring-steps", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     res = run(a.steps, a.rounds)
+    if a.ring_steps:
+        res["ring"] = ring_rss(a.ring_steps)
     print(json.dumps(res) if a.json else render(res))
 
 

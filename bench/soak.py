@@ -222,7 +222,7 @@ def soak(model: Path, tmp: Path, minutes: float, clients: int, every: float, war
     deadline = time.monotonic() + 60
     while not capture.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
-    from replay.capture import CaptureReader, RequestAborted, RequestAdded
+    from replay.capture import CaptureReader, RequestAborted
     from replay.inspect import capture_info
 
     info = capture_info(capture)

@@ -269,3 +269,40 @@ def step_from_image(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSo
             mro = msgspec.structs.replace(mro, logprobs=lists)
     go = None if is_nil(rec.grammar_output) else decoder.decode(rec.grammar_output, GrammarOutput[str])
     return fmt.Step(rec.index, so, mro, grammar_output=go, timing=rec.timing)
+
+
+_REQ_IDS = msgspec.msgpack.Decoder(list[str])
+_NANS = msgspec.msgpack.Decoder(dict[str, int] | None)
+
+
+def step_outline(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSource | None,
+                 logprobs: bool = False) -> fmt.Step:
+    """What a runner's state follows of a stored image step, and no more: its SchedulerOutput whole, its output's
+    `req_ids`, `sampled_token_ids` and NaN counts (and its logprobs when `logprobs`). The writer's keyframe shadow
+    folds every step this way (`step_from_image` decodes the whole output, logprob rows and all: twice the cost).
+    Raises ValueError (or msgspec errors) on inconsistent contents."""
+    so = decoder.decode(rec.scheduler_output, SchedulerOutput[str])
+    if is_nil(rec.model_runner_output):
+        return fmt.Step(rec.index, so, None)
+    fields = _FIELDS.decode(rec.model_runner_output)
+    tokens, lp = fields.get("sampled_token_ids"), fields.get("logprobs")
+    lists = None
+    if lp is not None and not is_nil(lp) and (logprobs or tokens is not None and 0x80 <= memoryview(tokens)[0] <= 0x8F):
+        lists = _LOGPROBS.decode(lp)
+        if is_marker(lists.logprob_token_ids):
+            if columns is None:
+                raise ValueError("the step's logprobs are in logprob columns its chunk does not have")
+            lists = columns.fill(lists)
+    if tokens is None:
+        sampled: list[list[int]] = []
+    elif 0x80 <= memoryview(tokens)[0] <= 0x8F:  # a map: the reference to column 0
+        sampled = _tokens_from_column_0(_DERIVED_DECODER.decode(tokens), lists)
+    else:
+        try:
+            sampled = _TOKENS.decode(tokens)
+        except msgspec.ValidationError:  # another layout (a tensor): the contract's conversion
+            return step_from_image(rec, decoder, columns)
+    nans = fields.get("num_nans_in_logits")
+    mro = ModelRunnerOutput(_REQ_IDS.decode(fields["req_ids"]), {}, sampled, lists if logprobs else None,
+                            num_nans_in_logits=_NANS.decode(nans) if nans is not None else None)
+    return fmt.Step(rec.index, so, mro)

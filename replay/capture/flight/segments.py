@@ -108,6 +108,11 @@ class SegmentRing:
         return self._last_step
 
     @property
+    def segments_written(self) -> int:
+        """Segments opened so far (the open one included)."""
+        return self._seq
+
+    @property
     def num_records(self) -> int:
         """Records in the open segment."""
         return self.current.num_records

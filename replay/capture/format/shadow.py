@@ -50,6 +50,11 @@ class _Live:
     draws: int = 0
     drawn_seed: int | None = None
     preempted: bool = False
+    random: bool = False  # a random-sampling request: each step it samples in, its generator draws
+
+    def __post_init__(self) -> None:
+        sp = self.request.sampling_params
+        self.random = sp is not None and sp.temperature >= SAMPLING_EPS
 
 
 class ShadowTable:
@@ -137,20 +142,19 @@ class ShadowTable:
             w.kv = computed
         spec = so.scheduled_spec_decode_tokens
         sampled = dict(zip(out.req_ids, out.sampled_token_ids)) if out is not None else {}
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self.live.get(rid)
+        live = self.live.get
+        for rid, n in so.num_scheduled_tokens.items():  # (the writer's hottest loop: one pass per request a step)
+            st = live(rid)
             if st is None:
                 continue
-            w, toks = st.writer, sampled.get(rid) or []
-            drafts = len(spec.get(rid, ()))
-            # K/V of rejected drafts is written but never read: the blocks hold what was computed and kept
-            w.kv += n - (drafts - (len(toks) - 1) if drafts and toks else 0)
+            w, toks = st.writer, sampled.get(rid)
+            if spec and toks and (drafts := len(spec.get(rid, ()))):
+                n -= drafts - (len(toks) - 1)  # K/V of rejected drafts is written but never read
+            w.kv += n
             w.last_step = index
             if toks:
                 st.outputs.extend(toks)
-                sp = st.request.params
-                if sp is not None and sp.temperature >= SAMPLING_EPS:
-                    st.draws += 1
+                st.draws += st.random
         self.batch = list(out.req_ids) if out is not None else []
         if self.watch and out is not None and _nonfinite(out):
             self.nonfinite.append(index)

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from replay.capture.codec.columns import ColumnSource
-from replay.capture.codec.step_image import step_from_image
+from replay.capture.codec.step_image import step_outline
 from replay.capture.format import records as fmt
 from replay.capture.format.keyframe import Keyframe
 from replay.capture.format.shadow import ShadowTable
@@ -63,7 +63,7 @@ class KeyframeMaker:
                 return
             try:
                 if isinstance(f, int):
-                    f = step_from_image(fmt.WIRE_DECODER.decode(parts[f]), self._images(), columns)
+                    f = step_outline(fmt.WIRE_DECODER.decode(parts[f]), self._images(), columns, sh.watch)
                 if isinstance(f, fmt.Step):
                     sh.step(f.index, f.scheduler_output, f.model_runner_output, f.drawn_seeds)
                 elif isinstance(f, fmt.RequestAdded):
