@@ -112,3 +112,20 @@ class FrameReader:
         start = self._pos + 5
         self._pos = start + n
         return kind, memoryview(self._buf)[start:start + n]
+
+
+def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
+    """The footer status of a capture the engine left without closing it: how a server stops (SIGINT or SIGTERM,
+    after which vLLM force-kills its EngineCore), so a normal stop that lost nothing reads as one."""
+    where = f"after step {last_step}" if last_step >= 0 else "before its first step"
+    unfinished = ""
+    if pending:
+        steps = sorted(pending)
+        unfinished = (f"; step {steps[0]} was running when it stopped (scheduled, never finished: not recorded)"
+                      if len(steps) == 1 else
+                      f"; steps {steps[0]}-{steps[-1]} were running when it stopped (scheduled, never finished: "
+                      "not recorded)")
+    whole = ("every whole record it sent is here; the one it was sending as it stopped was cut short and dropped"
+             if cut else "complete: every record it sent is here")
+    return (f"engine stopped: with the engine {where} (its process exited, or was stopped with SIGINT/SIGTERM); "
+            f"{whole}{unfinished}")

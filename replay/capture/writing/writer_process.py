@@ -45,7 +45,7 @@ import msgspec
 from replay.capture.format import records as fmt
 from replay.capture.writing import ring
 from replay.capture.writing.image_frames import IMAGE_FRAMES, ImageFrames
-from replay.capture.writing.process import FRAME_HEAD, FrameReader, cpu_s, detach, grow_pipe
+from replay.capture.writing.process import FRAME_HEAD, FrameReader, cpu_s, detach, grow_pipe, stopped_status
 from replay.capture.codec.step_image import OutputParts
 from replay.capture.writing.wire import output_frame, scheduled_frame
 from replay.capture.writing.writer import WriterContext
@@ -285,23 +285,6 @@ class ProcessCaptureWriter(WriterContext):
             self._closed = True
             raise CaptureError(self.partial_path, answer["error"])
         return answer
-
-
-def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
-    """The footer status of a capture the engine left without closing it: how a server stops (SIGINT or SIGTERM,
-    after which vLLM force-kills its EngineCore), so a normal stop that lost nothing reads as one."""
-    where = f"after step {last_step}" if last_step >= 0 else "before its first step"
-    unfinished = ""
-    if pending:
-        steps = sorted(pending)
-        unfinished = (f"; step {steps[0]} was running when it stopped (scheduled, never finished: not recorded)"
-                      if len(steps) == 1 else
-                      f"; steps {steps[0]}-{steps[-1]} were running when it stopped (scheduled, never finished: "
-                      "not recorded)")
-    whole = ("every whole record it sent is here; the one it was sending as it stopped was cut short and dropped"
-             if cut else "complete: every record it sent is here")
-    return (f"engine stopped: with the engine {where} (its process exited, or was stopped with SIGINT/SIGTERM); "
-            f"{whole}{unfinished}")
 
 
 def _capture_writer(options: dict, header: fmt.Header) -> Any:
