@@ -23,10 +23,15 @@ from replay.errors import EXIT_DAMAGED
 @command
 def info(capture: Path = CaptureSetArg, json: bool = JsonOpt) -> None:
     """Header summary, steps, requests, tokens, sizes, how it ended and damage of a capture (or of each capture of a
-    directory or glob: one per data-parallel rank, say)."""
+    directory or glob: one per data-parallel rank, say). A ring's directory: its window, segments and snapshots."""
     from replay.capture import capture_paths
-    from replay.cli.render_capture import render_info
+    from replay.capture.flight.ring_info import is_ring, ring_info
+    from replay.cli.render_capture import render_info, render_ring
     from replay.inspect import capture_info
+
+    if is_ring(capture):
+        emit(ring_info(capture), render_ring, json=json)
+        return
 
     damage = []
     for i, path in enumerate(capture_paths(capture)):

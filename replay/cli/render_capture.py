@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from replay.capture import Crash, Damage, Step
     from replay.capture.reading.recover import RecoverResult
     from replay.capture.flight.control import SnapshotResult
+    from replay.capture.flight.ring_info import RingInfo
     from replay.inspect import CaptureInfo, ShownSteps
     from replay.record import RecordResult
 
@@ -93,6 +94,23 @@ def render_info(info: CaptureInfo) -> str:
         lines += render_damage(info.damage)
     else:
         lines.append("damage    none")
+    return "\n".join(lines)
+
+
+def render_ring(ring: RingInfo) -> str:
+    """`replay info RING`: the window its segments hold, the segments, the snapshots."""
+    who = "a recorder is writing it" if ring.recording else "no recorder is writing it"
+    size = f" of a {_mb(ring.size)} ring" if ring.size else ""
+    window = (f"steps {ring.first_step}-{ring.last_step}" if ring.first_step is not None else "no closed segment yet")
+    dropped = f"; steps 0-{ring.first_step - 1} were dropped" if ring.first_step else ""
+    lines = [f"ring      {ring.path} ({who})",
+             f"window    {window} in {len(ring.segments)} closed segments{dropped}",
+             f"disk      {_mb(ring.bytes_on_disk)}{size}, the open segment included"]
+    for s in ring.segments:
+        kf = f", keyframe before {s.keyframe}" if s.keyframe is not None else ""
+        lines.append(f"  {s.name}  steps {s.first_step}-{s.last_step}, {_mb(s.bytes)}{kf}")
+    lines.append(f"snapshots {len(ring.snapshots)}" + (f", newest {ring.snapshots[-1]}" if ring.snapshots else
+                                                       " (replay snapshot RING seals one)"))
     return "\n".join(lines)
 
 

@@ -11,11 +11,9 @@ import json
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 from replay.capture.flight.control import start_control
-from replay.capture.flight.layout import RingLayout
 from replay.capture.flight.segments import SegmentRing
 from replay.capture.format import records as fmt
 from replay.capture.writing.writer_process import ProcessCaptureWriter, serve
@@ -35,9 +33,6 @@ def _main(options: dict) -> int:
     def make_ring(opts: dict, header: fmt.Header) -> SegmentRing:
         ring = SegmentRing(opts["path"], header, size=opts["ring_size"], chunk_bytes=opts["chunk_bytes"],
                            flush_interval=opts["flush_interval"], level=opts["level"])
-        RingLayout(opts["path"]).writer_info.write_text(json.dumps(
-            {"pid": os.getpid(), "size": ring.size, "segment_bytes": ring.segment_bytes, "keep": ring.keep,
-             "started": time.time()}))
         start_control(ring, lock)
         return ring
 

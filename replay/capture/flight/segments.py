@@ -17,7 +17,9 @@ last `keep` of them kept. They are taken
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,6 +86,8 @@ class SegmentRing:
         self._crash: fmt.Crash | None = None
         self._seq = 0
         self._seen_nonfinite = 0
+        self.layout.writer_info.write_text(json.dumps({"pid": os.getpid(), "size": size, "keep": self.keep,
+                                                       "segment_bytes": self.segment_bytes, "started": time.time()}))
         self.finished = False  # closed or abandoned: the control thread leaves it alone
         self.on_finish: list = []  # called once it is (the control socket closes: a request then seals offline)
         self._open()

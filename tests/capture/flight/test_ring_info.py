@@ -1,0 +1,29 @@
+"""`replay info RING`: the window a ring's segments hold, its bytes, its snapshots."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from replay.capture.flight.ring_info import is_ring, ring_info
+from replay.capture.flight.segments import SegmentRing
+from replay.cli import app
+from replay.provenance import make_header
+from tests.capture.flight.test_segments import SIZE, _events, _feed
+
+
+def test_a_rings_window_segments_and_snapshots(tmp_path):
+    ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
+    _feed(ring, _events(1200))
+    snap = ring.snapshot("on demand")
+    ring.close()
+    info = ring_info(tmp_path / "ring")
+    assert is_ring(tmp_path / "ring") and not is_ring(tmp_path) and not info.recording
+    assert info.size == SIZE and info.first_step > 0 and info.last_step == 1199
+    steps = [(s.first_step, s.last_step) for s in info.segments]
+    assert all(a[1] + 1 == b[0] for a, b in zip(steps, steps[1:]))  # contiguous
+    assert all(s.keyframe == s.first_step for s in info.segments)
+    assert info.snapshots == [str(snap)]
+    out = CliRunner().invoke(app, ["info", str(tmp_path / "ring")])
+    assert out.exit_code == 0
+    assert f"window    steps {info.first_step}-1199 in {len(info.segments)} closed segments" in out.output
+    assert f"steps 0-{info.first_step - 1} were dropped" in out.output and "no recorder is writing it" in out.output
