@@ -63,7 +63,10 @@ class Server:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                           str(model), "--dtype", "float32", "--max-model-len", "512", "--block-size",
-                                          "32", "--enforce-eager", "--port", str(self.port), *extra],
+                                          "32", "--enforce-eager", "--port", str(self.port),
+                                          # a 256 MiB KV cache each (VLLM_CPU_KVCACHE_SPACE's 1 GiB, six engines at
+                                          # once, was more than this 24 GiB machine holds beside the suite)
+                                          "--kv-cache-memory-bytes", str(256 << 20), *extra],
                                          env=dict(ENV, REPLAY_CAPTURE=str(capture), **(env or {})), stdout=log,
                                          stderr=subprocess.STDOUT)
 
