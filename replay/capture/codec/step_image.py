@@ -306,3 +306,36 @@ def step_outline(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSourc
     mro = ModelRunnerOutput(_REQ_IDS.decode(fields["req_ids"]), {}, sampled, lists if logprobs else None,
                             num_nans_in_logits=_NANS.decode(nans) if nans is not None else None)
     return fmt.Step(rec.index, so, mro)
+
+
+class ImageOutline(NamedTuple):
+    """A step as another engine's tap sent it, kept for the keyframe shadow until its chunk is sealed (`outline`)."""
+
+    index: int
+    scheduler_output: bytes
+    model_runner_output: bytes | OutputParts | None
+    part: int = -1  # where its stored record is in its chunk's parts (the writer sets it)
+
+    def outline(self, decoder: ImageDecoder, logprobs: bool = False) -> fmt.Step | None:
+        """`step_outline`'s Step, from the images as sent (no stored record re-read, no logprob column unpacked);
+        None for an output whose tokens are not a plain list of lists (then the stored record is read)."""
+        so = decoder.decode(self.scheduler_output, SchedulerOutput[str])
+        out = self.model_runner_output
+        if out is None or is_nil(out):
+            return fmt.Step(self.index, so, None)
+        parts = out if isinstance(out, OutputParts) else None
+        fields = _FIELDS.decode(parts.rest if parts is not None else out)
+        tokens = parts.tokens if parts is not None else fields.get("sampled_token_ids")
+        try:
+            sampled = _TOKENS.decode(tokens) if tokens is not None else []
+        except msgspec.ValidationError:
+            return None
+        lists = None
+        if logprobs:
+            lp = fields.get("logprobs")
+            lists = parts.logprobs() if parts is not None else (_LOGPROBS.decode(lp) if lp is not None and not is_nil(lp)
+                                                                else None)
+        nans = fields.get("num_nans_in_logits")
+        return fmt.Step(self.index, so, ModelRunnerOutput(
+            _REQ_IDS.decode(fields["req_ids"]), {}, sampled, lists,
+            num_nans_in_logits=_NANS.decode(nans) if nans is not None else None))

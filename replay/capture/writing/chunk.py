@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from replay.capture.codec.columns import ColumnSink
+from replay.capture.codec.step_image import ImageOutline
 from replay.capture.format import records as fmt
 from replay.capture.writing.image_batch import PartsBatch
 
@@ -27,7 +28,7 @@ class Chunk:
         self.columns = ColumnSink()
         self.batch = PartsBatch()  # its image steps with outputs in parts (None in `parts` until sealed)
         self.declared = False  # whether its first step's LiveIds is written (format 1.5)
-        self.folds: list = []  # its records for the keyframe shadow, in order (an int: the part of an image step)
+        self.folds: list = []  # its records for the keyframe shadow, in order (another engine's steps as `ImageOutline`s)
 
     def seal(self, decoder: ImageDecoder | None) -> None:
         """Finish the steps set aside, then put the chunk's logprob columns first (format 1.3): a reader meets them
@@ -43,4 +44,4 @@ class Chunk:
             self.parts.insert(0, data)
             self.raw += len(data)
             self.info.num_records += 1
-            self.folds = [f + 1 if isinstance(f, int) else f for f in self.folds]
+            self.folds = [f._replace(part=f.part + 1) if isinstance(f, ImageOutline) else f for f in self.folds]

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from replay.capture.codec.columns import ColumnSource
-from replay.capture.codec.step_image import step_outline
+from replay.capture.codec.step_image import ImageOutline, step_outline
 from replay.capture.format import records as fmt
 from replay.capture.format.keyframe import Keyframe
 from replay.capture.format.shadow import ShadowTable
@@ -52,18 +52,16 @@ class KeyframeMaker:
         self._decoder = None
 
     def fold(self, folds: list[Any], parts: list[bytes]) -> None:
-        """Fold a sealed chunk: `folds` are its records in order (an int: the index in `parts` of an image step)."""
-        columns = None
-        if parts and folds and any(isinstance(f, int) for f in folds):
-            first = fmt.WIRE_DECODER.decode(parts[0])
-            columns = ColumnSource(first) if isinstance(first, fmt.LogprobColumns) else None
+        """Fold a sealed chunk: `folds` are its records in order (another engine's steps as `ImageOutline`s, which
+        point at their stored records among the chunk's `parts`)."""
         sh = self.shadow
         for f in folds:
             if self.broken:
                 return
             try:
-                if isinstance(f, int):
-                    f = step_outline(fmt.WIRE_DECODER.decode(parts[f]), self._images(), columns, sh.watch)
+                if isinstance(f, ImageOutline):  # from the images as sent; else from the stored record
+                    f = f.outline(self._images(), sh.watch) or step_outline(
+                        fmt.WIRE_DECODER.decode(parts[f.part]), self._images(), _columns(parts), sh.watch)
                 if isinstance(f, fmt.Step):
                     sh.step(f.index, f.scheduler_output, f.model_runner_output, f.drawn_seeds)
                 elif isinstance(f, fmt.RequestAdded):
@@ -97,3 +95,9 @@ class KeyframeMaker:
 
             self._decoder = ImageDecoder()
         return self._decoder
+
+
+def _columns(parts: list[bytes]) -> ColumnSource | None:
+    """A sealed chunk's logprob columns (its first record, when it has them)."""
+    first = fmt.WIRE_DECODER.decode(parts[0]) if parts else None
+    return ColumnSource(first) if isinstance(first, fmt.LogprobColumns) else None

@@ -26,7 +26,7 @@ from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
 from replay.capture.format.frames import skippable_frame
 from replay.capture.writing.chunk import Chunk
 from replay.capture.writing.keyframes import KeyframeMaker, keyframe_interval
-from replay.capture.codec.step_image import OutputParts, is_nil, store_step_image
+from replay.capture.codec.step_image import ImageOutline, OutputParts, is_nil, store_step_image
 from replay.capture.format.ids import LiveIdTable
 from replay.capture.format.keyframe import Keyframe
 from replay.capture.codec.stepcodec import stored_step
@@ -106,8 +106,7 @@ class CaptureWriter(WriterContext):
             raise CaptureError(self.partial_path, f"cannot create capture: {e.strerror or e}") from None
         self._out.start()
         self._append([self._encode(header)], header=True)
-        self.flush()  # the header is durable as soon as the writer exists
-        # a ring's segments share one (`keyframe_maker`): its shadow goes on from one segment file to the next
+        self.flush()  # the header is durable as soon as the writer exists; a ring's segments share a keyframe maker
         self._keyframes = keyframe_maker or (KeyframeMaker(header, interval) if interval else None)
 
     # -- public API ---------------------------------------------------------------------------------------------
@@ -173,6 +172,7 @@ class CaptureWriter(WriterContext):
         with self._lock:  # the step and its logprob rows join one chunk
             self._seal_if_old_locked()
             c, parts = self._chunk, model_runner_output
+            outline = ImageOutline(index, scheduler_output, parts)  # what the keyframe shadow folds
             try:  # an output in parts is finished with its chunk (PartsBatch) when it can be
                 scheduled = c.batch.add(index, scheduler_output, parts, grammar_output, timing, c.columns) \
                     if isinstance(parts, OutputParts) else None
@@ -183,11 +183,11 @@ class CaptureWriter(WriterContext):
                 raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
             if scheduled is not None:
                 size = len(scheduler_output) + len(parts.rest) + len(parts.tokens) + 64
-                self._append_locked([None], raw=size, step=index, scheduled=scheduled, fold=-1)
+                self._append_locked([None], raw=size, step=index, scheduled=scheduled, fold=outline)
             else:
                 size = len(data := self._encode(rec))
                 self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
-                                    drafts=stats.drafts, fold=-1)
+                                    drafts=stats.drafts, fold=outline)
         self._last_step = index
         return size
 
@@ -219,8 +219,8 @@ class CaptureWriter(WriterContext):
             self.write_keyframe(record)
 
     def write_keyframe(self, keyframe: Keyframe) -> None:
-        """Copy a keyframe read from another capture (`recover`, a snapshot): it opens a chunk of its own, as the
-        writer's own keyframes do. A writer that makes its own keyframes refuses it (it would stand twice)."""
+        """Copy a keyframe read from another capture (`recover`, a snapshot) into a chunk of its own; a writer that
+        makes its own keyframes refuses it."""
         if self._keyframes is not None:
             raise UsageError("a writer that makes its own keyframes takes none from another capture")
         self._check()
@@ -329,8 +329,8 @@ class CaptureWriter(WriterContext):
         c = self._chunk
         if not c.parts and self._keyframes is not None and not self._closing and self._keyframes.due():
             self._put_keyframe(c, self._keyframes.make())
-        if fold is not None and self._keyframes is not None:
-            c.folds.append(len(c.parts) + len(parts) - 1 if fold == -1 else fold)  # -1: this image step's part
+        if fold is not None and self._keyframes is not None:  # (an image step's stored record: the last of `parts`)
+            c.folds.append(fold._replace(part=len(c.parts) + len(parts) - 1) if isinstance(fold, ImageOutline) else fold)
         c.parts.extend(parts)
         c.raw += sum(map(len, parts)) if raw is None else raw
         info = c.info
