@@ -104,8 +104,8 @@ def install() -> None:
 
         tap = _tap(self)
         if tap is not None and finished_status == RequestStatus.FINISHED_ERROR:
-            tap.trouble(f"request {request_ids if isinstance(request_ids, str) else ', '.join(sorted(request_ids))} "
-                        "finished with an error")
+            ids = [request_ids] if isinstance(request_ids, str) else sorted(request_ids or ())
+            tap.trouble(f"request {', '.join(ids) or '(all)'} finished with an error")
         if tap is None or finished_status != RequestStatus.FINISHED_ABORTED:
             return orig_finish(self, request_ids, finished_status, *args, **kwargs)
         # vLLM aborts only the requests it still holds unfinished (the API server may abort a dropped stream twice,
