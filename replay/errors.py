@@ -73,3 +73,10 @@ class NothingRecoverableError(CaptureError):
     """`recover` found no readable header or record in the input."""
 
     exit_code = EXIT_DIVERGED
+
+
+class CannotTestError(ReplayError):
+    """The question cannot be answered on this setup (a bisect whose instruments stayed silent): exit 125, so that
+    `git bisect run` skips the commit rather than call it good or bad."""
+
+    exit_code = EXIT_CANNOT_TEST

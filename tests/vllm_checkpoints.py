@@ -129,3 +129,18 @@ def tiny_eagle_head(base: Path, path: Path) -> Path:
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+def wide_llama(path: Path) -> Path:
+    """A 2-layer Llama wide enough for float32 batch variance on vLLM's CPU kernels (hidden 512, GQA 8/4 heads,
+    head_dim 64, intermediate 2048, vocab 1024; 40 MB): a decode computed alone takes another GEMM path than in a
+    batch (`reference/measurements.md`: M = 1 against M >= 2). The 128-wide `tiny_llama` is batch-invariant there."""
+    import torch
+    import transformers
+
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                   intermediate_size=2048, vocab_size=1024, head_dim=64, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path

@@ -1,8 +1,10 @@
 """`bisect_batch`: does request R's result at step S depend on what else is in the batch, and on whom?
 
-R is re-executed from the snapshot alone, with subsets of its co-scheduled requests (each keeping its recorded
-number of scheduled tokens), and with k one-token padding requests. ddmin returns a 1-minimal set of neighbours
-that changes R's logits, or the verdict that R is batch-invariant at S.
+On the builtin runner R is re-executed from the snapshot alone, with subsets of its co-scheduled requests (each
+keeping its recorded number of scheduled tokens), and with k one-token padding requests. On vLLM's runner
+(`--runner vllm`: vLLM's kernels) each test replays steps 0..S with a subset of the requests that shared a step
+with R left out of every step (`replay.bisect.vllm_session`). ddmin returns a 1-minimal set of neighbours that
+changes R's logits, or the verdict that R is batch-invariant at S.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import msgspec
 import torch
 
 from replay.bisect.ddmin import Ddmin
-from replay.bisect.session import StepSession
+from replay.bisect.session import make_session
 from replay.diff import Tolerance
+from replay.replayer.environment import applied, in_environment
+from replay.replayer.knobs import env_knobs
 
 PAD_SIZES = (1, 2, 3, 4, 8, 16, 32)
 
@@ -43,6 +47,8 @@ class BatchBisect(msgspec.Struct):
     token_in_batch: list[int]
     padding: list[PadResult]
     re_executions: int
+    runner: str = "builtin"
+    notes: list[str] = []  # how the replay differs from the recording
 
 
 def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
@@ -53,11 +59,24 @@ def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
 def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Tolerance | None = None,
                  overrides: dict[str, str] | None = None, hooks: list[Callable[[], Any]] | None = None,
                  log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None) -> BatchBisect:
-    """See the module docstring. `hooks` (callables returning hook handles) are installed for every run."""
+    """See the module docstring. `hooks` (callables returning hook handles) are installed for every run (builtin
+    runner). `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner; with environment knobs the
+    bisect runs in a fresh process started with them."""
     tol = tol or Tolerance()
+    env = env_knobs(overrides or {})
+    if env and not applied(env):
+        return in_environment(env, bisect_batch, path, step, request, tol=tol, overrides=overrides, state=state)
     log = log or (lambda msg: None)
     log(f"replaying {path} to step {step}")
-    s = StepSession(path, step, overrides, log=log)
+    s = make_session(path, step, overrides, log=log)
+    try:
+        return _bisect(s, str(path), request, tol, hooks, log, state)
+    finally:
+        s.close()
+
+
+def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> BatchBisect:
+    step = s.step.index
     rid = s.request_id(request)
     others = s.neighbours(rid)
     runs = 0
@@ -67,7 +86,8 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
         runs += 1
         return s.run(rid, keep, pad, hooks=hooks)
 
-    alone, full = run({rid}), run(None)
+    full = run(None)  # first: on vLLM's runner the session stands just before the step as recorded
+    alone = run({rid})
     diff = float((alone.logits - full.logits).abs().max())
     log(f"request {request} alone vs in its batch of {len(others) + 1}: max |Δlogit| {diff:.3g}")
     minimal: list[str] = []
@@ -77,7 +97,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
         log(f"ddmin over {len(others)} neighbours")
         minimal = dd.minimize(others)
     pads = []
-    for k in PAD_SIZES:
+    for k in (k for k in PAD_SIZES if k <= s.max_padding):
         r = run({rid}, pad=k)
         pads.append(PadResult(k, not differs(r.logits, alone.logits, tol), float((r.logits - alone.logits).abs().max())))
     invariant = not minimal
@@ -91,5 +111,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
     size_dep = [p.padding for p in pads if not p.same_as_alone]
     if size_dep:
         verdict += f"; batch size alone changes them too (with {size_dep[0]}+ padding requests)"
-    return BatchBisect(str(path), step, request, verdict, invariant, s.names(others), names, diff, alone.token,
-                       full.token, pads, runs + dd.tests)
+    if s.runner_kind == "vllm":
+        verdict += f" (on vLLM's runner, neighbours left out of every step up to {step})"
+    return BatchBisect(path, step, request, verdict, invariant, s.names(others), names, diff, alone.token,
+                       full.token, pads, runs + dd.tests, s.runner_kind, s.notes)

@@ -1,5 +1,11 @@
 """`bisect_layers`: run step S two ways with forward hooks on every named module and name the first module whose
-output for request R differs (bitwise, max-abs, ULPs), and how the difference grows through the layers."""
+output for request R differs (bitwise, max-abs, ULPs), and how the difference grows through the layers.
+
+On the builtin runner (our modules) or on vLLM's own (`runner="vllm"`: vLLM's modules and kernels, in every worker,
+shards of a tensor-parallel output put back together: `replay.integrations.vllm.taps`). Side B is R alone, the same
+step under other knobs (any `--set` knob: `tensor_parallel_size=1`, `vllm.kv_cache_dtype=fp8`,
+`env.ATEN_CPU_CAPABILITY=avx2`; environment knobs run that side in a fresh process), and/or a planted fault.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,11 @@ import msgspec
 import numpy as np
 import torch
 
-from replay.bisect.session import StepSession
+from replay.bisect.session import Run, make_session
+from replay.errors import CannotTestError
 from replay.replayer import Plant, parse_overrides
-from replay.replayer.plant import install
+from replay.replayer.environment import applied, in_environment
+from replay.replayer.knobs import env_knobs
 
 
 class ModuleDiff(msgspec.Struct):
@@ -22,6 +30,7 @@ class ModuleDiff(msgspec.Struct):
     equal: bool
     max_abs: float
     max_ulps: float  # in the coarser of the two dtypes
+    gathered: bool = False  # sharded across tensor-parallel ranks on a side, compared put back together
 
 
 class LayersBisect(msgspec.Struct):
@@ -34,6 +43,9 @@ class LayersBisect(msgspec.Struct):
     verdict: str
     first_module: str | None
     modules: list[ModuleDiff]  # in execution order
+    runner: str = "builtin"
+    notes: list[str] = []  # how the sides were run, and how they differ from the recording
+    dump: str | None = None  # the directory `--dump` wrote
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,7 +59,8 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(np.nanmax(u, initial=0.0))
 
 
-def compare_modules(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> list[ModuleDiff]:
+def compare_modules(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]],
+                    gathered: set[str] = frozenset()) -> list[ModuleDiff]:
     """Diff two runs' module outputs, in side A's execution order (modules side B lacks are skipped)."""
     other = dict(b)
     out = []
@@ -57,36 +70,65 @@ def compare_modules(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.
             continue
         equal = ta.dtype == tb.dtype and torch.equal(ta, tb)
         diff = 0.0 if equal else float((ta.double() - tb.double()).abs().max())
-        out.append(ModuleDiff(name, equal, diff, 0.0 if equal else _ulps(ta, tb)))
+        out.append(ModuleDiff(name, equal, diff, 0.0 if equal else _ulps(ta, tb), name in gathered))
     return out
 
 
+def side_runs(path: str, step: int, request: str, overrides: dict[str, str], runs: list[tuple[bool, Plant | None]],
+              force: bool = False, log: Callable[[str], None] | None = None) -> tuple[str, list[str], list[Run]]:
+    """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
+    Returns R's internal id, the session's notes and the runs. With environment knobs this runs in a fresh process
+    started with them (`replay.replayer.environment`)."""
+    env = env_knobs(overrides)
+    if env and not applied(env):
+        return in_environment(env, side_runs, path, step, request, overrides, runs, force)
+    session = make_session(path, step, overrides, force=force, log=log)
+    try:
+        rid = session.request_id(request)
+        out = [session.run(rid, {rid} if alone else None, modules=True, plant=plant) for alone, plant in runs]
+    finally:
+        session.close()
+    return rid, session.notes, out
+
+
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
-                  plant: Plant | None = None, log: Callable[[str], None] | None = None) -> LayersBisect:
-    """Side A: step `step` as recorded. Side B: R alone (`against="solo"`), the same step under other knobs
-    (`"dtype=bfloat16,attention=reference"`), and/or with a planted fault (`plant`)."""
+                  plant: Plant | None = None, runner: str = "builtin", overrides: dict[str, str] | None = None,
+                  dump: str | os.PathLike | None = None, log: Callable[[str], None] | None = None) -> LayersBisect:
+    """Side A: step `step` as recorded (with `overrides`). Side B: R alone (`against="solo"`), the same step under
+    other knobs (`"dtype=bfloat16,attention=reference"`, `"tensor_parallel_size=1"`), and/or with a planted fault
+    (`plant`). `runner`: "builtin" or "vllm". `dump`: a directory for the differing modules' outputs (`dump`)."""
     log = log or (lambda msg: None)
-    log(f"replaying {path} to step {step} (side A)")
-    a_session = StepSession(path, step, log=log)
-    rid = a_session.request_id(request)
-    a = a_session.run(rid, modules=True)
-    keep = None
-    if against == "solo":
-        b_session = a_session
-        keep = {rid}
-    elif against in ("", "same", "none"):
-        b_session = a_session
+    path = str(path)
+    base = {**(overrides or {}), **({"runner": runner} if runner == "vllm" else {})}
+    if against in ("solo", "", "same", "none"):
+        log(f"replaying {path} to step {step}, twice ({'R alone' if against == 'solo' else 'as recorded'})")
+        _, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)], log=log)
     else:
+        knobs = parse_overrides(against.split(",") + ([f"runner={runner}"] if runner == "vllm" else []))
+        log(f"replaying {path} to step {step} (side A)")
+        _, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log)
         log(f"replaying {path} to step {step} with {against} (side B)")
-        b_session = StepSession(path, step, parse_overrides(against.split(",")), force=True, log=log)
-    hooks = [lambda: install(plant, b_session.runner, rid)] if plant is not None else None
-    b = b_session.run(rid, keep, hooks=hooks, modules=True)
-    diffs = compare_modules(a.modules, b.modules)
+        _, notes_b, (b,) = side_runs(path, step, request, {**base, **knobs}, [(False, plant)], force=True, log=log)
+        notes = list(dict.fromkeys(notes + notes_b))
+    diffs = compare_modules(a.modules, b.modules, a.gathered | b.gathered)
+    if not diffs:
+        raise CannotTestError(f"{path}: no module of side A's model has a counterpart in side B's output: nothing "
+                              "was compared (another model on side B?)")
     first = next((d for d in diffs if not d.equal), None)
     what = against + (f" + planted {plant.size:g} in {plant.module}" if plant else "")
+    on = " on vLLM's runner" if runner == "vllm" else ""
     if first is None:
-        verdict = f"request {request} at step {step}: every module's output is bitwise the same against {what}"
+        verdict = (f"request {request} at step {step}{on}: every module's output ({len(diffs)} compared) is bitwise "
+                   f"the same against {what}")
     else:
-        verdict = (f"request {request} at step {step}: the first module whose output differs against {what} is "
+        verdict = (f"request {request} at step {step}{on}: the first module whose output differs against {what} is "
                    f"{first.module} (max |Δ| {first.max_abs:.3g}, {first.max_ulps:.3g} ULPs)")
-    return LayersBisect(str(path), step, request, what, verdict, first.module if first else None, diffs)
+    gathered = sum(d.gathered for d in diffs)
+    if gathered:
+        notes.append(f"{gathered} module outputs are sharded across tensor-parallel ranks: compared put back together")
+    res = LayersBisect(path, step, request, what, verdict, first.module if first else None, diffs, runner, notes)
+    if dump is not None:
+        from replay.bisect.dump import write_dump
+
+        res.dump = write_dump(dump, res, a, b)
+    return res

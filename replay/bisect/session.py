@@ -1,5 +1,6 @@
-"""`StepSession`: the runner's state just before step S, restored at will, so that step S can be re-executed
-many ways (another batch, hooks on every module, a planted fault) without replaying steps 0..S-1 each time."""
+"""Sessions that re-execute step S of a capture many ways (another batch, hooks on every module, a planted fault):
+`StepSession` on the builtin runner, from a snapshot of its state just before S (steps 0..S-1 replay once), and
+`make_session`, which picks it or vLLM's (`replay.bisect.vllm_session`) by the `runner` knob."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Callable, Iterable
 import torch
 from msgspec.structs import replace
 
-from replay.capture import CaptureReader
+from replay.capture import CaptureReader, Step
 from replay.contracts import (
     CachedRequestData,
     NewRequestData,
@@ -18,7 +19,8 @@ from replay.contracts import (
     SchedulerOutput,
 )
 from replay.errors import UsageError
-from replay.replayer import StepLoop, build_runner
+from replay.replayer import Plant, StepLoop, build_runner
+from replay.replayer.plant import install
 
 PAD_BLOCKS = 64  # spare KV blocks for padding requests (batch-size experiments)
 
@@ -30,10 +32,49 @@ class Run:
     logits: torch.Tensor | None  # [vocab] float32 logits of the watched request
     token: list[int]
     modules: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (module name, output rows), in order
+    gathered: set[str] = field(default_factory=set)  # modules put together from tensor-parallel shards
 
 
-class StepSession:
-    """Replays a capture (forced mode) up to step `step`, then re-executes that step on demand."""
+class Session:
+    """What both runners' sessions share: the step, and the request ids in it."""
+
+    path: str
+    step: Step
+    ext: dict[str, str]
+    internal: dict[str, str]
+    notes: list[str]
+    runner_kind = "builtin"
+    max_padding = PAD_BLOCKS  # padding requests a run can add to the watched request
+
+    def request_id(self, name: str) -> str:
+        """Internal id of a request given by its external or internal id, checked to be in the step."""
+        rid = self.internal.get(name, name)
+        if rid not in self.step.scheduler_output.num_scheduled_tokens:
+            raise UsageError(f"request {name!r} is not scheduled in step {self.step.index} "
+                             f"(scheduled: {', '.join(self.names(self.step.scheduler_output.num_scheduled_tokens))})")
+        return rid
+
+    def names(self, ids: Iterable[str]) -> list[str]:
+        """External ids of internal ids."""
+        return [self.ext.get(r, r) for r in ids]
+
+    def close(self) -> None:
+        """Release the runner (an engine's workers and memory)."""
+
+
+def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
+                 force: bool = False, log: Callable[[str], None] | None = None) -> Session:
+    """A session on the runner the `runner` knob names (builtin by default)."""
+    if (overrides or {}).get("runner") == "vllm":
+        from replay.bisect.vllm_session import VllmStepSession
+
+        return VllmStepSession(path, step, overrides, force=force, log=log)
+    return StepSession(path, step, overrides, force=force, log=log)
+
+
+class StepSession(Session):
+    """Replays a capture (forced mode) on the builtin runner up to step `step`, then re-executes that step on demand
+    from a snapshot."""
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
                  force: bool = False, log: Callable[[str], None] | None = None) -> None:
@@ -56,30 +97,21 @@ class StepSession:
         self.snap = self.runner.snapshot()
         self.num_blocks = self.runner.kv.num_blocks
 
-    def request_id(self, name: str) -> str:
-        """Internal id of a request given by its external or internal id, checked to be in the step."""
-        rid = self.internal.get(name, name)
-        if rid not in self.step.scheduler_output.num_scheduled_tokens:
-            raise UsageError(f"request {name!r} is not scheduled in step {self.step.index} "
-                             f"(scheduled: {', '.join(self.names(self.step.scheduler_output.num_scheduled_tokens))})")
-        return rid
-
-    def names(self, ids: Iterable[str]) -> list[str]:
-        """External ids of internal ids."""
-        return [self.ext.get(r, r) for r in ids]
-
     def neighbours(self, rid: str) -> list[str]:
         """The requests co-scheduled with `rid` at the step."""
         return [r for r in self.step.scheduler_output.num_scheduled_tokens if r != rid]
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
-            hooks: list[Callable[[], Any]] | None = None, modules: bool = False) -> Run:
+            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None) -> Run:
         """Re-execute the step from the snapshot with only `keep` (None: everyone) plus `pad` one-token padding
-        requests; return `watch`'s logits (and every module's output rows for it, with `modules`)."""
+        requests, and `plant`'s fault; return `watch`'s logits (and every module's output rows for it, with
+        `modules`)."""
         self.runner.restore(self.snap)
         so = self.step.scheduler_output if keep is None else subset(self.step.scheduler_output, keep)
         if pad:
-            so = padded(so, pad, self.num_blocks - PAD_BLOCKS, self.runner.kv.block_size)
+            so = padded(so, pad, range(self.num_blocks - PAD_BLOCKS, self.num_blocks))
+        if plant is not None:
+            hooks = [lambda: install(plant, self.runner, watch), *(hooks or [])]
         self.runner.update_states(so, self.step.drawn_seeds, self.prev)
         captured: list[tuple[str, torch.Tensor]] = []
         handles = []
@@ -126,12 +158,14 @@ def subset(so: SchedulerOutput, keep: set[str]) -> SchedulerOutput:
                    scheduled_cached_reqs=cached, num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()))
 
 
-def padded(so: SchedulerOutput, k: int, first_block: int, block_size: int) -> SchedulerOutput:
-    """The step plus `k` new one-token requests in spare blocks (they only change the batch's size)."""
-    if k > PAD_BLOCKS:
-        raise UsageError(f"at most {PAD_BLOCKS} padding requests")
-    pads = [NewRequestData(f"__pad{i}", [3 + i], [], SamplingParams(temperature=0.0), None, ([first_block + i],), 0, None)
-            for i in range(k)]
+def padded(so: SchedulerOutput, k: int, spare: Iterable[int]) -> SchedulerOutput:
+    """The step plus `k` new one-token requests, one in each of the first `k` `spare` blocks (blocks no request
+    holds): they only change the batch's size."""
+    blocks = list(spare)[:k]
+    if k > len(blocks):
+        raise UsageError(f"at most {len(blocks)} padding requests here (spare KV blocks)")
+    pads = [NewRequestData(f"__pad{i}", [3 + i], [], SamplingParams(temperature=0.0), None, ([b],), 0, None)
+            for i, b in enumerate(blocks)]
     sched = dict(so.num_scheduled_tokens)
     sched.update({p.req_id: 1 for p in pads})
     return replace(so, scheduled_new_reqs=list(so.scheduled_new_reqs) + pads, num_scheduled_tokens=sched,

@@ -18,6 +18,7 @@ from replay.cli.common import (
     RayAddressOpt,
     RayOpt,
     RtolOpt,
+    RunnerOpt,
     SetOpt,
     StateOpt,
     StepsOpt,
@@ -28,7 +29,7 @@ from replay.cli.common import (
     replay_options,
     step_range,
 )
-from replay.errors import EXIT_DAMAGED
+from replay.errors import EXIT_DAMAGED, UsageError
 
 
 @bisect_command
@@ -62,17 +63,20 @@ def bisect_batch(
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
     set_: Optional[list[str]] = SetOpt,
+    runner: Optional[str] = RunnerOpt,
     state: Optional[Path] = StateOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
-    """Which co-batched requests change REQUEST's numerics at STEP (ddmin), and does batch size alone?"""
+    """Which co-batched requests change REQUEST's numerics at STEP (ddmin), and does batch size alone? With
+    --runner vllm, on vLLM's own kernels (each test replays steps 0..STEP)."""
     from replay.bisect.batch import bisect_batch as run_it
     from replay.cli.render_replay import render_bisect_batch
     from replay.diff import Tolerance
     from replay.replayer import parse_overrides
 
-    res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(set_),
+    knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
+    res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(knobs),
                  log=progress_log(quiet), state=state)
     emit(res, render_bisect_batch, json=json)
 
@@ -82,17 +86,25 @@ def bisect_layers(
     capture: Path = CaptureArg,
     step: int = typer.Option(..., "--step", min=0),
     request: str = typer.Option(..., "--request"),
-    against: str = typer.Option("solo", "--against", help="solo (REQUEST alone) or KNOB=VALUE,... (e.g. dtype=bfloat16)."),
+    against: str = typer.Option("solo", "--against", help="solo (REQUEST alone), same, or KNOB=VALUE,... for side B (dtype=bfloat16, tensor_parallel_size=1, vllm.ARG=V, env.NAME=V)."),
     plant: Optional[str] = PlantOpt,
+    runner: str = typer.Option("builtin", "--runner", help="builtin (our modules) | vllm (vLLM's own model and kernels, in every worker)."),
+    set_: Optional[list[str]] = SetOpt,
+    dump: Optional[Path] = typer.Option(None, "--dump", help="Write both sides' outputs of the first differing modules (and those just before) as safetensors, with index.json."),
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
-    """The first module whose output for REQUEST differs between two executions of STEP, and how it grows."""
+    """The first module whose output for REQUEST differs between two executions of STEP, and how it grows. --set
+    knobs apply to both sides, --against only to side B."""
     from replay.bisect.layers import bisect_layers as run_it
     from replay.cli.render_replay import render_bisect_layers
-    from replay.replayer import Plant
+    from replay.replayer import Plant, parse_overrides
 
-    res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None, log=progress_log(quiet))
+    if runner not in ("builtin", "vllm"):
+        raise UsageError(f"--runner {runner}: expected builtin or vllm")
+    overrides = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner == "vllm" else [])])
+    res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None, runner=runner,
+                 overrides=overrides, dump=dump, log=progress_log(quiet))
     emit(res, render_bisect_layers, json=json)
 
 

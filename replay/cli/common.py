@@ -199,7 +199,7 @@ CaptureSetArg = typer.Argument(..., help="Capture file, or a directory or glob o
                                show_default=False)
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 ModeOpt = typer.Option("forced", "--mode", help="forced: recorded tokens fed back each step (local diffs); free: the runner's own.")
-SetOpt = typer.Option(None, "--set", help="Override a knob for the replay: dtype, attention, threads, device, model, seed, runner (repeatable).")
+SetOpt = typer.Option(None, "--set", help="Override a knob for the replay (repeatable): dtype, attention, threads, device, model, seed, runner, vLLM's layout knobs, vllm.ARG=VALUE (any vLLM engine argument), env.NAME=VALUE (an environment variable, in a fresh process).")
 JobsOpt = typer.Option(1, "--jobs", "-j", min=1, help="Run N replays at once, in local processes.")
 RayOpt = typer.Option(False, "--ray", help="One Ray task per replay, on the cluster at RAY_ADDRESS (or --ray-address), "
                       "else on a local single-node one.")

@@ -264,14 +264,21 @@ def render_bisect_batch(res: BatchBisect) -> str:
         f"  alone vs in its recorded batch ({len(res.neighbours)} neighbours): max |Δlogit| "
         f"{res.max_abs_logit_diff:.3g}, token {res.token_alone} alone, {res.token_in_batch} in the batch",
         f"  padding: {pads}",
-        f"  {res.re_executions} re-executions of step {res.step}"])
+        f"  {res.re_executions} replays of steps 0-{res.step} on vLLM's runner" if res.runner == "vllm" else
+        f"  {res.re_executions} re-executions of step {res.step}", *[f"  note: {n}" for n in res.notes]])
 
 
 def render_bisect_layers(res: LayersBisect) -> str:
     """`bisect layers`: the verdict and every module's difference, in execution order."""
-    lines = [res.verdict, f"  {'module':<40} {'equal':>6} {'max |Δ|':>11} {'ULPs':>10}"]
-    lines += [f"  {m.module:<40} {'yes' if m.equal else 'NO':>6} {m.max_abs:>11.3g} {m.max_ulps:>10.3g}"
-              for m in res.modules]
+    width = max([40] + [len(m.module) + 1 for m in res.modules])
+    lines = [res.verdict, *[f"  note: {n}" for n in res.notes],
+             f"  {'module':<{width}} {'equal':>6} {'max |Δ|':>11} {'ULPs':>10}"]
+    lines += [f"  {m.module + ('*' if m.gathered else ''):<{width}} {'yes' if m.equal else 'NO':>6} {m.max_abs:>11.3g} "
+              f"{m.max_ulps:>10.3g}" for m in res.modules]
+    if any(m.gathered for m in res.modules):
+        lines.append("  * sharded across tensor-parallel ranks: compared put back together")
+    if res.dump:
+        lines.append(f"  dumped to {res.dump} (index.json, a.safetensors, b.safetensors)")
     return "\n".join(lines)
 
 

@@ -6,13 +6,8 @@ from replay.replayer.check import CheckResult, check_capture
 from replay.replayer.loop import MODES, StepLoop
 from replay.replayer.plant import Plant
 from replay.replayer.run import ReplayOptions, ReplayReport, replay_capture
-from replay.replayer.runner import (
-           KNOBS,
-           BuiltRunner,
-           Runner,
-           build_runner,
-           parse_overrides,
-)
+from replay.replayer.knobs import KNOBS, parse_overrides
+from replay.replayer.runner import BuiltRunner, Runner, build_runner
 
 __all__ = ["CheckResult", "check_capture", "MODES", "StepLoop", "Plant", "ReplayOptions", "ReplayReport",
            "replay_capture", "KNOBS", "BuiltRunner", "Runner", "build_runner", "parse_overrides"]

@@ -3,9 +3,12 @@
 `--plant STEP:REQUEST:MODULE:SIZE` (e.g. `12:req-3:layers.2.mlp.down_proj:1e-3`: add 1e-3 to the largest element
 of each of that module's output rows for request req-3 at step 12) lets a user check that their
 pipeline catches what it should, and lets the tests prove the diff finds exactly what was planted. The planted step
-is executed twice by the replayer: once with the perturbation (its outputs are the ones compared) and once clean
-after restoring the runner's state, so the KV cache and generators carry no trace of it and, in forced mode, no
-other step can differ.
+is executed twice by the builtin runner: once with the perturbation (its outputs are the ones compared) and once
+clean after restoring the runner's state, so the KV cache and generators carry no trace of it and, in forced mode, no
+other step can differ. On vLLM's runner (module names are vLLM's: `model.layers.1.mlp.down_proj`,
+`logits_processor`) the step runs once, with the fault added in every worker (`integrations.vllm.taps`): vLLM's
+state cannot be rolled back, so the request's K/V of that step keep the fault, as a real fault's would, and later
+steps of the request may differ too. The first divergence is the planted step either way.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ import msgspec
 from replay.errors import UsageError
 
 if TYPE_CHECKING:
+    from replay.capture import Step
+    from replay.contracts import ModelRunnerOutput
     from replay.engine.runner import ModelRunner
+    from replay.replayer.loop import StepLoop
+    from replay.replayer.runner import BuiltRunner
 
 
 class Plant(msgspec.Struct, frozen=True):
@@ -67,3 +74,35 @@ def install(plant: Plant, runner: ModelRunner, internal_id: str) -> Any:
         return out
 
     return modules[plant.module].register_forward_hook(hook)
+
+
+def run_planted(built: "BuiltRunner", loop: "StepLoop", step: "Step", plant: Plant) -> "ModelRunnerOutput":
+    """Run one step (with its recorded grammar bitmask), with the planted perturbation when this is its step."""
+    so, grammar = step.scheduler_output, step.grammar_output
+    if plant.step != step.index:
+        return built.runner.run_step(so, grammar)
+    rid = loop.internal.get(plant.request, plant.request)
+    if rid not in so.num_scheduled_tokens:
+        raise UsageError(f"--plant: request {plant.request!r} is not scheduled in step {step.index}")
+    if built.kind == "vllm":
+        vllm = built.runner
+        vllm.start_taps(rid, modules=False, plant=(plant.module, plant.size))
+        try:
+            return vllm.run_step(so, grammar)
+        finally:
+            vllm.finish_taps()
+    runner = built.builtin("--plant")
+    snap = runner.snapshot_step(so)
+    handle = install(plant, runner, rid)
+    try:
+        planted = runner.run_step(so, grammar)
+    finally:
+        handle.remove()
+    runner.restore_step(snap)
+    runner.run_step(so, grammar)  # the clean run leaves the state (KV, generators) as if nothing was planted
+    if not loop.forced:  # ...but in free mode the planted tokens go on, as a real fault's would
+        for rid_, toks in zip(planted.req_ids, planted.sampled_token_ids):
+            st = runner.requests.get(rid_)
+            if toks and st is not None:
+                st.output_token_ids[-len(toks):] = toks
+    return planted

@@ -12,7 +12,7 @@ from typing import Callable
 
 import msgspec
 
-from replay.capture import CaptureReader, Header, Step, StepRange
+from replay.capture import CaptureReader, Header, StepRange
 from replay.capture.format import records as fmt
 from replay.capture.reading.keyframes import chunks_from, keyframe_steps
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
@@ -26,9 +26,11 @@ from replay.diff import (
 )
 from replay.errors import CaptureDamagedError, UsageError
 from replay.replayer.fanout import FanOut, fan_out
+from replay.replayer.environment import applied, in_environment
 from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
+from replay.replayer.knobs import env_knobs
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
-from replay.replayer.plant import Plant, install
+from replay.replayer.plant import Plant, run_planted
 from replay.replayer.prime import MIN_PRIME_BUDGET, rebuild_tolerance
 from replay.replayer.runner import BuiltRunner, build_runner
 from replay.replayer.suspects import lead_suspect, sampler_suspect
@@ -222,7 +224,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     # with speculative decoding every random draw goes through vLLM's rejection sampler, which only vLLM repeats
     speculative = bool(r.header.engine_config and r.header.engine_config.layout.get("speculative_config"))
     by_vllm = built.kind == "vllm"
-    run = (lambda step: _planted(built, loop, step, opts)) if opts.plant is not None else None
+    run = (lambda step: run_planted(built, loop, step, opts.plant)) if opts.plant is not None else None
     records = r.records(chunks=chunks_from(r, out.keyframe)) if out.keyframe is not None else r.records()
     rebuilt_tol = out.rebuild_tolerance = rebuild_tolerance(
         out.tolerance, (r.header.model.dtype if r.header.model else "") or "float32") if out.keyframe is not None else None
@@ -291,32 +293,6 @@ def _keyframe_for(r: CaptureReader, opts: ReplayOptions) -> int | None:
     return before[-1] if before else (first[0] if first else None)
 
 
-def _planted(built: BuiltRunner, loop: StepLoop, step: Step, opts: ReplayOptions) -> ModelRunnerOutput:
-    """Run one step (with its recorded grammar bitmask), with the planted perturbation when this is its step."""
-    p = opts.plant
-    so, grammar = step.scheduler_output, step.grammar_output
-    runner = built.builtin("--plant")
-    if p.step != step.index:
-        return runner.run_step(so, grammar)
-    rid = loop.internal.get(p.request, p.request)
-    if rid not in so.num_scheduled_tokens:
-        raise UsageError(f"--plant: request {p.request!r} is not scheduled in step {step.index}")
-    snap = runner.snapshot_step(so)
-    handle = install(p, runner, rid)
-    try:
-        planted = runner.run_step(so, grammar)
-    finally:
-        handle.remove()
-    runner.restore_step(snap)
-    runner.run_step(so, grammar)  # the clean run leaves the state (KV, generators) as if nothing was planted
-    if not loop.forced:  # ...but in free mode the planted tokens go on, as a real fault's would
-        for rid_, toks in zip(planted.req_ids, planted.sampled_token_ids):
-            st = runner.requests.get(rid_)
-            if toks and st is not None:
-                st.output_token_ids[-len(toks):] = toks
-    return planted
-
-
 def replay_digests(task: tuple[str, ReplayOptions]) -> list[bytes]:
     """One more replay of a capture (in whichever process or Ray worker runs it): the digest of every output."""
     path, opts = task
@@ -340,6 +316,9 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     """Replay `path` (`opts.repeat` times) and diff it against the recording."""
     opts = opts or ReplayOptions()
     check_mode(opts.mode)
+    env = env_knobs(opts.overrides)
+    if env and not applied(env):  # a fresh process started with them (no progress callback crosses over)
+        return in_environment(env, replay_capture, path, dataclasses.replace(opts, progress=None))
     if opts.repeat < 1:
         raise UsageError("--repeat must be at least 1")
     p = _one_pass(path, opts)

@@ -11,22 +11,19 @@ from typing import TYPE_CHECKING, Protocol
 from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
-from replay.integrations.vllm.layout import LAYOUT_KNOBS, check_layout_knob
 from replay.provenance import (
     HeaderDifference,
     header_differences,
     pin_threading,
     set_torch_threads,
 )
+from replay.replayer.environment import applied
+from replay.integrations.vllm.layout import engine_args
+from replay.replayer.knobs import BOOLEANS, env_knobs
 
 if TYPE_CHECKING:
     from replay.engine.runner import ModelRunner
 
-KNOBS = ("dtype", "attention", "threads", "device", "model", "seed", "batch_invariant", "runner") + LAYOUT_KNOBS
-RUNNERS = ("builtin", "vllm")
-# what vLLM-runner replay can change: the dtype, the weights, and the layout vLLM runs them on (vLLM's names)
-VLLM_KNOBS = ("dtype", "model", "runner") + LAYOUT_KNOBS
-BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 class Runner(Protocol):
@@ -55,46 +52,6 @@ class Runner(Protocol):
         """Release what the runner holds (an engine, a redirected terminal); the replay is over."""
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, str]:
-    """`["dtype=bfloat16", ...]` -> {"dtype": "bfloat16"}; unknown knobs are a usage error."""
-    out: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if key == "attention_impl":
-            key = "attention"
-        if not sep or not value:
-            raise UsageError(f"--set {item!r}: expected KNOB=VALUE")
-        if key not in KNOBS:
-            raise UsageError(f"--set {item!r}: unknown knob {key!r}; knobs are {', '.join(KNOBS)}")
-        out[key] = value = value.strip()
-        if key == "threads" and not (value.isdigit() and int(value) >= 1):
-            raise UsageError(f"--set threads={value}: expected a positive integer")
-        if key == "seed" and not value.isdigit():
-            raise UsageError(f"--set seed={value}: expected a non-negative integer")
-        if key == "batch_invariant" and value.lower() not in BOOLEANS:
-            raise UsageError(f"--set batch_invariant={value}: expected true or false")
-        if key == "runner" and value not in RUNNERS:
-            raise UsageError(f"--set runner={value}: expected builtin or vllm")
-        if key == "enforce_eager" and value.lower() not in BOOLEANS:
-            raise UsageError(f"--set enforce_eager={value}: expected true or false")
-        if key in LAYOUT_KNOBS:
-            try:
-                out[key] = check_layout_knob(key, value)
-            except ValueError as e:
-                raise UsageError(f"--set {key}={value}: {e}") from None
-    layout = [k for k in out if k in LAYOUT_KNOBS]
-    if layout and out.get("runner") != "vllm":
-        raise UsageError(f"--set {', '.join(layout)}: a vLLM layout knob; it needs vLLM's runner (--runner vllm): the "
-                         "builtin runner computes on one worker, in eager mode, with its own attention")
-    if out.get("runner") == "vllm":
-        builtin_only = [k for k in out if k not in VLLM_KNOBS]
-        if builtin_only:
-            raise UsageError(f"--set {', '.join(builtin_only)}: builtin runner only (vLLM's runner picks its own "
-                             f"kernels and threads); with runner=vllm the knobs are {', '.join(VLLM_KNOBS)}")
-    return out
-
-
 @dataclass(slots=True)
 class BuiltRunner:
     """A runner ready for step 0, what it replays with, and how that differs from the recording."""
@@ -105,13 +62,16 @@ class BuiltRunner:
     differences: list[HeaderDifference]  # recorded vs replay, every field that differs (numerics first)
     model_mismatch: str | None = None  # set when the weights differ (refused without --force)
     engine_notes: list[str] = field(default_factory=list)  # what the engine said that changes numerics
+    knobs: dict[str, str] = field(default_factory=dict)  # the --set knobs it was built with
 
     @property
     def notes(self) -> list[str]:
-        """One line per difference that can change numerics: 'dtype: recorded float32, replay bfloat16'."""
+        """One line per difference that can change numerics, or that a --set knob asked for: 'dtype: recorded
+        float32, replay bfloat16'."""
         return [self.model_mismatch] * bool(self.model_mismatch) + [
             d.as_note() for d in self.differences
-            if d.affects in ("hardware", "layout", "numerics", "model") and d.label != "fingerprint"]
+            if (d.affects in ("hardware", "layout", "numerics", "model") or set_by(d, self.knobs))
+            and d.label != "fingerprint"]
 
     @property
     def host_notes(self) -> list[str]:
@@ -133,6 +93,10 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     """A fresh runner for `header`'s capture (`capture`: its path, beside which an engine's own log goes). Raises
     UsageError (exit 2) for a capture no runner can replay and for different weights without `force`."""
     kind = overrides.get("runner", "builtin")
+    env = env_knobs(overrides)
+    if env and not applied(env):  # too late here: the caller runs this in a process started with them
+        raise UsageError(f"--set env.{next(iter(env))}: environment knobs apply to a fresh process; this runner "
+                         "would start in one that has torch loaded already (replay.replayer.environment)")
     if header.model is None or header.engine == "synthetic":
         raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
                          "(record one with `replay record`)")
@@ -145,7 +109,7 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     else:
         runner, replay_header = _build_builtin(header, overrides, extra_blocks)
         engine_notes = []
-    differences = header_differences(header, replay_header)
+    differences = header_differences(header, replay_header) + knob_differences(header, replay_header, overrides)
     mismatch = None
     if any(d.label == "fingerprint" for d in differences):
         model_ref = replay_header.model.path or replay_header.model.name
@@ -154,7 +118,39 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
         if not force:
             runner.close()
             raise UsageError(f"{mismatch}; pass --force to replay on this model anyway")
-    return BuiltRunner(runner, kind, replay_header, differences, mismatch, engine_notes)
+    return BuiltRunner(runner, kind, replay_header, differences, mismatch, engine_notes, dict(overrides))
+
+
+# header fields (their last name) -> the --set knob that changes them, where the two names differ
+_KNOB_OF_FIELD = {"attention_impl": "attention", "num_threads": "threads", "runner_class": "runner", "name": "model",
+                  "fingerprint": "model"}
+
+
+def set_by(d: HeaderDifference, overrides: dict[str, str]) -> bool:
+    """Whether a --set knob among `overrides` is what changed this header field (ours, `vllm.ARG` or `env.NAME`)."""
+    name = d.field.rsplit(".", 1)[-1]
+    knob = _KNOB_OF_FIELD.get(name, name)
+    return knob in overrides or f"vllm.{knob}" in overrides or f"env.{knob}" in overrides
+
+
+def knob_differences(recorded: Header, replay: Header, overrides: dict[str, str]) -> list[HeaderDifference]:
+    """What `vllm.ARG` and `env.NAME` knobs set that the headers do not compare (an engine argument no header field
+    holds, an environment variable outside the compared ones): one difference each, so that a replay always names
+    what it was asked to change."""
+    from replay.capture.format.records import EngineConfig
+    from replay.provenance.differences import COMPARED_ENV_PREFIXES, UNCOMPARED_ENV
+
+    out = []
+    fields = set(EngineConfig.__struct_fields__) | set(recorded.engine_config.layout) | set(replay.engine_config.layout)
+    for arg, value in engine_args(overrides).items():
+        if arg not in fields:
+            out.append(HeaderDifference(f"engine_args.{arg}", f"vllm.{arg}", "not recorded", value, "numerics"))
+    for name, value in env_knobs(overrides).items():
+        if not name.startswith(COMPARED_ENV_PREFIXES) or name in UNCOMPARED_ENV:
+            was = recorded.environment.env.get(name, "unset")
+            if was != (value or "unset"):
+                out.append(HeaderDifference(f"environment.env.{name}", name, was, value or "unset", "numerics"))
+    return out
 
 
 def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int) -> tuple["ModelRunner", Header]:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from replay.replayer.runner import BuiltRunner
-
-# header fields (their last name) -> the --set knob that changes them, where the two names differ
-_KNOB_OF_FIELD = {"attention_impl": "attention", "num_threads": "threads", "runner_class": "runner", "name": "model",
-                  "fingerprint": "model"}
+from replay.replayer.runner import BuiltRunner, set_by
 
 
 def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
@@ -14,8 +10,7 @@ def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
     it causes), as its note; else another version of the same engine (an upgrade changes kernels and samplers
     alike); "" when neither applies."""
     for d in built.differences:
-        name = d.field.rsplit(".", 1)[-1]
-        if _KNOB_OF_FIELD.get(name, name) in overrides and d.affects != "host":
+        if set_by(d, overrides) and d.affects != "host":
             return d.as_note()
     if not any(d.field == "engine" for d in built.differences):
         return next((d.as_note() for d in built.differences if d.field == "engine_version"), "")

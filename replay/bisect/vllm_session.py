@@ -1,0 +1,129 @@
+"""`VllmStepSession`: step S re-executed many ways on vLLM's own runner, in every worker (tensor parallelism too).
+
+vLLM's runner state cannot be snapshotted and put back, so each run is a replay of steps 0..S in forced mode on one
+engine, built once: the engine forgets every request between runs (`VllmRunner.reset`). Requests left out of a run
+(`keep`) are left out of every step up to S, which forced mode makes well defined: the others' steps are the recorded
+ones, without them. Bisect layers compares module outputs, so the runs are eager (hooks do not fire inside a compiled
+graph); a compiled recording is replayed eager, and the session's notes say so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from replay.bisect.session import Run, Session, padded
+from replay.capture import CaptureReader, Step
+from replay.errors import CannotTestError, UsageError
+from replay.integrations.vllm.layout import recorded_layout
+from replay.integrations.vllm.taps import LOGITS
+from replay.replayer import Plant, StepLoop, build_runner
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+class VllmStepSession(Session):
+    """Replays a capture on vLLM's runner up to step `step`, then re-executes that step on demand (each time from
+    step 0, on the same engine)."""
+
+    runner_kind = "vllm"
+
+    def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
+                 force: bool = False, log: Callable[[str], None] | None = None) -> None:
+        self.path = str(path)
+        self.target = step
+        self.log = log or (lambda msg: None)
+        overrides = {**(overrides or {}), "runner": "vllm"}
+        with CaptureReader(path) as r:
+            header = r.header
+        eager_note = []
+        if str(recorded_layout(header.engine_config, overrides).get("enforce_eager", "True")).lower() not in _TRUE:
+            overrides["enforce_eager"] = "true"
+            eager_note = ["compiled in the recording: run eager here (module hooks do not fire inside a compiled "
+                          "graph)"]
+        self.log(f"starting vLLM's runner for {path}")
+        built = build_runner(header, overrides, force=force, capture=path)
+        self.runner = built.runner
+        self.notes = eager_note + built.notes
+        try:
+            loop = self._replay(set())
+        except BaseException:
+            self.runner.close()
+            raise
+        self.step: Step = loop.next_step
+        self.ext, self.internal = loop.external, loop.internal
+        self._fresh = True  # the engine stands just before step S with nobody left out
+        # the persistent batch holds max_num_seqs rows: the watched request and its padding must fit
+        self.max_padding = max(int(header.engine_config.max_num_seqs or 16) - 1, 0)
+
+    def _replay(self, skip: set[str]) -> StepLoop:
+        """Steps 0..S-1 on a reset engine, `skip` left out of each; the loop stops before S."""
+        self.runner.reset()
+        loop = StepLoop(self.path, self.runner)
+        loop.skip = set(skip)
+        self._blocks: set[int] = set()
+        with CaptureReader(self.path) as r:
+            for rec, _ in loop.replay(r.records(), until=self.target):
+                self._note_blocks(rec)
+        if loop.next_step is None:
+            raise UsageError(f"{self.path}: no step {self.target} in this capture")
+        self._note_blocks(loop.next_step)
+        self._sampled = loop.sampled
+        return loop
+
+    def _note_blocks(self, step: Step) -> None:
+        """The KV blocks the replay handed out so far (padding requests take others)."""
+        so = step.scheduler_output
+        for r in so.scheduled_new_reqs:
+            self._blocks.update(b for group in r.block_ids for b in group)
+        for groups in so.scheduled_cached_reqs.new_block_ids:
+            self._blocks.update(b for group in groups or () for b in group)
+
+    def neighbours(self, rid: str) -> list[str]:
+        """The requests that shared a step with `rid`, at S or before: each one changes `rid`'s batches."""
+        seen: list[str] = []
+        with CaptureReader(self.path) as r:
+            for rec in r.records():
+                if not isinstance(rec, Step) or rec.index > self.target:
+                    continue
+                sched = rec.scheduler_output.num_scheduled_tokens
+                if rid in sched:
+                    seen += [x for x in sched if x != rid and x not in seen]
+        return seen
+
+    def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
+            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None) -> Run:
+        """Replay steps 0..S with only `keep` of `watch`'s neighbours (None: everyone) in every step, plus `pad`
+        one-token padding requests at S, and `plant`'s fault at S; return `watch`'s logits (and every module's output
+        rows for it, with `modules`)."""
+        if hooks:
+            raise UsageError("hooks are builtin-runner callables; on vLLM's runner plant a fault with --plant")
+        skip = set() if keep is None else set(self.neighbours(watch)) - set(keep)
+        if not (self._fresh and not skip):
+            self.log(f"replaying steps 0-{self.target} on vLLM's runner" + (f", {len(skip)} neighbours left out"
+                                                                              if skip else ""))
+            self._replay(skip)
+        self._fresh = False
+        so = self.step.scheduler_output.without(skip)
+        grammar = self.step.grammar_output
+        if grammar is not None and skip:
+            grammar = grammar.without(skip, self.step.scheduler_output.scheduled_spec_decode_tokens)
+        if pad:
+            spare = (b for b in range(self.runner.num_blocks - 1, 0, -1) if b not in self._blocks)
+            so = padded(so, pad, spare)
+        self.runner.update_states(so, self.step.drawn_seeds, self._sampled)
+        self.runner.start_taps(watch, modules, (plant.module, plant.size) if plant is not None else None)
+        try:
+            mro = self.runner.run_step(so, grammar)
+        finally:
+            rows = self.runner.finish_taps()
+        logits = next((m.rows[0].float() for m in rows if m.name == LOGITS), None)
+        if modules and not any(m.name != LOGITS for m in rows):
+            raise CannotTestError(f"no module hook of vLLM's model fired at step {self.target}: its forward ran "
+                                  "where hooks cannot see it (a compiled graph?); nothing was compared")
+        return Run(logits, mro.sampled(watch), [(m.name, m.rows) for m in rows] if modules else [],
+                   {m.name for m in rows if m.gathered})
+
+    def close(self) -> None:
+        """Shut the engine down."""
+        self.runner.close()

