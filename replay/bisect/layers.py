@@ -123,6 +123,11 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     else:
         verdict = (f"request {request} at step {step}{on}: the first module whose output differs against {what} is "
                    f"{first.module} (max |Δ| {first.max_abs:.3g}, {first.max_ulps:.3g} ULPs)")
+    shapes = {n: t.shape for n, t in b.modules}
+    apart = [n for n, t in a.modules if n in shapes and shapes[n] != t.shape]
+    if apart:  # e.g. K/V heads replicated across more ranks than there are heads: their shards are not a layout
+        notes.append(f"{len(apart)} modules not compared, their outputs' shapes differ between the sides: "
+                     f"{', '.join(apart[:3])}{', ...' if len(apart) > 3 else ''}")
     gathered = sum(d.gathered for d in diffs)
     if gathered:
         notes.append(f"{gathered} module outputs are sharded across tensor-parallel ranks: compared put back together")

@@ -14,6 +14,7 @@ import numpy as np
 from replay.contracts import SamplingParams
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
+from replay.replayer.environment import applied, in_environment
 from replay.replayer.fanout import FanOut, fan_out
 
 
@@ -86,14 +87,18 @@ def prompt_ids(model: str, prompt: str | None = None, prompt_token_ids: str | No
 
 def stress(prompt: list[int], config: EngineConfig, *, trials: int = 20, max_tokens: int = 24,
            neighbours: tuple[int, int] = (0, 12), seed: int = 0,
-           log: Callable[[str], None] | None = None, how: FanOut = FanOut()) -> StressReport:
+           log: Callable[[str], None] | None = None, how: FanOut = FanOut(),
+           env: dict[str, str | None] | None = None) -> StressReport:
     """Run the experiment; neighbours are random prompts (length 4-64, 4-32 output tokens) arriving at random steps.
     Every trial's co-batching is drawn here from `seed`, so trials fanned out `how` (`--jobs`, `--ray`) give the
-    serial run's answer."""
+    serial run's answer. `env`: environment variables (None: unset) the engine runs with, in a fresh process."""
     from replay.engine.weights import load_model_config_for
 
     if trials < 2:
         raise UsageError("--trials must be at least 2")
+    if env and not applied(env):
+        return in_environment(env, stress, prompt, config, trials=trials, max_tokens=max_tokens,
+                              neighbours=neighbours, seed=seed, how=how, env=env)
     log = log or (lambda msg: None)
     rng = random.Random(seed)
     vocab = load_model_config_for(config.model).vocab_size

@@ -21,6 +21,7 @@ from replay.cli.common import (
     progress_log,
 )
 from replay.engine.config import RunnerConfig, SchedulerConfig
+from replay.errors import UsageError
 
 # The builtin engine's defaults, for --help only: `replay.record.builtin_config` applies them, the CLI passes only
 # what the user gave.
@@ -124,6 +125,7 @@ def stress(
     batch_invariant: Optional[bool] = typer.Option(None, "--batch-invariant", help="Run the builtin runner's batch-invariant mode."),
     threads: int = typer.Option(1, "--threads", min=1),
     seed: int = typer.Option(0, "--seed"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="env.NAME=VALUE: an environment variable the engine runs with (repeatable)."),
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
     ray_address: Optional[str] = RayAddressOpt,
@@ -136,9 +138,16 @@ def stress(
     from replay.bisect.stress import stress as run_it
     from replay.cli.render_replay import render_stress
     from replay.record import EngineOptions, builtin_config
+    from replay.replayer import parse_overrides
+    from replay.replayer.knobs import env_knobs
 
+    knobs = parse_overrides(set_)
+    other = [k for k in knobs if not k.startswith("env.")]
+    if other:
+        raise UsageError(f"--set {other[0]}: stress runs the builtin engine; its knobs are --dtype, --threads and "
+                         "--batch-invariant, and --set takes env.NAME=VALUE")
     cfg = builtin_config(EngineOptions(model=model, dtype=dtype, threads=threads, batch_invariant=batch_invariant))
     res = run_it(prompt_ids(model, prompt, prompt_token_ids), cfg, trials=trials, max_tokens=max_tokens,
                  neighbours=int_range(neighbours, "--neighbours"), seed=seed, log=progress_log(quiet),
-                 how=fan_out_options(jobs, ray, ray_address))
+                 how=fan_out_options(jobs, ray, ray_address), env=env_knobs(knobs))
     emit(res, render_stress, json=json)

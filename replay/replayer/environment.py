@@ -23,7 +23,7 @@ def applied(env: dict[str, str | None]) -> bool:
     return all(os.environ.get(k) == v for k, v in env.items())
 
 
-def in_environment(env: dict[str, str | None], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def in_environment(env: dict[str, str | None], fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` in a fresh process whose environment is this one's with `env` applied. `fn`, its
     arguments and its result must pickle (module-level functions, msgspec Structs, tensors)."""
     saved = {k: os.environ.get(k) for k in env}

@@ -3,6 +3,7 @@ found by ddmin; a knob found by ddmin over configurations."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -170,3 +171,24 @@ def test_an_interrupted_config_bisect_resumes_from_its_state(crowd, tmp_path):
         config_mod.replay_capture = real
     assert res.minimal_change == {"dtype": "bfloat16"}
     assert len(calls) - before == res.re_executions - 2  # the two results saved before the interrupt were reused
+
+
+def test_bisect_layers_dumps_both_sides_of_the_first_differing_modules(crowd, tmp_path):
+    from safetensors.torch import load_file
+
+    path, steps = crowd
+    step, reqs = steps[0]
+    plant = Plant(step, reqs[1], "layers.2.mlp.up_proj", 0.5)
+    out = CliRunner().invoke(app, ["bisect", "layers", str(path), "--step", str(step), "--request", reqs[1],
+                                   "--against", "same", "--plant", f"{step}:{reqs[1]}:layers.2.mlp.up_proj:0.5",
+                                   "--dump", str(tmp_path / "d"), "-q"])
+    assert out.exit_code == 0 and f"dumped to {tmp_path / 'd'}" in out.output, out.output
+    index = json.loads((tmp_path / "d" / "index.json").read_text())
+    a, b = load_file(str(tmp_path / "d" / "a.safetensors")), load_file(str(tmp_path / "d" / "b.safetensors"))
+    names = [m["name"] for m in index["modules"]]
+    assert index["first_module"] == plant.module and names[2] == plant.module and len(names) == 5
+    assert [m["equal"] for m in index["modules"]][:3] == [True, True, False]  # the two modules just before it
+    assert set(a) == set(b) == set(names) and a[plant.module].shape[0] == 1  # the request's one decode token
+    assert float((b[plant.module] - a[plant.module]).abs().max()) == pytest.approx(0.5)
+    same = bisect_layers(path, step, reqs[1], "same", dump=tmp_path / "none")
+    assert same.first_module is None and json.loads((tmp_path / "none" / "index.json").read_text())["modules"] == []

@@ -37,6 +37,14 @@ def test_stress_trials_in_local_processes_give_the_serial_answer():
     assert fanned == serial  # every trial's co-batching is drawn up front, so the same trials run
 
 
+def test_stress_in_an_environment_of_its_own_runs_there_and_refuses_other_knobs():
+    cfg = EngineConfig(runner=RunnerConfig(num_threads=1))
+    serial = stress(PROMPT, cfg, trials=3, seed=3)
+    assert stress(PROMPT, cfg, trials=3, seed=3, env={"OMP_WAIT_POLICY": "PASSIVE"}) == serial  # a fresh process
+    out = CliRunner().invoke(app, ["stress", "--prompt-token-ids", "5,6,7", "--set", "dtype=float64"])
+    assert out.exit_code == 2 and "stress runs the builtin engine" in out.output
+
+
 def test_batch_invariant_linear_gives_a_row_the_same_bits_whatever_the_batch():
     m, _, _ = tiny_model()
     enable(m)
