@@ -9,15 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def tiny_llama(path: Path) -> Path:
-    """A 2-layer Llama (GQA 4/2 heads, head_dim 32, vocab 1024)."""
+def tiny_llama(path: Path, *, seed: int = 0, heads: int = 4, head_dim: int = 32, intermediate: int = 256) -> Path:
+    """A 2-layer Llama (GQA 4/2 heads, head_dim 32, vocab 1024); other widths with `heads`, `head_dim` (hidden =
+    heads x head_dim, half as many K/V heads) and `intermediate`."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=heads * head_dim, num_hidden_layers=2, num_attention_heads=heads,
+                                   num_key_value_heads=heads // 2, intermediate_size=intermediate, vocab_size=1024,
+                                   head_dim=head_dim, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                   tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -137,12 +139,4 @@ def wide_llama(path: Path) -> Path:
     """A 2-layer Llama wide enough for float32 batch variance on vLLM's CPU kernels (hidden 512, GQA 8/4 heads,
     head_dim 64, intermediate 2048, vocab 1024; 40 MB): a decode computed alone takes another GEMM path than in a
     batch (`reference/measurements.md`: M = 1 against M >= 2). The 128-wide `tiny_llama` is batch-invariant there."""
-    import torch
-    import transformers
-
-    torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                                   intermediate_size=2048, vocab_size=1024, head_dim=64, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return tiny_llama(path, seed=3, heads=8, head_dim=64, intermediate=2048)

@@ -13,6 +13,7 @@ from replay.capture import StepRange
 from replay.errors import UsageError
 from replay.replayer import ReplayOptions, parse_overrides, replay_capture
 from replay.replayer.fanout import FanOut, fan_out
+from replay.replayer.knobs import split_knobs
 
 
 class ConfigBisect(msgspec.Struct):
@@ -33,8 +34,8 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     tolerance, the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned out, each round
     of ddmin's subsets replays at once and the verdict is the serial one."""
     log = log or (lambda msg: None)
-    g = parse_overrides([x for x in good.split(",") if x])
-    b = parse_overrides([x for x in bad.split(",") if x])
+    g = parse_overrides(split_knobs(good))
+    b = parse_overrides(split_knobs(bad))
     changes = [(k, v) for k, v in b.items() if g.get(k) != v]
     if not changes:
         raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")

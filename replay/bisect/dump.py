@@ -52,8 +52,8 @@ def write_dump(directory: str | os.PathLike, res: "LayersBisect", a: "Run", b: "
         "rows": "the request's rows at the step: one per token it scheduled (the logits processor: one per logits "
                 "row), flattened to [rows, features]",
         "first_module": res.first_module,
-        "modules": [{"name": n, "shape": list(sides["a"][n].shape), "dtype": str(sides["a"][n].dtype).removeprefix("torch."),
-                     "equal": by_name[n].equal, "max_abs": by_name[n].max_abs, "max_ulps": by_name[n].max_ulps,
+        "modules": [{"name": n, "shape": list(sides["a"][n].shape),
+                     "dtype": str(sides["a"][n].dtype).removeprefix("torch."), "equal": by_name[n].equal, "max_abs": by_name[n].max_abs, "max_ulps": by_name[n].max_ulps,
                      "gathered": by_name[n].gathered} for n in keep],
         "notes": res.notes,
     }

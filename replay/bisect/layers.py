@@ -20,7 +20,7 @@ from replay.bisect.session import Run, make_session
 from replay.errors import CannotTestError
 from replay.replayer import Plant, parse_overrides
 from replay.replayer.environment import applied, in_environment
-from replay.replayer.knobs import env_knobs
+from replay.replayer.knobs import env_knobs, split_knobs
 
 
 class ModuleDiff(msgspec.Struct):
@@ -75,12 +75,13 @@ def compare_modules(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.
 
 
 def side_runs(path: str, step: int, request: str, overrides: dict[str, str], runs: list[tuple[bool, Plant | None]],
-              force: bool = False, log: Callable[[str], None] | None = None) -> tuple[str, list[str], list[Run]]:
+              force: bool = False, log: Callable[[str], None] | None = None,
+              fresh: bool = False) -> tuple[str, list[str], list[Run]]:
     """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
-    Returns R's internal id, the session's notes and the runs. With environment knobs this runs in a fresh process
-    started with them (`replay.replayer.environment`)."""
+    Returns R's internal id, the session's notes and the runs. With environment knobs, or `fresh`, this runs in a
+    fresh process started with them (`replay.replayer.environment`)."""
     env = env_knobs(overrides)
-    if env and not applied(env):
+    if fresh or (env and not applied(env)):
         return in_environment(env, side_runs, path, step, request, overrides, runs, force)
     session = make_session(path, step, overrides, force=force, log=log)
     try:
@@ -92,21 +93,24 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
 
 
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
-                  plant: Plant | None = None, runner: str = "builtin", overrides: dict[str, str] | None = None,
+                  plant: Plant | None = None, runner: str | None = None, overrides: dict[str, str] | None = None,
                   dump: str | os.PathLike | None = None, log: Callable[[str], None] | None = None) -> LayersBisect:
     """Side A: step `step` as recorded (with `overrides`). Side B: R alone (`against="solo"`), the same step under
     other knobs (`"dtype=bfloat16,attention=reference"`, `"tensor_parallel_size=1"`), and/or with a planted fault
-    (`plant`). `runner`: "builtin" or "vllm". `dump`: a directory for the differing modules' outputs (`dump`)."""
+    (`plant`). `runner`: "builtin" or "vllm" (default: the `runner` knob, else builtin). `dump`: a directory for
+    both sides' outputs of the first differing modules (`replay.bisect.dump`)."""
     log = log or (lambda msg: None)
     path = str(path)
+    runner = runner or (overrides or {}).get("runner", "builtin")
     base = {**(overrides or {}), **({"runner": runner} if runner == "vllm" else {})}
     if against in ("solo", "", "same", "none"):
         log(f"replaying {path} to step {step}, twice ({'R alone' if against == 'solo' else 'as recorded'})")
         _, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)], log=log)
     else:
-        knobs = parse_overrides(against.split(",") + ([f"runner={runner}"] if runner == "vllm" else []))
+        knobs = parse_overrides(split_knobs(against) + ([f"runner={runner}"] if runner == "vllm" else []))
+        fresh = bool(env_knobs(knobs))  # then side A runs in a fresh process too: the variables are the difference
         log(f"replaying {path} to step {step} (side A)")
-        _, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log)
+        _, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log, fresh=fresh)
         log(f"replaying {path} to step {step} with {against} (side B)")
         _, notes_b, (b,) = side_runs(path, step, request, {**base, **knobs}, [(False, plant)], force=True, log=log)
         notes = list(dict.fromkeys(notes + notes_b))
@@ -128,6 +132,9 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     if apart:  # e.g. K/V heads replicated across more ranks than there are heads: their shards are not a layout
         notes.append(f"{len(apart)} modules not compared, their outputs' shapes differ between the sides: "
                      f"{', '.join(apart[:3])}{', ...' if len(apart) > 3 else ''}")
+    if against == "solo" and runner == "vllm":
+        notes.append(f"solo on vLLM's runner: request {request} alone in every step up to {step}, its earlier steps "
+                     "too (vLLM's runner state cannot be restored to just before the step)")
     gathered = sum(d.gathered for d in diffs)
     if gathered:
         notes.append(f"{gathered} module outputs are sharded across tensor-parallel ranks: compared put back together")

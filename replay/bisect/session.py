@@ -124,10 +124,10 @@ class StepSession(Session):
             flat = out.reshape(out.shape[0], -1)
             if name == "lm_head":
                 i = runner.current_rows.index(watch)
-                captured.append((name, flat[i:i + 1].detach().clone()))
+                captured.append((name, flat[i:i + 1].detach().cpu().clone()))
             elif name and watch in runner.current_spans:
                 a, b = runner.current_spans[watch]
-                captured.append((name, flat[a:b].detach().clone()))
+                captured.append((name, flat[a:b].detach().cpu().clone()))
 
         handles += [h() for h in (hooks or [])]  # first: the capture hooks below must see what these did
         if modules:

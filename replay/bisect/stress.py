@@ -96,6 +96,9 @@ def stress(prompt: list[int], config: EngineConfig, *, trials: int = 20, max_tok
 
     if trials < 2:
         raise UsageError("--trials must be at least 2")
+    if env and how.ray:
+        raise UsageError("--set env.NAME with --ray: Ray's workers start with the cluster's environment, not "
+                         "this one (run without --ray, or give the cluster the variables)")
     if env and not applied(env):
         return in_environment(env, stress, prompt, config, trials=trials, max_tokens=max_tokens,
                               neighbours=neighbours, seed=seed, how=how, env=env)

@@ -35,7 +35,7 @@ class VllmStepSession(Session):
         self.log = log or (lambda msg: None)
         overrides = {**(overrides or {}), "runner": "vllm"}
         with CaptureReader(path) as r:
-            header = r.header
+            self.header = header = r.header
         eager_note = []
         if str(recorded_layout(header.engine_config, overrides).get("enforce_eager", "True")).lower() not in _TRUE:
             overrides["enforce_eager"] = "true"
@@ -53,8 +53,10 @@ class VllmStepSession(Session):
         self.step: Step = loop.next_step
         self.ext, self.internal = loop.external, loop.internal
         self._fresh = True  # the engine stands just before step S with nobody left out
+        self._neighbours: dict[str, list[str]] = {}
         # the persistent batch holds max_num_seqs rows: the watched request and its padding must fit
-        self.max_padding = max(int(header.engine_config.max_num_seqs or 16) - 1, 0)
+        self.max_padding = max(min(int(header.engine_config.max_num_seqs or 16) - 1,
+                                   self.runner.num_blocks - 1 - len(self._blocks)), 0)
 
     def _replay(self, skip: set[str]) -> StepLoop:
         """Steps 0..S-1 on a reset engine, `skip` left out of each; the loop stops before S."""
@@ -80,16 +82,15 @@ class VllmStepSession(Session):
             self._blocks.update(b for group in groups or () for b in group)
 
     def neighbours(self, rid: str) -> list[str]:
-        """The requests that shared a step with `rid`, at S or before: each one changes `rid`'s batches."""
-        seen: list[str] = []
-        with CaptureReader(self.path) as r:
-            for rec in r.records():
-                if not isinstance(rec, Step) or rec.index > self.target:
-                    continue
-                sched = rec.scheduler_output.num_scheduled_tokens
-                if rid in sched:
-                    seen += [x for x in sched if x != rid and x not in seen]
-        return seen
+        """The requests that shared a step with `rid`, at S or before, and can be left out (`co_batched`); those
+        `rid` reads KV blocks of are kept in every run, and the notes say so."""
+        if rid not in self._neighbours:
+            free, kept = co_batched(self.path, self.target, rid, self.header.engine_config.block_size)
+            if kept:
+                self.notes.append(f"kept in every run: {', '.join(self.names(kept))} (request {self.ext.get(rid, rid)} "
+                                  "reads KV blocks they wrote, through the prefix cache)")
+            self._neighbours[rid] = free
+        return self._neighbours[rid]
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
             hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None) -> Run:
@@ -115,15 +116,53 @@ class VllmStepSession(Session):
         self.runner.start_taps(watch, modules, (plant.module, plant.size) if plant is not None else None)
         try:
             mro = self.runner.run_step(so, grammar)
-        finally:
-            rows = self.runner.finish_taps()
+        except BaseException:
+            self.runner.finish_taps(check=False)
+            raise
+        rows = self.runner.finish_taps()
         logits = next((m.rows[0].float() for m in rows if m.name == LOGITS), None)
-        if modules and not any(m.name != LOGITS for m in rows):
-            raise CannotTestError(f"no module hook of vLLM's model fired at step {self.target}: its forward ran "
-                                  "where hooks cannot see it (a compiled graph?); nothing was compared")
+        if logits is None or (modules and not any(m.name != LOGITS for m in rows)):
+            raise CannotTestError(f"no module hook of vLLM's model fired for the request at step {self.target}: "
+                                  "its forward ran where hooks cannot see it (a compiled graph?); nothing was compared")
         return Run(logits, mro.sampled(watch), [(m.name, m.rows) for m in rows] if modules else [],
                    {m.name for m in rows if m.gathered})
 
     def close(self) -> None:
         """Shut the engine down."""
         self.runner.close()
+
+
+def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int) -> tuple[list[str], list[str]]:
+    """The requests that shared a step with `rid` up to step `last`, in order of first meeting, as (those that can be
+    left out of every step, those that cannot): a request whose KV blocks `rid` hits through the prefix cache, or
+    hits through another that does, cannot be, since nothing would then write what `rid` reads."""
+    shared: list[str] = []
+    writer: dict[int, str] = {}  # KV block -> the request that last wrote it fresh
+    reads: dict[str, set[str]] = {}  # request -> the requests whose blocks it hit
+    bs = max(block_size, 1)
+    with CaptureReader(path) as r:
+        for rec in r.records():
+            if not isinstance(rec, Step) or rec.index > last:
+                continue
+            so = rec.scheduler_output
+            cr = so.scheduled_cached_reqs
+            # (request, block table groups, full blocks it found computed): new and resumed requests bring whole
+            # tables that start with their prefix hits; a running request's new blocks are all fresh
+            tables = [(n.req_id, n.block_ids, n.num_computed_tokens // bs) for n in so.scheduled_new_reqs]
+            tables += [(q, g, cr.num_computed_tokens[i] // bs if q in cr.resumed_req_ids else 0)
+                       for i, (q, g) in enumerate(zip(cr.req_ids, cr.new_block_ids)) if g]
+            for q, groups, hits in tables:
+                for group in groups:
+                    # a hit block with no writer in the capture was written by nobody we could leave out
+                    reads.setdefault(q, set()).update(writer[b] for b in group[:hits] if writer.get(b, q) != q)
+                    writer.update((b, q) for b in group[hits:])
+            if rid in so.num_scheduled_tokens:
+                shared += [x for x in so.num_scheduled_tokens if x != rid and x not in shared]
+    pinned: set[str] = set()
+    todo = [rid]
+    while todo:
+        for w in reads.get(todo.pop(), ()):
+            if w not in pinned:
+                pinned.add(w)
+                todo.append(w)
+    return [x for x in shared if x not in pinned], [x for x in shared if x in pinned]

@@ -29,7 +29,7 @@ from replay.cli.common import (
     replay_options,
     step_range,
 )
-from replay.errors import EXIT_DAMAGED, UsageError
+from replay.errors import EXIT_DAMAGED
 
 
 @bisect_command
@@ -88,7 +88,7 @@ def bisect_layers(
     request: str = typer.Option(..., "--request"),
     against: str = typer.Option("solo", "--against", help="solo (REQUEST alone), same, or KNOB=VALUE,... for side B (dtype=bfloat16, tensor_parallel_size=1, vllm.ARG=V, env.NAME=V)."),
     plant: Optional[str] = PlantOpt,
-    runner: str = typer.Option("builtin", "--runner", help="builtin (our modules) | vllm (vLLM's own model and kernels, in every worker)."),
+    runner: Optional[str] = typer.Option(None, "--runner", help="builtin (our modules, the default) | vllm (vLLM's own model and kernels, in every worker)."),
     set_: Optional[list[str]] = SetOpt,
     dump: Optional[Path] = typer.Option(None, "--dump", help="Write both sides' outputs of the first differing modules (and those just before) as safetensors, with index.json."),
     quiet: bool = QuietOpt,
@@ -100,10 +100,8 @@ def bisect_layers(
     from replay.cli.render_replay import render_bisect_layers
     from replay.replayer import Plant, parse_overrides
 
-    if runner not in ("builtin", "vllm"):
-        raise UsageError(f"--runner {runner}: expected builtin or vllm")
-    overrides = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner == "vllm" else [])])
-    res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None, runner=runner,
+    overrides = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner else [])])
+    res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None,
                  overrides=overrides, dump=dump, log=progress_log(quiet))
     emit(res, render_bisect_layers, json=json)
 

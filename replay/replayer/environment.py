@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import pickle
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
-from replay.errors import ReplayError
+from replay.errors import ReplayError, UsageError
 
 
 def applied(env: dict[str, str | None]) -> bool:
@@ -25,21 +27,25 @@ def applied(env: dict[str, str | None]) -> bool:
 
 def in_environment(env: dict[str, str | None], fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` in a fresh process whose environment is this one's with `env` applied. `fn`, its
-    arguments and its result must pickle (module-level functions, msgspec Structs, tensors)."""
+    arguments and its result must pickle (module-level functions, msgspec Structs, CPU tensors)."""
     saved = {k: os.environ.get(k) for k in env}
     _apply(env)
     try:  # the worker starts (spawn) at submit: it copies os.environ as it is now
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             status, value = pool.submit(_call, fn, args, kwargs).result()
+    except BrokenProcessPool:  # killed (out of memory), or a variable it cannot run with (an ISA this CPU lacks)
+        named = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in env.items()) or "no variable changed"
+        raise UsageError(f"the fresh process for the environment knobs ({named}) died before it answered") from None
     finally:
         _apply(saved)
     if status == "error":
-        module, name, message = value
+        module, name, message, attrs = value
         cls = getattr(importlib.import_module(module), name)
         err = cls.__new__(cls)
         Exception.__init__(err, message)  # str(err) is the child's line; exit_code is the class's
+        err.__dict__.update(attrs)
         raise err
-    return value
+    return pickle.loads(value)
 
 
 def _apply(env: dict[str, str | None]) -> None:
@@ -51,9 +57,10 @@ def _apply(env: dict[str, str | None]) -> None:
 
 
 def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, Any]:
-    """In the child: ("ok", result), or ("error", (module, class, message)) for an error of ours (their
-    constructors take more than a message, so they do not pickle as themselves)."""
+    """In the child: ("ok", the result pickled), or ("error", (module, class, message, attributes)) for an error of
+    ours (their constructors take more than a message, so they do not pickle as themselves)."""
     try:
-        return "ok", fn(*args, **kwargs)
+        # pickled here, whole: tensors by value (torch's own reduction would hand over a file descriptor each)
+        return "ok", pickle.dumps(fn(*args, **kwargs))
     except ReplayError as e:
-        return "error", (type(e).__module__, type(e).__name__, str(e))
+        return "error", (type(e).__module__, type(e).__name__, str(e), dict(e.__dict__))

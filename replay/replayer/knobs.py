@@ -95,3 +95,9 @@ def _check_runner(out: dict[str, str]) -> None:
 def env_knobs(overrides: dict[str, str]) -> dict[str, str | None]:
     """The `env.NAME` knobs: name -> value, None to unset."""
     return {k[len(ENV):]: (v or None) for k, v in overrides.items() if k.startswith(ENV)}
+
+
+def split_knobs(text: str) -> list[str]:
+    """"K=V,K=V" -> ["K=V", "K=V"], splitting only before a comma that starts another knob, so that a value may hold
+    commas (JSON for an engine argument, a list in an environment variable)."""
+    return [x for x in re.split(r",(?=\s*[A-Za-z_][\w.-]*=)", text) if x.strip()]

@@ -88,9 +88,12 @@ def run_planted(built: "BuiltRunner", loop: "StepLoop", step: "Step", plant: Pla
         vllm = built.runner
         vllm.start_taps(rid, modules=False, plant=(plant.module, plant.size))
         try:
-            return vllm.run_step(so, grammar)
-        finally:
-            vllm.finish_taps()
+            out = vllm.run_step(so, grammar)
+        except BaseException:
+            vllm.finish_taps(check=False)
+            raise
+        vllm.finish_taps()  # and checks that the fault was added
+        return out
     runner = built.builtin("--plant")
     snap = runner.snapshot_step(so)
     handle = install(plant, runner, rid)

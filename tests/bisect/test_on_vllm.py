@@ -26,6 +26,18 @@ from tests.vllm_checkpoints import wide_llama  # noqa: E402
 STEP = 2  # a decode step: the 8 requests of `wide` together, after their prefill
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept():
+    """vLLM sets variables in os.environ when it starts in this process (VLLM_*, LD_PRELOAD): the tests after
+    these see the environment they would have seen without them."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """Eight greedy requests (prompts of 20-300 tokens), four tokens each, on the wide Llama at TP=1."""
@@ -99,3 +111,5 @@ def test_engine_arguments_and_environment_variables_are_knobs_of_a_vllm_replay(t
     assert "REPLAY_TEST_MARK: recorded unset, replay 1" in notes  # a variable no header compares is still named
     with pytest.raises(UsageError, match="engine has no argument 'no_such_argument'"):
         replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm", "vllm.no_such_argument": "1"}))
+    with pytest.raises(UsageError, match="vllm.block_size: a replay runs the recorded steps on the recorded KV block"):
+        replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm", "vllm.block_size": "16"}))

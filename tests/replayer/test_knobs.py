@@ -7,7 +7,7 @@ import pytest
 
 from replay.errors import UsageError
 from replay.replayer import parse_overrides
-from replay.replayer.knobs import env_knobs
+from replay.replayer.knobs import env_knobs, split_knobs
 
 
 def test_engine_arguments_and_environment_variables_parse_by_their_own_names():
@@ -40,3 +40,9 @@ def test_environment_knobs_apply_to_both_runners():
 def test_what_a_runner_cannot_apply_is_refused_in_one_line(items, message):
     with pytest.raises(UsageError, match=message):
         parse_overrides(items)
+
+
+def test_knob_lists_split_only_where_another_knob_starts():
+    assert split_knobs('runner=vllm,vllm.speculative_config={"method": "ngram", "k": 3},env.X=a,b') == [
+        "runner=vllm", 'vllm.speculative_config={"method": "ngram", "k": 3}', "env.X=a,b"]
+    assert split_knobs("") == []

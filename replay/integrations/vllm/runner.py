@@ -17,7 +17,7 @@ from typing import Any
 
 from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from replay.errors import UsageError
+from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.compat import guard_kernel_rebind
 from replay.integrations.vllm.convert import (
     Converter,
@@ -54,6 +54,13 @@ def fresh_process_threads(env: dict[str, str]) -> None:
     set_torch_threads(max(threads, 1), pin=False)
 
 
+# engine arguments the recorded steps fix: the block tables, batch rows and positions they hold are the recording's
+RECORDED_ARGS = {"block_size": "KV block tables", "num_gpu_blocks_override": "KV block tables",
+                 "max_num_seqs": "batches (its rows hold them)", "max_num_batched_tokens": "steps (their token counts)",
+                 "max_model_len": "sequence lengths", "skip_tokenizer_init": "token ids",
+                 "async_scheduling": "steps (one after the other)", "model": "weights (--set model=PATH moves them)"}
+
+
 def _arg_value(text: str) -> Any:
     """An engine argument's value from its text: a number, true/false/none, JSON for a dict or a list, else text."""
     for cast in (int, float):
@@ -83,6 +90,10 @@ def checked_engine_args(overrides: dict[str, str]) -> dict[str, Any]:
     unknown = [a for a in args if a not in names]
     if unknown:
         raise UsageError(f"--set vllm.{unknown[0]}: vLLM {vllm.__version__}'s engine has no argument {unknown[0]!r}")
+    fixed = [a for a in args if a in RECORDED_ARGS]
+    if fixed:
+        raise UsageError(f"--set vllm.{fixed[0]}: a replay runs the recorded steps on the recorded "
+                         f"{RECORDED_ARGS[fixed[0]]}; it cannot change (record again with it)")
     return {k: _arg_value(v) for k, v in args.items()}
 
 
@@ -114,6 +125,7 @@ class VllmRunner:
         self._so = None
         self._emitted: dict[str, int] = {}  # tokens each request emitted in the last step run (several with drafts)
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
+        self._plant: tuple[str, float] | None = None  # the fault the installed taps add
 
     def _start(self, model: str, m, ec, overrides: dict[str, str], header: Header):
         try:
@@ -130,6 +142,8 @@ class VllmRunner:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         try:
             return self._build(LLM, model, m, ec, overrides, layout)
+        except UsageError:
+            raise
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             hint = ""
@@ -241,8 +255,9 @@ class VllmRunner:
 
     def reset(self) -> None:
         """Forget every request (each worker drops them as vLLM drops finished ones): the engine is as a fresh one
-        for a replay from step 0, without building it again. The KV blocks keep stale values, which nothing reads
-        before writing: a replay from step 0 writes every block before any request reads it."""
+        for a replay from step 0, without building it again. The KV blocks keep stale values: a replay from step 0
+        writes a block before a request reads it, unless the request that wrote it is left out of the replay
+        (`replay.bisect.vllm_session` keeps those)."""
         live = self.executor.collective_rpc(live_requests)[0]
         if live:
             finish = SchedulerOutput.make_empty()
@@ -254,16 +269,26 @@ class VllmRunner:
         """Before `run_step` (after `update_states`): hooks in every worker that keep `watch`'s output rows of every
         module (`modules`) or of the logits only, and add a planted fault (`plant` = (module, size)). A module the
         model does not have is a usage error."""
+        if self._scheduler.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise UsageError("module hooks and --plant on vLLM's runner need the whole model in every worker: with "
+                             "pipeline parallelism each stage holds part of it (--set pipeline_parallel_size=1)")
         drafts = {rid: len(t) for rid, t in self._so.scheduled_spec_decode_tokens.items()}
         names = self.executor.collective_rpc(install_taps, args=(watch, modules, plant, drafts))[0]
+        self._plant = plant
         if plant is not None and plant[0] not in names:
-            self.executor.collective_rpc(collect_taps)
+            self.finish_taps(check=False)
             raise UsageError(f"--plant: vLLM's model has no module {plant[0]!r} (its modules are named like "
                              f"{', '.join(names[:6])}, ...)")
 
-    def finish_taps(self) -> list[ModuleRows]:
-        """After `run_step`: the hooks removed, and the rows they kept, put together across tensor-parallel ranks."""
-        return gather_ranks(self.executor.collective_rpc(collect_taps))
+    def finish_taps(self, check: bool = True) -> list[ModuleRows]:
+        """After `run_step`: the hooks removed, and the rows they kept, put together across tensor-parallel ranks.
+        `check`: a planted fault that was never added (its module's hook did not fire) cannot test anything."""
+        per_rank = self.executor.collective_rpc(collect_taps)
+        plant, self._plant = self._plant, None
+        if check and plant is not None and not sum(n for _, n in per_rank):
+            raise CannotTestError(f"--plant: {plant[0]} never ran for the request on vLLM's runner (a compiled "
+                                  "graph runs without module hooks: --set enforce_eager=true)")
+        return gather_ranks([rows for rows, _ in per_rank])
 
     def _force(self, sampled: dict[str, list[int]]) -> None:
         # the recorded tokens replace what the replay emitted, which with speculative decoding may be more or fewer

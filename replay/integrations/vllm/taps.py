@@ -41,9 +41,10 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
     model's module names (the caller checks the planted one)."""
     import torch
 
+    collect_taps(worker)  # hooks a failed step left behind
     runner = _model_runner(worker)
     named = [(n, m) for n, m in runner.get_model().named_modules() if n]
-    state: dict[str, Any] = {"rows": [], "handles": [], "calls": {}}
+    state: dict[str, Any] = {"rows": [], "handles": [], "calls": {}, "planted": 0}
     setattr(worker, _TAPS, state)
 
     def span(name: str, out: torch.Tensor) -> tuple[int, int] | None:
@@ -63,20 +64,26 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
         parts = list(out) if isinstance(out, (tuple, list)) else [out]
         if not parts or not isinstance(parts[0], torch.Tensor):
             return None
+        calls = state["calls"][name] = state["calls"].get(name, 0) + 1
+        if name == LOGITS and calls > 1:
+            return None  # prompt logprobs: logits again, over other rows
         where = span(name, parts[0])
         if where is None:
             return None
         a, b = where
         changed = None
         if plant is not None and name == plant[0]:
-            first = parts[0].clone()
+            first = parts[0].clone(memory_format=torch.contiguous_format)
             flat = first.view(first.shape[0], -1)
             cols = flat[a:b].argmax(dim=1)
-            flat[torch.arange(a, b), cols] += plant[1]
+            flat[torch.arange(a, b, device=flat.device), cols] += plant[1]
             parts[0] = first
-            changed = type(out)(parts) if isinstance(out, (tuple, list)) else first
+            state["planted"] += 1
+            if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple
+                changed = type(out)(*parts)
+            else:
+                changed = type(out)(parts) if isinstance(out, (tuple, list)) else first
         if modules or name == LOGITS:
-            calls = state["calls"][name] = state["calls"].get(name, 0) + 1
             key = name if calls == 1 else f"{name}#{calls}"
             sizes = list(getattr(module, "output_sizes", None) or [])
             for j, t in enumerate(parts):
@@ -91,14 +98,14 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
     return [n for n, _ in named]
 
 
-def collect_taps(worker: Any) -> list[tuple[str, Any, list[int]]]:
-    """On one worker: remove the hooks and hand over what they kept, in execution order: (name, rows, output_sizes
-    of a merged projection, else [])."""
-    state = getattr(worker, _TAPS, None) or {"rows": [], "handles": []}
+def collect_taps(worker: Any) -> tuple[list[tuple[str, Any, list[int]]], int]:
+    """On one worker: remove the hooks and hand over what they kept, in execution order ((name, rows, output_sizes
+    of a merged projection, else [])), and how many times the planted fault was added."""
+    state = getattr(worker, _TAPS, None) or {"rows": [], "handles": [], "planted": 0}
     for h in state["handles"]:
         h.remove()
     setattr(worker, _TAPS, None)
-    return state["rows"]
+    return state["rows"], state["planted"]
 
 
 def gather_ranks(per_rank: list[list[tuple[str, Any, list[int]]]]) -> list[ModuleRows]:

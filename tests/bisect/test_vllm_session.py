@@ -1,0 +1,39 @@
+"""`co_batched`: whom a vLLM-runner bisect may leave out of every step. A request that hits another's KV blocks
+through the prefix cache keeps that one (left out, nothing would write what it reads). The SchedulerOutputs here
+come from our engine, which schedules prefix hits as vLLM's does (a new request's `num_computed_tokens` counts
+the blocks it found computed)."""
+
+from __future__ import annotations
+
+from replay.bisect.vllm_session import co_batched
+from replay.capture import CaptureReader, Step
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+
+
+def test_a_request_keeps_the_neighbour_whose_prefix_blocks_it_reads(tmp_path):
+    wl = SyntheticWorkload(num_requests=10, prompt_len=(24, 40), output_len=(6, 10), arrival_rate=1.0,
+                           shared_prefix_fraction=0.6, sampling="greedy", num_logprobs=1, seed=4)
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=256, max_num_seqs=8,
+                                                 enable_prefix_caching=True), runner=RunnerConfig(num_threads=1))
+    path = record_builtin(RecordOptions(cfg, synthetic(wl, 512), tmp_path / "prefix.capture")).path
+    owner: dict[int, str] = {}
+    hitter = None
+    with CaptureReader(path) as r:
+        steps = [rec for rec in r.records() if isinstance(rec, Step)]
+    for st in steps:
+        for n in st.scheduler_output.scheduled_new_reqs:
+            hits = n.num_computed_tokens // 4
+            if hits and hitter is None and owner.get(n.block_ids[0][0]) not in (None, n.req_id):
+                hitter, writer, at = n.req_id, owner[n.block_ids[0][0]], st.index
+            for b in n.block_ids[0][hits:]:
+                owner.setdefault(b, n.req_id)
+    assert hitter is not None, "the workload must hit a prefix another request wrote"
+    last = next(s.index for s in steps if s.index >= at and writer in s.scheduler_output.num_scheduled_tokens
+                and hitter in s.scheduler_output.num_scheduled_tokens)
+    free, kept = co_batched(path, last, hitter, 4)
+    assert writer in kept and writer not in free
+    assert set(free) | set(kept) == {x for s in steps if s.index <= last and hitter in s.scheduler_output.num_scheduled_tokens
+                                     for x in s.scheduler_output.num_scheduled_tokens} - {hitter}
+    free_w, kept_w = co_batched(path, last, writer, 4)  # the writer reads nobody's blocks
+    assert hitter in free_w and not kept_w
