@@ -53,8 +53,9 @@ def write_dump(directory: str | os.PathLike, res: "LayersBisect", a: "Run", b: "
                 "row), flattened to [rows, features]",
         "first_module": res.first_module,
         "modules": [{"name": n, "shape": list(sides["a"][n].shape),
-                     "dtype": str(sides["a"][n].dtype).removeprefix("torch."), "equal": by_name[n].equal, "max_abs": by_name[n].max_abs, "max_ulps": by_name[n].max_ulps,
-                     "gathered": by_name[n].gathered} for n in keep],
+                     "dtype": str(sides["a"][n].dtype).removeprefix("torch."), "equal": by_name[n].equal,
+                     "max_abs": by_name[n].max_abs, "max_ulps": by_name[n].max_ulps, "gathered": by_name[n].gathered}
+                    for n in keep],
         "notes": res.notes,
     }
     (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
