@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import pickle
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -45,7 +44,7 @@ def in_environment(env: dict[str, str | None], fn: Callable[..., Any], /, *args:
         Exception.__init__(err, message)  # str(err) is the child's line; exit_code is the class's
         err.__dict__.update(attrs)
         raise err
-    return pickle.loads(value)
+    return value
 
 
 def _apply(env: dict[str, str | None]) -> None:
@@ -57,10 +56,9 @@ def _apply(env: dict[str, str | None]) -> None:
 
 
 def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, Any]:
-    """In the child: ("ok", the result pickled), or ("error", (module, class, message, attributes)) for an error of
-    ours (their constructors take more than a message, so they do not pickle as themselves)."""
+    """In the child: ("ok", the result), or ("error", (module, class, message, attributes)) for an error of ours
+    (their constructors take more than a message, so they do not pickle as themselves)."""
     try:
-        # pickled here, whole: tensors by value (torch's own reduction would hand over a file descriptor each)
-        return "ok", pickle.dumps(fn(*args, **kwargs))
+        return "ok", fn(*args, **kwargs)
     except ReplayError as e:
         return "error", (type(e).__module__, type(e).__name__, str(e), dict(e.__dict__))

@@ -9,6 +9,7 @@ had already dropped.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -87,9 +88,16 @@ def _window(segments: list[Path], info: SnapshotInfo) -> fmt.Header:
     return header
 
 
+def _age(path: Path) -> tuple[int, int]:
+    """Oldest first: by modification time, then, for two sealed within the filesystem's timestamp granularity
+    under one name, by the counter the later one got (`...-on-demand.capture`, then `...-on-demand-2.capture`)."""
+    m = re.search(r"-(\d+)\.capture$", path.name)
+    return path.stat().st_mtime_ns, int(m.group(1)) if m else 0
+
+
 def prune_snapshots(directory: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` snapshots in `directory`; returns what was deleted."""
-    found = sorted(directory.glob("snapshot-*.capture"), key=lambda p: p.stat().st_mtime)
+    found = sorted(directory.glob("snapshot-*.capture"), key=_age)
     gone = found[: max(0, len(found) - keep)]
     for p in gone:
         try:
