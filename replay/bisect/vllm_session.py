@@ -13,13 +13,22 @@ import os
 from typing import Any, Callable
 
 from replay.bisect.session import Run, Session, padded
-from replay.capture import CaptureReader, Step
+from replay.capture import CaptureReader, EngineConfig, Step
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.layout import recorded_layout
 from replay.integrations.vllm.taps import LOGITS
 from replay.replayer import Plant, StepLoop, build_runner
 
 _TRUE = ("1", "true", "yes", "on")
+
+
+def eager(ec: EngineConfig, overrides: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The knobs with `enforce_eager=true` where the recording (or a knob) compiled the model, and the note that says
+    so: module hooks do not fire inside a compiled graph."""
+    if str(recorded_layout(ec, overrides).get("enforce_eager", "True")).lower() in _TRUE:
+        return overrides, []
+    return {**overrides, "enforce_eager": "true"}, ["compiled in the recording: run eager here (module hooks do not "
+                                                    "fire inside a compiled graph)"]
 
 
 class VllmStepSession(Session):
@@ -36,11 +45,7 @@ class VllmStepSession(Session):
         overrides = {**(overrides or {}), "runner": "vllm"}
         with CaptureReader(path) as r:
             self.header = header = r.header
-        eager_note = []
-        if str(recorded_layout(header.engine_config, overrides).get("enforce_eager", "True")).lower() not in _TRUE:
-            overrides["enforce_eager"] = "true"
-            eager_note = ["compiled in the recording: run eager here (module hooks do not fire inside a compiled "
-                          "graph)"]
+        overrides, eager_note = eager(header.engine_config, overrides)
         self.log(f"starting vLLM's runner for {path}")
         built = build_runner(header, overrides, force=force, capture=path)
         self.runner = built.runner

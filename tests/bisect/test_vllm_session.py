@@ -37,3 +37,14 @@ def test_a_request_keeps_the_neighbour_whose_prefix_blocks_it_reads(tmp_path):
                                      for x in s.scheduler_output.num_scheduled_tokens} - {hitter}
     free_w, kept_w = co_batched(path, last, writer, 4)  # the writer reads nobody's blocks
     assert hitter in free_w and not kept_w
+
+
+def test_a_compiled_recording_is_bisected_eager_and_says_so():
+    from replay.bisect.vllm_session import eager
+    from replay.capture import EngineConfig
+
+    compiled = EngineConfig(layout={"enforce_eager": "False", "compilation_mode": "VLLM_COMPILE"})
+    knobs, notes = eager(compiled, {"runner": "vllm"})
+    assert knobs == {"runner": "vllm", "enforce_eager": "true"} and "run eager here" in notes[0]
+    assert eager(EngineConfig(layout={"enforce_eager": "True"}), {"runner": "vllm"}) == ({"runner": "vllm"}, [])
+    assert eager(EngineConfig(layout={"enforce_eager": "True"}), {"enforce_eager": "false"})[1]  # a knob compiles
