@@ -16,13 +16,15 @@ RECORD = textwrap.dedent("""
 
     def main():
         from vllm import LLM, SamplingParams
-        tp, n, first, step = (int(x) for x in sys.argv[2:6])
+        tp, n, first, step, seeded = (int(x) for x in sys.argv[2:6] + sys.argv[7:8])
         kw = dict(distributed_executor_backend="mp") if tp > 1 else {}
         llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
                   seed=0, max_num_seqs=16, tensor_parallel_size=tp, **kw)
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(first + step * i)]} for i in range(n)]
-        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6]), logprobs=5,
-                                                   ignore_eos=True), use_tqdm=False)
+        params = [SamplingParams(temperature=0.9 if seeded and i % 2 else 0.0, seed=100 + i if seeded and i % 2
+                                 else None, max_tokens=int(sys.argv[6]), logprobs=5, ignore_eos=True)
+                  for i in range(n)]
+        out = llm.generate(prompts, params, use_tqdm=False)
         print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
 
     if __name__ == "__main__":
@@ -31,9 +33,10 @@ RECORD = textwrap.dedent("""
 
 
 def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: int = 5, step: int = 3,
-           max_tokens: int = 10) -> Path:
-    """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each) on vLLM's offline
-    engine at tensor-parallel size `tp` (two CPU workers bound one CPU each), recorded to `capture`."""
+           max_tokens: int = 10, seeded: bool = False, python: str | Path = sys.executable) -> Path:
+    """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each; with `seeded`
+    every other one seeded at temperature 0.9) on vLLM's offline engine at tensor-parallel size `tp` (two CPU workers
+    bound one CPU each), recorded to `capture` by the vLLM that `python` runs."""
     from replay.integrations.vllm.layout import omp_threads_bind
 
     env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1")
@@ -44,8 +47,8 @@ def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: 
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     script = capture.with_suffix(".py")
     script.write_text(RECORD)
-    out = subprocess.run([sys.executable, str(script), str(model), str(tp), str(prompts), str(first), str(step),
-                          str(max_tokens)], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([str(python), str(script), str(model), str(tp), str(prompts), str(first), str(step),
+                          str(max_tokens), str(int(seeded))], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tokens [[" in out.stdout
     return capture

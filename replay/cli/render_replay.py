@@ -167,12 +167,13 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
     if rep.run_to_run:
         lines.append(f"run to run: {rep.run_to_run}")
     if rep.foreign_draws_differ:
-        who = ("vLLM drew them from its global generator, whose state at the keyframe no capture holds (a replay "
-               "from step 0 repeats them)" if rep.foreign_draws_by == "vllm-global" else
-               "vLLM drew them with its own sampler kernels and random streams, which only vLLM's runner repeats "
-               "(--set runner=vllm)" if rep.foreign_draws_by == "vllm" else
-               "the builtin engine drew them with its per-request generators, which only the builtin runner "
-               "repeats (--set runner=builtin)")
+        who = rep.foreign_draws_why or (
+            "vLLM drew them from its global generator, whose state at the keyframe no capture holds (a replay "
+            "from step 0 repeats them)" if rep.foreign_draws_by == "vllm-global" else
+            "vLLM drew them with its own sampler kernels and random streams, which only vLLM's runner repeats "
+            "(--set runner=vllm)" if rep.foreign_draws_by == "vllm" else
+            "the builtin engine drew them with its per-request generators, which only the builtin runner "
+            "repeats (--set runner=builtin)")
         lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
                      f"not compared: {who}; their logprobs are compared")
     lines += _prefix_lines(rep)

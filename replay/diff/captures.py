@@ -23,6 +23,7 @@ from replay.diff.rules import (
     compare_rows,
     margin,
     row,
+    same_distribution,
 )
 from replay.diff.step import BatchComposition, batch_composition
 from replay.provenance import hardware_differences, header_differences, is_suspect
@@ -142,17 +143,17 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "length", sa, sb)
                 break
             (sa, ta, ra), (sb, tb, rb) = oa[pos], ob[pos]
-            lp_diff, lp_equal = 0.0, (ra is None) == (rb is None)
+            lp_diff, lp_equal, alike = 0.0, (ra is None) == (rb is None), False
             if ra is not None and rb is not None:
                 cmp = compare_rows(ra, rb, tol)
-                lp_diff, lp_equal = cmp.max_abs, cmp.equal
+                lp_diff, lp_equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp, tol)
                 near_ties += cmp.near_tie and ta == tb
             m = margin(ra)
             if ta != tb:
                 draw = key in a.random
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "token", sa, sb, ta, tb, lp_diff, m,
                                          "draw" if draw else classify(m, tol, lp_diff),
-                                         same_distribution=draw and lp_equal and ra is not None)
+                                         same_distribution=draw and alike)
                 break
             if not lp_equal:
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "logprobs", sa, sb, ta, tb, lp_diff, m,

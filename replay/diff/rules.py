@@ -125,6 +125,13 @@ def compare_rows(a: Row, b: Row, tol: Tolerance) -> RowDiff:
     return RowDiff(max_abs, equal, topk_changed, rank_changed)
 
 
+def same_distribution(d: RowDiff, tol: Tolerance) -> bool:
+    """Two rows of a random draw that sampled different tokens come from the same distribution: the top-k ids are
+    the same and every logprob both hold is within the tolerance (bitwise: equal). The sampled column and the
+    sampled token's rank belong to the draw, not to the distribution."""
+    return not d.topk_changed and d.max_abs <= tol.atol
+
+
 def classify(margin_: float | None, tol: Tolerance, noise: float = 0.0) -> str:
     """tie | confident. A flip is a tie flip when its top1-top2 margin is below `tol.tie_margin`, or within twice
     the logprob noise measured at that very position (`noise` = max |Δlogprob| there): the numerics moved the

@@ -14,6 +14,7 @@ from replay.diff.rules import (
     compare_rows,
     margin,
     row,
+    same_distribution,
 )
 
 
@@ -188,10 +189,11 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
             if er is not None and ar is not None:
                 ar = Row(np.concatenate([er.ids[:1], ar.ids[1:]]), np.concatenate([er.values[:1], ar.values[1:]]),
                          er.rank)
-        lp_diff, topk_changed, lp_equal = 0.0, False, True
+        lp_diff, topk_changed, lp_equal, alike = 0.0, False, True, False
         if er is not None and ar is not None:
             cmp = compare_rows(er, ar, tol)
             lp_diff, topk_changed, lp_equal = cmp.max_abs, cmp.topk_changed, cmp.equal
+            alike = same_distribution(cmp, tol)
             summary.topk_set_changes += topk_changed
             summary.rank_changes += cmp.rank_changed
             summary.near_ties += cmp.near_tie and e_tok == a_tok
@@ -214,7 +216,7 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
                 flip = "not-argmax"
             return Divergence(step, name, pos + k, "token", e_tok, a_tok, er.rank if er else None,
                               ar.rank if ar else None, lp_diff, None, m, flip, topk_changed, rid,
-                              same_distribution=draw and lp_equal and er is not None and ar is not None)
+                              same_distribution=draw and alike)
         if not lp_equal and first_lp is None:
             sampled_diff = float(ar.values[0] - er.values[0]) if er is not None and ar is not None else None
             first_lp = Divergence(step, name, pos + k, "logprobs", e_tok, a_tok, er.rank if er else None,

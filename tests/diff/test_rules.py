@@ -116,3 +116,18 @@ def test_a_random_draw_that_differs_over_the_same_logprobs_is_another_draw_never
     _, (m,) = compare_step(0, expected, ModelRunnerOutput(["r"], {"r": 0}, [[187]], lp), {"r": "cmpl-6"}, {}, TOL,
                            random_draws={"r"})
     assert m.flip == "draw" and not m.same_distribution  # the distribution moved too: not the sampler alone
+
+
+def test_a_random_draw_of_another_token_from_the_same_rows_is_the_same_distribution():
+    from replay.diff.rules import same_distribution
+
+    tol = Tolerance()
+    recorded = _row([713, 5, 713, 9], [-4.1, -0.5, -4.1, -1.2], 60)  # column 0: the sampled token
+    replayed = _row([22, 5, 713, 9], [-7.3, -0.5, -4.1, -1.2], 849)  # another draw, the same top-k
+    d = compare_rows(recorded, replayed, tol)
+    assert not d.equal and same_distribution(d, tol)  # the rows differ as draws do, not as distributions
+    moved = _row([22, 5, 713, 9], [-7.3, -0.5, -4.1000004, -1.2], 849)
+    assert not same_distribution(compare_rows(recorded, moved, tol), tol)  # a logprob moved by an ulp: bitwise, no
+    assert same_distribution(compare_rows(recorded, moved, Tolerance(atol=1e-4)), Tolerance(atol=1e-4))
+    reordered = _row([22, 9, 713, 5], [-7.3, -1.2, -4.1, -0.5], 849)
+    assert not same_distribution(compare_rows(recorded, reordered, tol), tol)  # another top-k order

