@@ -7,6 +7,7 @@ import datetime as dt
 from typing import TYPE_CHECKING
 
 from replay.contracts import accepted_drafts
+from replay.contracts.unkept import unkept
 
 if TYPE_CHECKING:
     from replay.capture import Crash, Damage, Step
@@ -58,6 +59,10 @@ def render_info(info: CaptureInfo) -> str:
     lines.append("config    " + ", ".join(cfg))
     if c.layout:  # vLLM's names, as `--set` would take them
         lines.append("layout    " + ", ".join(f"{k}={v}" for k, v in c.layout.items()))
+    not_kept = unkept(h.extra.get("vllm_unmirrored_fields"))
+    if not_kept:  # what this engine sent that the capture has no place for
+        lines.append("not kept  " + ", ".join(not_kept) + " (fields this engine has that captures do not keep; its "
+                     "log names any a request set)")
     e = h.environment
     env = [e.device or "?"]
     if e.torch_version:

