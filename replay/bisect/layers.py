@@ -94,11 +94,13 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
 
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
                   plant: Plant | None = None, runner: str | None = None, overrides: dict[str, str] | None = None,
-                  dump: str | os.PathLike | None = None, log: Callable[[str], None] | None = None) -> LayersBisect:
+                  dump: str | os.PathLike | None = None, dump_all: bool = False,
+                  log: Callable[[str], None] | None = None) -> LayersBisect:
     """Side A: step `step` as recorded (with `overrides`). Side B: R alone (`against="solo"`), the same step under
     other knobs (`"dtype=bfloat16,attention=reference"`, `"tensor_parallel_size=1"`), and/or with a planted fault
     (`plant`). `runner`: "builtin" or "vllm" (default: the `runner` knob, else builtin). `dump`: a directory for
-    both sides' outputs of the first differing modules (`replay.bisect.dump`)."""
+    both sides' outputs of the first differing modules, or of every module (`dump_all`: for `compare_dumps` across
+    installs; `replay.bisect.dump`)."""
     log = log or (lambda msg: None)
     path = str(path)
     runner = runner or (overrides or {}).get("runner", "builtin")
@@ -142,5 +144,5 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     if dump is not None:
         from replay.bisect.dump import write_dump
 
-        res.dump = write_dump(dump, res, a, b)
+        res.dump = write_dump(dump, res, a, b, every=dump_all)
     return res

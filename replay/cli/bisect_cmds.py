@@ -91,6 +91,7 @@ def bisect_layers(
     runner: Optional[str] = typer.Option(None, "--runner", help="builtin (our modules, the default) | vllm (vLLM's own model and kernels, in every worker)."),
     set_: Optional[list[str]] = SetOpt,
     dump: Optional[Path] = typer.Option(None, "--dump", help="Write both sides' outputs of the first differing modules (and those just before) as safetensors, with index.json."),
+    dump_all: bool = typer.Option(False, "--dump-all", help="With --dump: every module's output (for `bisect dumps` across two installs)."),
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
@@ -102,8 +103,22 @@ def bisect_layers(
 
     overrides = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner else [])])
     res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None,
-                 overrides=overrides, dump=dump, log=progress_log(quiet))
+                 overrides=overrides, dump=dump, dump_all=dump_all, log=progress_log(quiet))
     emit(res, render_bisect_layers, json=json)
+
+
+@bisect_command
+def bisect_dumps(
+    a: Path = typer.Argument(..., help="A dump of `bisect layers --dump-all` (say, made with the old vLLM or torch)."),
+    b: Path = typer.Argument(..., help="The same step and request dumped in the other install."),
+    json: bool = JsonOpt,
+) -> None:
+    """The first module whose output differs between two dumps of one step made in two installs (two vLLM or torch
+    versions cannot share a process), and how the difference grows."""
+    from replay.bisect.dump import compare_dumps
+    from replay.cli.render_replay import render_bisect_layers
+
+    emit(compare_dumps(a, b), render_bisect_layers, json=json)
 
 
 @bisect_command

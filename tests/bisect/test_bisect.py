@@ -192,3 +192,28 @@ def test_bisect_layers_dumps_both_sides_of_the_first_differing_modules(crowd, tm
     assert float((b[plant.module] - a[plant.module]).abs().max()) == pytest.approx(0.5)
     same = bisect_layers(path, step, reqs[1], "same", dump=tmp_path / "none")
     assert same.first_module is None and json.loads((tmp_path / "none" / "index.json").read_text())["modules"] == []
+
+
+def test_two_dumps_made_apart_name_the_first_module_that_differs(crowd, tmp_path):
+    """`--dump-all` in two environments (here one variable apart, as two installs would be), then `bisect dumps`."""
+    from replay.bisect.dump import compare_dumps
+
+    path, steps = crowd
+    step, reqs = steps[0]
+    base = bisect_layers(path, step, reqs[0], "same", dump=tmp_path / "base", dump_all=True)
+    other = bisect_layers(path, step, reqs[0], "same", overrides={"env.MKL_CBWR": "COMPATIBLE"},
+                          dump=tmp_path / "other", dump_all=True)
+    assert base.first_module is None and other.first_module is None  # each side against itself
+    index = json.loads((tmp_path / "base" / "index.json").read_text())
+    assert len(index["modules"]) == len(base.modules) and index["computed_by"]["runner"] == "builtin"
+    same = compare_dumps(tmp_path / "base", tmp_path / "base")
+    assert same.first_module is None and "bitwise the same" in same.verdict
+    res = compare_dumps(tmp_path / "base", tmp_path / "other")
+    if res.first_module is None:
+        pytest.skip("MKL_CBWR=COMPATIBLE runs the same GEMM code path on this CPU: nothing to find")
+    names = [m.module for m in res.modules]
+    assert all(m.equal for m in res.modules[:names.index(res.first_module)]) and res.modules[0].equal
+    out = CliRunner().invoke(app, ["bisect", "dumps", str(tmp_path / "base"), str(tmp_path / "other")])
+    assert out.exit_code == 0 and f"is {res.first_module}" in out.output
+    bad = CliRunner().invoke(app, ["bisect", "dumps", str(tmp_path / "base"), str(tmp_path)])
+    assert bad.exit_code == 2 and "not a dump of" in bad.output
