@@ -35,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.docs_block import write_block
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- bench:soak -->", "<!-- /bench:soak -->"
 SHUTDOWN_ERRORS = ("EngineDeadError", "output_handler failed")
@@ -316,11 +318,7 @@ def main() -> None:
     else:
         print(text)
     if args.write_docs:
-        page = ROOT / "docs" / "reliability.md"
-        s = page.read_text()
-        head, rest = s.split(START, 1)
-        _, tail = rest.split(END, 1)
-        page.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+        write_block(ROOT / "docs" / "reliability.md", START, END, text)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.docs_block import write_block
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "matrix"
 CURRENT = "0.32.0"
@@ -139,11 +141,7 @@ def main() -> None:
                       ["| " + " | ".join(r) + " |" for r in rows])
     print(table)
     if args.write_docs:
-        doc = ROOT / "docs" / "vllm.md"
-        text = doc.read_text()
-        before, rest = text.split(START, 1)
-        _, after = rest.split(END, 1)
-        doc.write_text(f"{before}{START}\n{table}\n{END}{after}")
+        write_block(ROOT / "docs" / "vllm.md", START, END, table)
 
 
 if __name__ == "__main__":
