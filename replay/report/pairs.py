@@ -13,7 +13,7 @@ import os
 
 from replay.diff import Divergence, Tolerance, classify
 from replay.diff.captures import read_aligned
-from replay.diff.rules import compare_rows, margin
+from replay.diff.rules import compare_rows, margin, same_distribution
 
 
 def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
@@ -35,17 +35,17 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
                 flipped[rid] = sa
                 break
             _, tb, rb = ob[pos]
-            lp_diff, equal = 0.0, (ra is None) == (rb is None)
+            lp_diff, equal, alike = 0.0, (ra is None) == (rb is None), False
             if ra is not None and rb is not None:
                 cmp = compare_rows(ra, rb, tol)
-                lp_diff, equal = cmp.max_abs, cmp.equal
+                lp_diff, equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp, tol)
             m = margin(ra)
             if ta != tb:
                 draw = key in a.random  # a random draw: its margin says nothing
                 out.append(Divergence(sa, name, pos, "token", ta, tb, ra.rank if ra else None,
                                       rb.rank if rb else None, lp_diff, None, m,
                                       "draw" if draw else classify(m, tol, lp_diff), internal_id=rid,
-                                      same_distribution=draw and equal and ra is not None))
+                                      same_distribution=draw and alike))
                 flipped[rid] = sa
                 break
             if not equal:

@@ -30,16 +30,21 @@ class UnkeptFields:
         self.said: set[str] = set()
 
     def _check(self, cls: str, obj: Any, where: str) -> None:
-        for field in self.fields.get(cls, ()):
-            if f"{cls}.{field}" not in self.said and _set(getattr(obj, field, getattr(obj, "_" + field, None))):
-                self.said.add(f"{cls}.{field}")
-                log.warning("replay: %s sets %s.%s, which a capture does not keep: recorded without it, so a replay "
-                            "of what it changes may differ", where, cls, field)
+        try:
+            for field in self.fields.get(cls, ()):
+                if f"{cls}.{field}" not in self.said and _set(getattr(obj, field, getattr(obj, "_" + field, None))):
+                    self.said.add(f"{cls}.{field}")
+                    log.warning("replay: %s sets %s.%s, which a capture does not keep: recorded without it, so a "
+                                "replay of what it changes may differ", where, cls, field)
+        except Exception as e:  # noqa: BLE001 - never raise on vLLM's engine thread: stop watching, and say so
+            self.fields = {}
+            log.warning("replay: cannot watch the fields a capture does not keep (%s: %s); recording goes on",
+                        type(e).__name__, e)
 
     def request(self, request: Any) -> None:
         """A request vLLM's scheduler takes (its EngineCoreRequest fields and sampling parameters)."""
         if self.fields:
-            rid = getattr(request, "request_id", "?")
+            rid = getattr(request, "request_id", "?")  # (a plain attribute: nothing here raises)
             self._check("EngineCoreRequest", request, f"request {rid}")
             if getattr(request, "sampling_params", None) is not None:
                 self._check("SamplingParams", request.sampling_params, f"request {rid}")
@@ -48,7 +53,7 @@ class UnkeptFields:
         """A step's SchedulerOutput, its new requests and its cached ones."""
         if self.fields:
             self._check("SchedulerOutput", so, "a step")
-            for new in getattr(so, "scheduled_new_reqs", ()):
+            for new in getattr(so, "scheduled_new_reqs", None) or ():
                 self._check("NewRequestData", new, f"request {new.req_id}")
             self._check("CachedRequestData", getattr(so, "scheduled_cached_reqs", None), "a step")
 

