@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from replay.capture import CaptureReader, RequestAborted, RequestAdded  # noqa: E402
+from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded  # noqa: E402
 from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
@@ -68,7 +68,7 @@ class Server:
                                           # once, was more than this 24 GiB machine holds beside the suite)
                                           "--kv-cache-memory-bytes", str(256 << 20), *extra],
                                          env=dict(ENV, REPLAY_CAPTURE=str(capture), **(env or {})), stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def up(self) -> int:
         """Wait until the server answers /health; returns its port."""
@@ -81,7 +81,7 @@ class Server:
                 return self.port
             except OSError:
                 time.sleep(1)
-        self.proc.kill()
+        _kill_group(self.proc)
         raise AssertionError("server did not come up in 300 s")
 
 
@@ -108,13 +108,21 @@ def started(model, vocab_model, tmp_path_factory):
             "ring": Server(model, d / "ring", "--max-num-batched-tokens", "64",
                            env={"REPLAY_CAPTURE_RING": RING_SIZE, "REPLAY_KEYFRAME_STEPS": "0"}),
             "killed": subprocess.Popen([sys.executable, str(script), str(model), "4"], stdout=out,
-                                       stderr=subprocess.STDOUT, text=True, env=dict(ENV, REPLAY_CAPTURE=str(killed))),
+                                       stderr=subprocess.STDOUT, text=True, env=dict(ENV, REPLAY_CAPTURE=str(killed)),
+                                       start_new_session=True),
         }
     yield procs
-    for p in procs.values():
-        proc = p.proc if isinstance(p, Server) else p
-        if proc.poll() is None:
-            proc.kill()
+    for p in procs.values():  # and what they started: an engine core or a worker orphaned by a kill holds 1.5 GB
+        _kill_group(p.proc if isinstance(p, Server) else p)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started in a session of its own, and every process of its group still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def _post(port: int, body: dict, *, drop_stream: bool = False):
@@ -326,9 +334,10 @@ def _ring_bytes(ring: Path) -> int:
 
 def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(model, started):
     """The flight recorder on a real server: traffic until the ring wrapped several times, on disk within SIZE plus
-    the open segment all along; a snapshot from another shell starts mid-run and replays as a MATCH on vLLM's own
-    runner (the requests live at its keyframe named as rebuilt); bf16 diverges. A request the client marked
-    (vllm_xargs) leaves its window; a real vLLM crash (a seeded prefill in chunks) leaves one that reproduces it."""
+    the open segment all along (until a marked request and a snapshot pin segments, which the ring then keeps); a
+    snapshot from another shell starts mid-run and replays as a MATCH on vLLM's own runner (the requests live at its
+    keyframe named as rebuilt); bf16 diverges. A request the client marked (vllm_xargs) leaves its window; a real vLLM
+    crash (a seeded prefill in chunks) leaves one that reproduces it."""
     from replay.capture.flight import parse_size
     from replay.capture.flight.layout import MIN_SEGMENT_BYTES, SEGMENTS
 
@@ -336,10 +345,10 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     ring, port = server.capture, server.up()
     size = parse_size(RING_SIZE)
     segment = max(size // SEGMENTS, MIN_SEGMENT_BYTES)
-    peak, stop = [0], threading.Event()
+    peak, stop, pinned = [0], threading.Event(), threading.Event()
 
-    def watch() -> None:
-        while not stop.is_set():
+    def watch() -> None:  # until a marked request and a snapshot pin segments, which the ring must then keep
+        while not stop.is_set() and not pinned.is_set():
             peak[0] = max(peak[0], _ring_bytes(ring))
             time.sleep(0.05)
 
@@ -359,10 +368,14 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     watcher.start()
     try:
         k = 0
-        # until the ring (two or three segments of 64 KiB or more) wrapped three times over
-        while (not segments() or segments()[-1] < 8) and k < 200:
+        # until the ring (two or three segments of 64 KiB or more) wrapped three times over: three times as many
+        # segments written as it holds (SIZE, and the open one)
+        wraps = 3 * (size // segment + 1)
+        while (not segments() or segments()[-1] < wraps) and k < 200:
             wave(k)
             k += 1
+        pinned.set()
+        seqs = segments()  # (from here the pins keep segments the ring would drop)
         marked = {"model": str(model), "prompt": [11, 12, 13], "max_tokens": 16, "temperature": 0,
                   "vllm_xargs": {"replay_snapshot": True}}
         threading.Thread(target=wave, args=(50,)).start()
@@ -377,16 +390,19 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
         stop.set()
         watcher.join()
     assert asked.returncode == 0, err
-    seqs = segments()
-    assert seqs[-1] >= 3 * len(seqs), seqs  # the ring wrapped several times
+    assert seqs[-1] >= wraps, seqs  # the ring wrapped three times over
     assert peak[0] <= size + 2 * segment, (peak[0], size, segment)  # SIZE, plus the open segment (and its chunk)
 
     snap = Path(out.strip().splitlines()[-1])
     with CaptureReader(snap) as r:
         first = r.step_span()[0]
-    assert first > 0
+        keyframe = next(rec for rec in r.records() if isinstance(rec, Keyframe))
+    assert first > 0 and keyframe.step == first
     rep = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm"}))
-    assert not rep.diverged and rep.keyframe == first and rep.rebuilt, rep.first_divergence
+    assert not rep.diverged and rep.keyframe == first, rep.first_divergence
+    # the requests running at the keyframe are rebuilt and named (a snapshot can also open as a wave starts)
+    live = [x.request.name for x in keyframe.requests if x.scheduled]
+    assert rep.rebuilt or not live, (live, rep.rebuilt)
     assert "rebuilt from the keyframe" in render_replay(rep, verbose=False)
     bf16 = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm", "dtype": "bfloat16"}))
     assert bf16.diverged
