@@ -234,11 +234,11 @@ KILLED = textwrap.dedent("""
         # the EngineCore is this process's one child besides multiprocessing's resource tracker (spawned or forked)
         [core] = [p for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
 
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(8)]} for i in range(16)]
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(8)]} for i in range(64)]
         # one short run to its end first: however slowly this machine starts, steps reach the writer before the kill
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 
-        def generate():  # 16 x 400 tokens, 2 at a time: far longer than the kill's delay
+        def generate():  # 64 x 400 tokens, 2 at a time: far longer than the kill's delay (16 took 4 s, idle)
             try:
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
                 print("generate finished before the kill", flush=True)
@@ -266,7 +266,7 @@ def test_an_engine_core_killed_mid_run_leaves_every_step_its_writer_received(sta
     assert "killing" in out and "generate finished" not in out, out[-4000:]
     _finished(capture)
     info = capture_info(capture)
-    assert info.status.startswith("engine stopped:") and 0 < info.num_generated_tokens < 16 * 400
+    assert info.status.startswith("engine stopped:") and 0 < info.num_generated_tokens < 64 * 400
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.steps_replayed == info.num_steps, rep.first_divergence
 
