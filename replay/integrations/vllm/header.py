@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from typing import Any
 
 from replay.capture import EngineConfig, Header, ModelIdentity
-from replay.provenance import checkpoint_fingerprint, current_environment, make_header
+from replay.provenance import checkpoint_fingerprint, current_environment, major_minor, make_header
 
 
 def vllm_field_names() -> dict[str, list[str]]:
@@ -42,9 +41,9 @@ def record_warnings(header: Any) -> list[str]:
     all the same). The fields it sends that a capture does not keep are named when a request sets one
     (`replay.integrations.vllm.unkept`)."""
     out = []
-    parts = [int(x) for x in re.findall(r"\d+", header.engine_version or "")[:2]]
+    v = major_minor(header.engine_version)
     lo, hi = TESTED_VERSIONS
-    if len(parts) == 2 and not lo <= (parts[0], parts[1]) <= hi:
+    if v is not None and not lo <= v <= hi:
         out.append(f"vLLM {header.engine_version} is outside the versions the tap is tested on ({lo[0]}.{lo[1]} to "
                    f"{hi[0]}.{hi[1]}); recording anyway: a self-replay (replay run CAPTURE --diff --runner vllm) "
                    "shows whether its steps replay")

@@ -4,8 +4,9 @@ written over the ones the last step sampled (`force_sampled_tokens`, forced mode
 
 from __future__ import annotations
 
-import re
 from typing import Any
+
+from replay.provenance.header import major_minor
 
 
 def restore_request_states(worker: Any, states: list[dict], batch: list[str]) -> None:
@@ -49,8 +50,7 @@ def _cpu_sampler_version() -> tuple[int, int]:
     """(major, minor) of the vLLM installed here."""
     import vllm
 
-    parts = [int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]]
-    return (parts[0], parts[1]) if len(parts) == 2 else (99, 0)  # unreadable: the newest sampler
+    return major_minor(vllm.__version__) or (99, 0)  # unreadable: the newest sampler
 
 
 def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) -> None:
