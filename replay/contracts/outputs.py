@@ -44,6 +44,27 @@ class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
         return cu[req_index] if cu is not None and req_index < len(cu) else req_index
 
 
+class RoutedExpertsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Which experts an MoE model routed each scheduled token to, one step (vLLM 0.29-0.30's `RoutedExpertsLists`,
+    a NamedTuple of numpy arrays, with `enable_return_routed_experts`). Rows follow the step's scheduled tokens:
+    the requests in `req_ids` order, each with its `num_scheduled_tokens` rows, its prompt's and its decodes'."""
+
+    routing_data: Array  # [total_num_scheduled_tokens, num_moe_layers, top_k] int32: logical expert ids, router order
+    slot_mapping: Array  # [total_num_scheduled_tokens] int64: each token's KV-cache slot
+
+    def rows(self, req_ids: list, num_scheduled_tokens: dict) -> dict:
+        """req_id -> its rows of `routing_data` [n, num_moe_layers, top_k]; {} when the rows are not one per
+        scheduled token (another layout: nothing is paired rather than pairing the wrong rows)."""
+        data = self.routing_data.to_numpy()
+        counts = [int(num_scheduled_tokens.get(r, 0)) for r in req_ids]
+        if data.ndim != 3 or data.shape[0] != sum(counts):
+            return {}
+        out, at = {}, 0
+        for rid, n in zip(req_ids, counts):
+            out[rid], at = data[at:at + n], at + n
+        return out
+
+
 class LogprobsTensors(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The torch form (prompt logprobs, sampler output). Field names as vLLM's NamedTuple."""
 
@@ -112,7 +133,9 @@ class ModelRunnerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defa
     cudagraph_stats: Opaque | None = None
     aux_output_connector_output: Opaque | None = None
     sampling_masks: Opaque | None = None  # vLLM 0.32: SamplingMaskLists
-    # vLLM main also has routed_experts (MoE routing); not in 0.32, added here when a capture needs it.
+    # MoE routing of every scheduled token (vLLM 0.29-0.30 with enable_return_routed_experts; 0.31 moved it to the
+    # aux output connector, which needs Model Runner V2)
+    routed_experts: RoutedExpertsLists | None = None
 
     def sampled(self, req_id: RID) -> list[int]:
         """Tokens sampled for `req_id` this step ([] if none or not in the batch)."""

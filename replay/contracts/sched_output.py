@@ -115,6 +115,13 @@ class SchedulerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaul
             scheduled_encoder_inputs={r: t for r, t in self.scheduled_encoder_inputs.items() if r not in req_ids},
             finished_req_ids=self.finished_req_ids - set(req_ids))
 
+    def num_computed_before(self) -> dict[RID, int]:
+        """req_id -> the tokens it had computed before this step: its first scheduled token's index."""
+        cr = self.scheduled_cached_reqs
+        out = {n.req_id: n.num_computed_tokens for n in self.scheduled_new_reqs}
+        out.update(zip(cr.req_ids, cr.num_computed_tokens))
+        return out
+
     def num_prefill_requests(self) -> int:
         """Requests scheduling prompt (or recomputed) tokens: new ones, and those scheduling more than one token
         beyond the draft tokens they verify (a decode with k drafts schedules 1 + k tokens)."""

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from replay.capture import CaptureReader, Header, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
@@ -42,6 +43,8 @@ class AlignedRun:
     key_of: dict[str, str] = field(default_factory=dict)  # internal id -> key
     header: Header | None = None
     random: set[str] = field(default_factory=set)  # keys of random-sampling requests: their flips are draws
+    # key -> token index -> (step, its MoE routing [num_moe_layers, top_k]), where the capture kept routed_experts
+    routing: dict[str, dict[int, tuple[int, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
 
 
 class TokenMismatch(msgspec.Struct, omit_defaults=True):
@@ -49,7 +52,7 @@ class TokenMismatch(msgspec.Struct, omit_defaults=True):
 
     request_id: str
     position: int
-    kind: str  # "token" | "logprobs" | "length"
+    kind: str  # "token" | "logprobs" | "length" | "routed_experts" (then `position` is the token's index, prompt first)
     a_step: int | None
     b_step: int | None
     a_token: int | None = None
@@ -66,6 +69,9 @@ class TokenMismatch(msgspec.Struct, omit_defaults=True):
     topk_changed: bool = False  # the top-k ids or their order differ
     # a "draw" flip (a random-sampling request) whose logprobs are equal within the tolerance: another draw
     same_distribution: bool = False
+    moe_layer: int | None = None  # "routed_experts": the first MoE layer that routed the token otherwise
+    a_experts: list[int] | None = None  # and each side's experts there, in router order
+    b_experts: list[int] | None = None
 
 
 class CaptureDiff(msgspec.Struct):
@@ -115,6 +121,12 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                 names = {rid: side.key_of.get(rid, f"id:{rid}") for rid in mro.req_ids}
                 side.batches[rec.index] = batch_composition(rec.index, rec.scheduler_output,
                                                             {k: v.partition(':')[2] for k, v in names.items()})
+                if mro.routed_experts is not None:
+                    so = rec.scheduler_output
+                    computed = so.num_computed_before()
+                    for rid, rows in mro.routed_experts.rows(mro.req_ids, so.num_scheduled_tokens).items():
+                        start = computed.get(rid, 0)
+                        side.routing[names[rid]].update((start + t, (rec.index, r)) for t, r in enumerate(rows))
                 for i, rid in enumerate(mro.req_ids):
                     first = mro.logprobs.first_row(i) if mro.logprobs is not None else 0
                     for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
@@ -124,6 +136,20 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
 
 def _same_batch(a: BatchComposition | None, b: BatchComposition | None) -> bool:
     return a is not None and b is not None and a.num_scheduled_tokens == b.num_scheduled_tokens
+
+
+def _routing_mismatch(key: str, ra: dict[int, tuple[int, np.ndarray]],
+                      rb: dict[int, tuple[int, np.ndarray]]) -> TokenMismatch | None:
+    """The first token both captures routed, and routed to other experts; None where none was (or none kept)."""
+    for t in sorted(ra.keys() & rb.keys()):
+        (sa, ea), (sb, eb) = ra[t], rb[t]
+        if ea.shape == eb.shape and ea.tobytes() == eb.tobytes():
+            continue
+        layer = int(np.nonzero(ea != eb)[0][0]) if ea.shape == eb.shape else None
+        pick = (lambda e: e[layer].tolist()) if layer is not None else (lambda e: e.ravel().tolist())
+        return TokenMismatch(key.partition(":")[2], t, "routed_experts", sa, sb, moe_layer=layer,
+                             a_experts=pick(ea), b_experts=pick(eb))
+    return None
 
 
 def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tolerance | None = None) -> CaptureDiff:
@@ -146,7 +172,7 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
             lp_diff, lp_equal, alike = 0.0, (ra is None) == (rb is None), False
             if ra is not None and rb is not None:
                 cmp = compare_rows(ra, rb, tol)
-                lp_diff, lp_equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp, tol)
+                lp_diff, lp_equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp)
                 near_ties += cmp.near_tie and ta == tb
             m = margin(ra)
             if ta != tb:
@@ -160,6 +186,9 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
                                          a_rank=ra.rank if ra else None, b_rank=rb.rank if rb else None,
                                          topk_changed=cmp.topk_changed if ra is not None and rb is not None else False)
                 break
+        routed = _routing_mismatch(key, a.routing.get(key, {}), b.routing.get(key, {}))
+        if routed is not None and (mismatch is None or mismatch.a_step is None or routed.a_step <= mismatch.a_step):
+            mismatch = routed  # the routing decided what followed
         if mismatch is None:
             continue
         diverged_reqs += 1

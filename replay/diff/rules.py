@@ -74,6 +74,7 @@ class RowDiff(NamedTuple):
     equal: bool  # equal under the tolerance (bitwise: the same ids, rank and bits)
     topk_changed: bool  # the top-k ids (set or order) differ
     rank_changed: bool  # the sampled token's rank differs
+    held_within: bool  # every logprob both rows hold is within the tolerance (a NaN on one side only is not)
 
     @property
     def near_tie(self) -> bool:
@@ -116,20 +117,22 @@ def compare_rows(a: Row, b: Row, tol: Tolerance) -> RowDiff:
     max_abs = float(finite.max()) if finite.size else 0.0
     topk_changed = a.ids[1:].tobytes() != b.ids[1:].tobytes()
     rank_changed = a.rank != b.rank
+    with np.errstate(invalid="ignore"):
+        held_within = bool(np.all(same | (d <= tol.atol + tol.rtol * np.abs(y))))  # NaN on one side: False
     if tol.bitwise:
         equal = (a.ids.tobytes() == b.ids.tobytes() and not rank_changed
                  and a.values.tobytes() == b.values.tobytes())
     else:
-        with np.errstate(invalid="ignore"):
-            equal = bool(np.all(same | (d <= tol.atol + tol.rtol * np.abs(y))))
-    return RowDiff(max_abs, equal, topk_changed, rank_changed)
+        equal = held_within
+    return RowDiff(max_abs, equal, topk_changed, rank_changed, held_within)
 
 
-def same_distribution(d: RowDiff, tol: Tolerance) -> bool:
+def same_distribution(d: RowDiff) -> bool:
     """Two rows of a random draw that sampled different tokens come from the same distribution: the top-k ids are
-    the same and every logprob both hold is within the tolerance (bitwise: equal). The sampled column and the
-    sampled token's rank belong to the draw, not to the distribution."""
-    return not d.topk_changed and d.max_abs <= tol.atol
+    the same and every logprob both hold is within the tolerance, rtol included (bitwise: equal; a NaN on one side
+    only is never within). The sampled column and the sampled token's rank belong to the draw, not to the
+    distribution. The tolerance is the one `compare_rows` judged `d` under."""
+    return not d.topk_changed and d.held_within
 
 
 def classify(margin_: float | None, tol: Tolerance, noise: float = 0.0) -> str:

@@ -36,7 +36,9 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     step: int
     request_id: str  # external id
     position: int  # index of the output token within the request (0 = first generated token)
-    kind: str  # "token" | "drafts" (one side emitted fewer tokens) | "logprobs" | "prompt_logprobs" | "missing"
+    # "token" | "drafts" (one side emitted fewer tokens) | "logprobs" | "prompt_logprobs" | "missing" |
+    # "routed_experts" (an MoE layer routed one of the request's tokens to other experts)
+    kind: str
     expected_token: int | None = None
     actual_token: int | None = None
     expected_rank: int | None = None
@@ -59,6 +61,12 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     rejected_position: int | None = None
     # a "draw" flip whose logprobs are equal within the tolerance: the same distribution, another draw (the sampler)
     same_distribution: bool = False
+    # "routed_experts": the request's first token routed otherwise (its index among the request's tokens, prompt
+    # first), the first MoE layer (0 = the model's first with experts) and each side's experts there, router order
+    token_index: int | None = None
+    moe_layer: int | None = None
+    expected_experts: list[int] | None = None
+    actual_experts: list[int] | None = None
 
 
 class StepSummary(msgspec.Struct):
@@ -75,6 +83,8 @@ class StepSummary(msgspec.Struct):
     rank_changes: int = 0
     foreign_draws_differ: int = 0  # sampled tokens another implementation drew with its own RNG (not compared)
     tokens_compared: int = 0  # sampled tokens (output positions) of this step that were compared
+    routing_mismatches: int = 0  # requests with a token whose MoE routing differs
+    tokens_routed: int = 0  # scheduled tokens whose MoE routing was compared
     # positions whose rank or top-k order moved while every logprob stayed within the tolerance (not divergences)
     near_ties: int = 0
 
@@ -95,7 +105,8 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
                  skip: set[str] | frozenset = frozenset(),
                  greedy: set[str] | frozenset = frozenset(),
                  random_draws: set[str] | frozenset = frozenset(),
-                 tol_of: dict[str, Tolerance] | None = None) -> tuple[StepSummary, list[Divergence]]:
+                 tol_of: dict[str, Tolerance] | None = None,
+                 so: SchedulerOutput | None = None) -> tuple[StepSummary, list[Divergence]]:
     """Diff one step's outputs (`drafts`: the draft tokens the step scheduled per request, if any; `skip`: requests
     the replay left out, not compared; `greedy`: greedy requests, whose tokens must be their argmax; `random_draws`:
     random-sampling requests whose draws are compared, whose flips are draws; `tol_of`: requests compared within
@@ -104,7 +115,9 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
     drafts plus the bonus token); they are compared position by position, each with its own logprob row, and the
     first position that differs is the one reported.
     Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
-    (and its logprob column and rank) is counted when it differs, not compared; their top-k logprobs are."""
+    (and its logprob column and rank) is counted when it differs, not compared; their top-k logprobs are.
+    With the step's SchedulerOutput `so`, an MoE model's routing (`routed_experts`, where both sides have it) is
+    compared token by token, exactly: expert ids are not numerics."""
     exp_ids = expected.req_ids if expected is not None else []
     summary = StepSummary(step, len(exp_ids), num_tokens)
     divs: list[Divergence] = []
@@ -138,7 +151,38 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             if not equal:
                 summary.logprob_mismatches += 1
                 divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
+    if so is not None and expected is not None and actual is not None:
+        divs += _compare_routing(step, expected, actual, so, ext, positions, skip, summary)
     return summary, divs
+
+
+def _compare_routing(step: int, expected: ModelRunnerOutput, actual: ModelRunnerOutput, so: SchedulerOutput,
+                     ext: dict[str, str], positions: dict[str, int], skip: set[str] | frozenset,
+                     summary: StepSummary) -> list[Divergence]:
+    """Each request's MoE routing this step, recorded against replayed: its first token routed otherwise."""
+    if expected.routed_experts is None or actual.routed_experts is None:
+        return []
+    e_rows = expected.routed_experts.rows(expected.req_ids, so.num_scheduled_tokens)
+    a_rows = actual.routed_experts.rows(actual.req_ids, so.num_scheduled_tokens)
+    first = so.num_computed_before()
+    divs = []
+    for rid, e in e_rows.items():
+        a = a_rows.get(rid)
+        if rid in skip or a is None:
+            continue
+        summary.tokens_routed += len(e)
+        if e.shape == a.shape and e.tobytes() == a.tobytes():
+            continue
+        summary.routing_mismatches += 1
+        if e.shape[1:] != a.shape[1:]:  # another number of MoE layers or experts per token
+            t, layer = 0, None
+        else:
+            t, layer, _ = (int(x[0]) for x in np.nonzero(e != a))
+        divs.append(Divergence(step, ext.get(rid, rid), positions.get(rid, 0), "routed_experts", internal_id=rid,
+                               token_index=first.get(rid, 0) + t, moe_layer=layer,
+                               expected_experts=e[t, layer].tolist() if layer is not None else e[t].ravel().tolist(),
+                               actual_experts=a[t, layer].tolist() if layer is not None else a[t].ravel().tolist()))
+    return divs
 
 
 def _prompt_logprobs_equal(ep: LogprobsTensors | None, ap: LogprobsTensors | None, tol: Tolerance,
@@ -193,7 +237,7 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
         if er is not None and ar is not None:
             cmp = compare_rows(er, ar, tol)
             lp_diff, topk_changed, lp_equal = cmp.max_abs, cmp.topk_changed, cmp.equal
-            alike = same_distribution(cmp, tol)
+            alike = same_distribution(cmp)
             summary.topk_set_changes += topk_changed
             summary.rank_changes += cmp.rank_changed
             summary.near_ties += cmp.near_tie and e_tok == a_tok

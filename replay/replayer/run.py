@@ -108,6 +108,9 @@ class ReplayReport(msgspec.Struct):
     # why the foreign draws are not compared, where the recording's engine version decides it (a seeded sampler
     # the builtin runner has no port of); "" for the reason `foreign_draws_by` gives
     foreign_draws_why: str = ""
+    tokens_routed: int = 0  # scheduled tokens whose MoE routing (routed_experts) was compared, exactly
+    # the recording kept MoE routing that the replay did not return (a runner or vLLM that cannot): not compared
+    routing_not_compared: int = 0  # steps
 
 
 def recorded_draws(header: Header) -> str:
@@ -169,6 +172,7 @@ class _Pass:
     rebuild_tolerance: Tolerance | None = None
     primed_tokens: int = 0
     draws_why: str = ""  # why the recording's seeded draws are not compared, where the reason is the version
+    routing_not_compared: int = 0  # steps whose recorded MoE routing the replay did not return
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -265,8 +269,12 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
                                          foreign_random, so.scheduled_spec_decode_tokens, out.skip, greedy,
                                          random_draws,
-                                         {rid: rebuilt_tol for rid in loop.priming.rebuilt} if loop.priming else None)
+                                         {rid: rebuilt_tol for rid in loop.priming.rebuilt} if loop.priming else None,
+                                         so)
             out.summaries.append(summary)
+            if expected is not None and expected.routed_experts is not None and (
+                    actual is None or actual.routed_experts is None):
+                out.routing_not_compared += 1
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:
                 out.first_batch = batch_composition(rec.index, so, loop.external)
@@ -349,7 +357,9 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
                          "at least one compared step")
-    divs = sorted(p.divergences, key=lambda d: (d.step, d.kind not in ("token", "drafts")))
+    # within a step: MoE routing first (it decides what follows), then tokens, then logprobs
+    divs = sorted(p.divergences, key=lambda d: (d.step, 0 if d.kind == "routed_experts" else
+                                                1 if d.kind in ("token", "drafts") else 2))
     first = divs[0] if divs else None
     flip = next((d for d in divs if d.kind == "token"), None)
     if flip is not None and flip.same_distribution and not any(d.kind != "token" or not d.same_distribution
@@ -364,7 +374,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         len(p.requests),
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
-                        p.rebuild_tolerance, p.primed_tokens, p.draws_why)
+                        p.rebuild_tolerance, p.primed_tokens, p.draws_why,
+                        sum(s.tokens_routed for s in p.summaries), p.routing_not_compared)
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

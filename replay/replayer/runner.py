@@ -158,7 +158,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
     from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
     from replay.engine.engine import builtin_header
     from replay.engine.runner import ModelRunner
-    from replay.engine.vllm_cpu_draw import seeded_sampler
+    from replay.engine.vllm_cpu_draw import fp64_gumbel, seeded_sampler
     from replay.engine.weights import load_model
 
     m, ec, env = header.model, header.engine_config, header.environment
@@ -193,7 +193,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
     vllm_cpu = header.engine == "vllm" and "cpu_model_runner" in ec.runner_class
     runner = ModelRunner(model, cfg.scheduler.num_gpu_blocks, ec.block_size, attention_impl=rc.attention_impl,
                          seed=rc.seed, eos_token_id=eos, batch_invariant=rc.batch_invariant,
-                         vllm_seeded=seeded_sampler(header.engine_version) if vllm_cpu else "")
+                         vllm_seeded=seeded_sampler(header.engine_version, fp64_gumbel(ec)) if vllm_cpu else "")
     replay_header = builtin_header(cfg, model_cfg, fingerprint)
     replay_header.engine_config.num_gpu_blocks -= extra_blocks  # spare blocks for bisecting are not a difference
     return runner, replay_header

@@ -19,6 +19,6 @@ def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:
 
 def sampler_suspect(notes: list[str]) -> str:
     """The suspect where every divergence is a random draw from logprobs equal within the tolerance: the sampler,
-    with the engine versions where they differ."""
-    version = next((n for n in notes if n.startswith("engine version:")), "")
-    return "the sampler: same distribution, another draw" + (f" ({version})" if version else "")
+    with the engine versions and the sampler's own settings where they differ."""
+    named = [n for n in notes if n.startswith(("engine version:", "use_fp64_gumbel:"))]
+    return "the sampler: same distribution, another draw" + (f" ({'; '.join(named)})" if named else "")

@@ -50,6 +50,8 @@ def divergence_verdict(rep: ReplayReport) -> str | None:
     tokens = sum(s.token_mismatches for s in rep.steps)
     drafts = sum(s.draft_mismatches for s in rep.steps)
     accepted = f", {drafts} with another number of drafts accepted" if drafts else ""
+    routed = sum(s.routing_mismatches for s in rep.steps)
+    accepted += f", {routed} with another MoE routing" if routed else ""
     return (f"DIVERGED: {rep.num_divergences} divergence(s), {tokens} token flip(s){accepted}, first at step "
             f"{rep.first_divergence.step}{near_ties(sum(s.near_ties for s in rep.steps))}{rebuilt(rep)}")
 
@@ -72,5 +74,6 @@ def capture_diff_verdict(res: CaptureDiff) -> str:
     within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
     if d is None:
         return f"MATCH: every common request produced the same tokens and logprobs{within}{near_ties(res.near_ties)}"
-    return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, output position "
+    where = "token" if d.kind == "routed_experts" else "output position"
+    return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, {where} "
             f"{d.position}{near_ties(res.near_ties)}")

@@ -180,6 +180,7 @@ def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
             ("request", d.request_id), ("output position", d.position), ("what", d.kind), ("step in A", d.a_step),
             ("step in B", d.b_step), ("token in A", d.a_token), ("token in B", d.b_token),
             ("max |Δlogprob|", _g(d.max_abs_logprob_diff)), ("top1-top2 margin", _g(d.margin)), ("flip", d.flip),
+            ("MoE layer", d.moe_layer), ("experts in A", d.a_experts), ("experts in B", d.b_experts),
             ("suspect", d.suspect)], {"step": d.a_step, "request": d.request_id, "position": d.position,
                                       "kind": d.kind}))
         data.update(_marks(run, first, flip), equal_label="equal (bitwise)" if tol.bitwise else
@@ -202,13 +203,16 @@ def _g(x: float | None) -> str | None:
 def _divergence_card(id_: str, title: str, d: Divergence, sides: tuple[str, str] = ("recorded", "replayed")) -> Card:
     what = {"token": f"token flip ({d.flip})" if d.flip else "token flip", "logprobs": "same token, logprobs differ",
             "prompt_logprobs": "prompt logprobs differ", "missing": "the replay did not run this request",
+            "routed_experts": "an MoE layer routed a token to other experts",
             "length": "one side generated more tokens",
             "drafts": "another number of drafts accepted (one side emitted fewer tokens)"}.get(d.kind, d.kind)
     facts = [("step", d.step), ("request", d.request_id), ("output position", d.position), ("what", what),
              (f"token {sides[0]}", d.expected_token), (f"token {sides[1]}", d.actual_token),
              ("rank", None if d.expected_rank is None else f"{d.expected_rank} → {d.actual_rank}"),
              ("max |Δlogprob|", _g(d.max_abs_logprob_diff)), ("sampled-token Δ", _g(d.sampled_logprob_diff)),
-             ("top1-top2 margin", _g(d.margin)), ("top-k set changed", "yes" if d.topk_changed else None)]
+             ("top1-top2 margin", _g(d.margin)), ("top-k set changed", "yes" if d.topk_changed else None),
+             ("token", d.token_index), ("MoE layer", d.moe_layer), (f"experts {sides[0]}", d.expected_experts),
+             (f"experts {sides[1]}", d.actual_experts)]
     return Card(id_, title, [(k, v) for k, v in facts if v is not None],
                 {"step": d.step, "request": d.request_id, "position": d.position, "kind": d.kind})
 

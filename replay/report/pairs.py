@@ -38,7 +38,7 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
             lp_diff, equal, alike = 0.0, (ra is None) == (rb is None), False
             if ra is not None and rb is not None:
                 cmp = compare_rows(ra, rb, tol)
-                lp_diff, equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp, tol)
+                lp_diff, equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp)
             m = margin(ra)
             if ta != tb:
                 draw = key in a.random  # a random draw: its margin says nothing

@@ -85,3 +85,56 @@ def test_another_draw_from_the_same_logprobs_names_the_sampler_and_the_versions(
     d = res.first_divergence
     assert res.diverged and d.kind == "token" and d.flip == "draw" and d.same_distribution
     assert d.suspect == "the sampler: same distribution, another draw (engine version: 0.31.0 vs 0.32.0)"
+
+
+def test_moe_routing_is_kept_and_a_token_routed_otherwise_is_named(tmp_path):
+    """Two recordings of an MoE model whose tokens and logprobs agree, one token of one request routed to other
+    experts in one layer: `replay diff` names that token, the layer and both sides' experts, and the routing survives
+    the capture's writing and reading as it was sent."""
+    import numpy as np
+    from msgspec.structs import replace
+
+    from replay.capture import CaptureReader, CaptureWriter, Step
+    from replay.contracts import Array, RoutedExpertsLists
+    from replay.provenance import make_header
+    from replay.record.synth import SynthShape, synth_events
+
+    events = list(synth_events(SynthShape(steps=10, running=4, num_logprobs=3, seed=6)))
+    target = None
+
+    def routing(step, so, mro, moved):
+        n = sum(so.num_scheduled_tokens.get(r, 0) for r in mro.req_ids)
+        data = (np.arange(n * 3 * 2, dtype=np.int32).reshape(n, 3, 2) + step) % 8  # 3 MoE layers, top-2 of 8
+        if moved:
+            data[-1, 2] = [7, 6] if data[-1, 2].tolist() != [7, 6] else [5, 4]  # the batch's last token, layer 2
+        return RoutedExpertsLists(Array.from_numpy(data), Array.from_numpy(np.arange(n, dtype=np.int64)))
+
+    def write(path, moved_at):
+        nonlocal target
+        with CaptureWriter(path, make_header("vllm", engine_version="0.30.0")) as w:
+            for e in events:
+                if e.request is not None:
+                    w.add_request(replace(e.request, external_req_id=e.request.request_id), e.step)
+                    continue
+                so, mro = e.scheduler_output, e.model_runner_output
+                if mro is not None and mro.req_ids:
+                    moved = e.step == moved_at
+                    if moved:
+                        last = mro.req_ids[-1]
+                        target = (last, so.num_computed_before()[last] + so.num_scheduled_tokens[last] - 1)
+                    mro = replace(mro, routed_experts=routing(e.step, so, mro, moved))
+                w.write_step(e.step, so, mro)
+        return path
+
+    a, b = write(tmp_path / "a.capture", None), write(tmp_path / "b.capture", 6)
+    with CaptureReader(a) as r:
+        kept = [s.model_runner_output.routed_experts for s in r.records()
+                if isinstance(s, Step) and s.model_runner_output is not None and s.model_runner_output.req_ids]
+    assert kept and all(k is not None and k.routing_data.to_numpy().shape[1:] == (3, 2) for k in kept)
+    assert not diff_captures(a, a).diverged
+    res = diff_captures(a, b)
+    d = res.first_divergence
+    assert res.diverged and d.kind == "routed_experts" and d.a_step == d.b_step == 6 and d.moe_layer == 2
+    assert (d.request_id, d.position) == target and d.a_experts != d.b_experts and d.b_experts in ([7, 6], [5, 4])
+    out = CliRunner().invoke(app, ["diff", str(a), str(b)])
+    assert out.exit_code == 1 and f"token {target[1]}" in out.stdout and "MoE layer 2 routed it to experts" in out.stdout

