@@ -164,8 +164,7 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
         head += f"; execute {step.timing.execute_ns / 1e6:.2f} ms"
     rows = [head, f"  {'request':<44} {'kind':<8} {'computed':>8} {'sched':>6}  {'sampled':<12} {'logprob':>10} {'rank':>5}  top-k"]
     index = mro.req_id_to_index if mro is not None else {}
-    routing = (mro.routed_experts.rows(mro.req_ids, so.num_scheduled_tokens)
-               if mro is not None and mro.routed_experts is not None else {})
+    routing = mro.routing(so) if mro is not None else {}
     for rid, n in so.num_scheduled_tokens.items():
         if only is not None and rid != only:
             continue
@@ -186,7 +185,7 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
             line += f"  drafts {drafts}: {accepted_drafts(drafts, emitted)} of {len(drafts)} accepted"
         rows.append(line)
         if rid in routing:
-            rows.append("    " + _routing_line(routing[rid], computed))
+            rows.append("    " + _routing_line(*routing[rid][::-1]))
     if so.finished_req_ids and only is None:
         rows.append("  finished: " + ", ".join(sorted(so.finished_req_ids)))
     if crash is not None:

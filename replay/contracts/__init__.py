@@ -17,6 +17,7 @@ from replay.contracts.engine_core import (
 )
 from replay.contracts.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    AuxRequestOutput,
     DraftTokenIds,
     ECConnectorOutput,
     KVConnectorOutput,
@@ -45,7 +46,7 @@ __all__ = [
     "DTYPES", "Array", "Opaque", "RID",
     "SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "SamplingType",
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "GrammarOutput",
-    "LogprobsLists", "RoutedExpertsLists", "LogprobsTensors", "SamplerOutput", "DraftTokenIds", "KVConnectorOutput", "ECConnectorOutput",
+    "LogprobsLists", "RoutedExpertsLists", "AuxRequestOutput", "LogprobsTensors", "SamplerOutput", "DraftTokenIds", "KVConnectorOutput", "ECConnectorOutput",
     "ModelRunnerOutput", "EMPTY_MODEL_RUNNER_OUTPUT",
     "EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreEvent", "EngineCoreEventType",
     "FinishReason", "RequestStatus",

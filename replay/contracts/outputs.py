@@ -7,9 +7,10 @@ top-k (DESIGN §4.7).
 
 from __future__ import annotations
 
-from typing import Generic
+from typing import Any, Generic
 
 import msgspec
+import numpy as np
 
 from replay.contracts.arrays import Array, Opaque
 from replay.contracts.reqid import RID
@@ -63,6 +64,15 @@ class RoutedExpertsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc
         for rid, n in zip(req_ids, counts):
             out[rid], at = data[at:at + n], at + n
         return out
+
+
+class AuxRequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's MoE routing from vLLM's aux output connector (0.31 on, Model Runner V2 with
+    `enable_return_routed_experts`): the rows its worker emitted this step, from token `token_start` on (tokens
+    read back from prefix-cached blocks included)."""
+
+    token_start: int  # the request's token index (prompt first) of rows[0]
+    rows: Array  # [n, num_moe_layers, top_k] uint8 (uint16 past 256 experts): logical expert ids, router order
 
 
 class LogprobsTensors(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -131,11 +141,24 @@ class ModelRunnerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defa
     ec_connector_output: ECConnectorOutput[RID] | None = None
     num_nans_in_logits: dict[RID, int] | None = None  # req_id -> NaNs seen in its logits
     cudagraph_stats: Opaque | None = None
-    aux_output_connector_output: Opaque | None = None
+    # req_id -> its MoE routing (vLLM 0.31 on; 0.29-0.30 send `routed_experts` below)
+    aux_output_connector_output: dict[RID, AuxRequestOutput] | None = None
     sampling_masks: Opaque | None = None  # vLLM 0.32: SamplingMaskLists
     # MoE routing of every scheduled token (vLLM 0.29-0.30 with enable_return_routed_experts; 0.31 moved it to the
     # aux output connector, which needs Model Runner V2)
     routed_experts: RoutedExpertsLists | None = None
+
+    def routing(self, so: Any) -> dict[RID, tuple[int, np.ndarray]]:
+        """req_id -> (the token index of its first row, its MoE routing rows [n, num_moe_layers, top_k]) this step,
+        from whichever form this vLLM sent (`so`: the step's SchedulerOutput, which places 0.29-0.30's rows); {}
+        without routing."""
+        if self.aux_output_connector_output:
+            return {rid: (out.token_start, out.rows.to_numpy()) for rid, out in self.aux_output_connector_output.items()}
+        if self.routed_experts is None:
+            return {}
+        first = so.num_computed_before()
+        return {rid: (first.get(rid, 0), rows)
+                for rid, rows in self.routed_experts.rows(self.req_ids, so.num_scheduled_tokens).items()}
 
     def sampled(self, req_id: RID) -> list[int]:
         """Tokens sampled for `req_id` this step ([] if none or not in the batch)."""

@@ -43,7 +43,7 @@ class AlignedRun:
     key_of: dict[str, str] = field(default_factory=dict)  # internal id -> key
     header: Header | None = None
     random: set[str] = field(default_factory=set)  # keys of random-sampling requests: their flips are draws
-    # key -> token index -> (step, its MoE routing [num_moe_layers, top_k]), where the capture kept routed_experts
+    # key -> token index -> (step, its MoE routing [num_moe_layers, top_k]), where the capture kept routing
     routing: dict[str, dict[int, tuple[int, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
 
 
@@ -121,12 +121,9 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                 names = {rid: side.key_of.get(rid, f"id:{rid}") for rid in mro.req_ids}
                 side.batches[rec.index] = batch_composition(rec.index, rec.scheduler_output,
                                                             {k: v.partition(':')[2] for k, v in names.items()})
-                if mro.routed_experts is not None:
-                    so = rec.scheduler_output
-                    computed = so.num_computed_before()
-                    for rid, rows in mro.routed_experts.rows(mro.req_ids, so.num_scheduled_tokens).items():
-                        start = computed.get(rid, 0)
-                        side.routing[names[rid]].update((start + t, (rec.index, r)) for t, r in enumerate(rows))
+                for rid, (start, rows) in mro.routing(rec.scheduler_output).items():
+                    key = names.get(rid) or side.key_of.get(rid, f"id:{rid}")
+                    side.routing[key].update((start + t, (rec.index, r)) for t, r in enumerate(rows))
                 for i, rid in enumerate(mro.req_ids):
                     first = mro.logprobs.first_row(i) if mro.logprobs is not None else 0
                     for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
@@ -143,7 +140,7 @@ def _routing_mismatch(key: str, ra: dict[int, tuple[int, np.ndarray]],
     """The first token both captures routed, and routed to other experts; None where none was (or none kept)."""
     for t in sorted(ra.keys() & rb.keys()):
         (sa, ea), (sb, eb) = ra[t], rb[t]
-        if ea.shape == eb.shape and ea.tobytes() == eb.tobytes():
+        if ea.shape == eb.shape and np.array_equal(ea, eb):
             continue
         layer = int(np.nonzero(ea != eb)[0][0]) if ea.shape == eb.shape else None
         pick = (lambda e: e[layer].tolist()) if layer is not None else (lambda e: e.ravel().tolist())

@@ -116,8 +116,8 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
     first position that differs is the one reported.
     Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
     (and its logprob column and rank) is counted when it differs, not compared; their top-k logprobs are.
-    With the step's SchedulerOutput `so`, an MoE model's routing (`routed_experts`, where both sides have it) is
-    compared token by token, exactly: expert ids are not numerics."""
+    With the step's SchedulerOutput `so`, an MoE model's routing (`ModelRunnerOutput.routing`, where both sides
+    have it) is compared token by token, exactly: expert ids are not numerics."""
     exp_ids = expected.req_ids if expected is not None else []
     summary = StepSummary(step, len(exp_ids), num_tokens)
     divs: list[Divergence] = []
@@ -159,19 +159,18 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
 def _compare_routing(step: int, expected: ModelRunnerOutput, actual: ModelRunnerOutput, so: SchedulerOutput,
                      ext: dict[str, str], positions: dict[str, int], skip: set[str] | frozenset,
                      summary: StepSummary) -> list[Divergence]:
-    """Each request's MoE routing this step, recorded against replayed: its first token routed otherwise."""
-    if expected.routed_experts is None or actual.routed_experts is None:
-        return []
-    e_rows = expected.routed_experts.rows(expected.req_ids, so.num_scheduled_tokens)
-    a_rows = actual.routed_experts.rows(actual.req_ids, so.num_scheduled_tokens)
-    first = so.num_computed_before()
+    """Each request's MoE routing this step, recorded against replayed, over the tokens both sides routed (the
+    same dtype or not: expert ids are compared as ids): its first token routed otherwise."""
+    e_rows, a_rows = expected.routing(so), actual.routing(so)
     divs = []
-    for rid, e in e_rows.items():
-        a = a_rows.get(rid)
-        if rid in skip or a is None:
+    for rid, (e_start, e) in e_rows.items():
+        if rid in skip or rid not in a_rows:
             continue
-        summary.tokens_routed += len(e)
-        if e.shape == a.shape and e.tobytes() == a.tobytes():
+        a_start, a = a_rows[rid]
+        lo, hi = max(e_start, a_start), min(e_start + len(e), a_start + len(a))
+        e, a = e[lo - e_start:hi - e_start], a[lo - a_start:hi - a_start]
+        summary.tokens_routed += max(0, hi - lo)
+        if e.shape == a.shape and np.array_equal(e, a):
             continue
         summary.routing_mismatches += 1
         if e.shape[1:] != a.shape[1:]:  # another number of MoE layers or experts per token
@@ -179,7 +178,7 @@ def _compare_routing(step: int, expected: ModelRunnerOutput, actual: ModelRunner
         else:
             t, layer, _ = (int(x[0]) for x in np.nonzero(e != a))
         divs.append(Divergence(step, ext.get(rid, rid), positions.get(rid, 0), "routed_experts", internal_id=rid,
-                               token_index=first.get(rid, 0) + t, moe_layer=layer,
+                               token_index=lo + t, moe_layer=layer,
                                expected_experts=e[t, layer].tolist() if layer is not None else e[t].ravel().tolist(),
                                actual_experts=a[t, layer].tolist() if layer is not None else a[t].ravel().tolist()))
     return divs

