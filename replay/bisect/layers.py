@@ -48,14 +48,24 @@ class LayersBisect(msgspec.Struct):
     dump: str | None = None  # the directory `--dump` wrote
 
 
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest distance between two outputs in representable values of the coarser dtype (how many floats of
+    that dtype lie between them, across zero too; a NaN on either side is left out)."""
     dtype = a.dtype if torch.finfo(a.dtype).eps >= torch.finfo(b.dtype).eps else b.dtype
-    x, y = a.double().numpy(), b.double().numpy()
-    spacing = np.spacing(np.abs(x).astype(np.float32 if dtype != torch.float64 else np.float64))
-    if dtype in (torch.bfloat16, torch.float16):
-        spacing = spacing * (torch.finfo(dtype).eps / torch.finfo(torch.float32).eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        u = np.abs(x - y) / np.maximum(spacing, np.finfo(np.float64).tiny)
+    if dtype not in _BITS:
+        dtype = torch.float32
+    x, y = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+
+    def ordered(t: torch.Tensor) -> np.ndarray:  # the float's bits as integers in the floats' order
+        i = t.view(_BITS[dtype]).numpy().astype(np.int64)
+        return np.where(i >= 0, i, np.iinfo(i.dtype).min - i if dtype == torch.float64 else
+                        -(1 << (8 * t.element_size() - 1)) - i).astype(np.float64)
+
+    u = np.abs(ordered(x) - ordered(y))
+    u[(x.isnan() | y.isnan()).numpy()] = np.nan
     return float(np.nanmax(u, initial=0.0))
 
 

@@ -217,3 +217,19 @@ def test_two_dumps_made_apart_name_the_first_module_that_differs(crowd, tmp_path
     assert out.exit_code == 0 and f"is {res.first_module}" in out.output
     bad = CliRunner().invoke(app, ["bisect", "dumps", str(tmp_path / "base"), str(tmp_path)])
     assert bad.exit_code == 2 and "not a dump of" in bad.output
+
+
+def test_ulps_count_the_floats_between_two_outputs_across_zero_too():
+    """ULPs are representable values of the coarser dtype between the two sides: 1 for neighbours, 2 for the
+    smallest subnormals either side of zero, at most 65,535 in bfloat16 (never the 1e37 a spacing taken at zero
+    gives), NaN pairs left out."""
+    import torch
+
+    from replay.bisect.layers import _ulps
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert _ulps(torch.tensor([1.0]), torch.tensor([1.0 + 2**-23])) == 1
+    assert _ulps(torch.tensor([1e-45]), torch.tensor([-1e-45])) == 2 and _ulps(torch.tensor([0.0]), torch.tensor([-0.0])) == 0
+    assert _ulps(torch.tensor([0.0], dtype=bf16), torch.tensor([1e-3], dtype=bf16)) < 2**16
+    assert _ulps(torch.tensor([1.0], dtype=f32), torch.tensor([1.0078125], dtype=bf16)) == 1  # in bfloat16's units
+    assert _ulps(torch.tensor([float("nan"), 2.0]), torch.tensor([float("nan"), 2.0])) == 0
