@@ -59,12 +59,13 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
         dtype = torch.float32
     x, y = a.to(dtype).contiguous(), b.to(dtype).contiguous()
 
-    def ordered(t: torch.Tensor) -> np.ndarray:  # the float's bits as integers in the floats' order
+    def ordered(t: torch.Tensor) -> np.ndarray:  # the float's bits as integers in the floats' order, as uint64
         i = t.view(_BITS[dtype]).numpy().astype(np.int64)
-        return np.where(i >= 0, i, np.iinfo(i.dtype).min - i if dtype == torch.float64 else
-                        -(1 << (8 * t.element_size() - 1)) - i).astype(np.float64)
+        low = -(1 << (8 * t.element_size() - 1))  # the bits of -0.0
+        return np.where(i >= 0, i, low - i).astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63)  # sign-shifted
 
-    u = np.abs(ordered(x) - ordered(y))
+    ox, oy = ordered(x), ordered(y)
+    u = np.where(ox >= oy, ox - oy, oy - ox).astype(np.float64)  # exact in integers, then a float to report
     u[(x.isnan() | y.isnan()).numpy()] = np.nan
     return float(np.nanmax(u, initial=0.0))
 

@@ -28,11 +28,13 @@ def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, op
         d = rep.first_divergence
         if d is None:
             return StepsBisect(f"no step of {a} diverges: all {rep.steps_replayed} replay within tolerance", None, rep)
-        return StepsBisect(f"step {d.step} is the first to diverge: request {d.request_id}, output position "
-                           f"{d.position} ({d.kind}{', ' + d.flip + ' flip' if d.flip else ''})", d.step, rep)
+        where = f"token {d.token_index}" if d.kind == "routed_experts" else f"output position {d.position}"
+        return StepsBisect(f"step {d.step} is the first to diverge: request {d.request_id}, {where} "
+                           f"({d.kind}{', ' + d.flip + ' flip' if d.flip else ''})", d.step, rep)
     res = diff_captures(a, b, tol)
     d = res.first_divergence
     if d is None:
         return StepsBisect(f"{a} and {b} agree on every common request", None, capture_diff=res)
+    where = "token" if d.kind == "routed_experts" else "output position"
     return StepsBisect(f"the captures part at step {d.a_step} of A (step {d.b_step} of B): request {d.request_id}, "
-                       f"output position {d.position}; suspect {d.suspect}", d.a_step, capture_diff=res)
+                       f"{where} {d.position}; suspect {d.suspect}", d.a_step, capture_diff=res)

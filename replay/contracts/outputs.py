@@ -51,7 +51,7 @@ class RoutedExpertsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc
     the requests in `req_ids` order, each with its `num_scheduled_tokens` rows, its prompt's and its decodes'."""
 
     routing_data: Array  # [total_num_scheduled_tokens, num_moe_layers, top_k] int32: logical expert ids, router order
-    slot_mapping: Array  # [total_num_scheduled_tokens] int64: each token's KV-cache slot
+    slot_mapping: Array | None = None  # [total_num_scheduled_tokens] int64: each token's KV-cache slot
 
     def rows(self, req_ids: list, num_scheduled_tokens: dict) -> dict:
         """req_id -> its rows of `routing_data` [n, num_moe_layers, top_k]; {} when the rows are not one per
@@ -141,8 +141,9 @@ class ModelRunnerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defa
     ec_connector_output: ECConnectorOutput[RID] | None = None
     num_nans_in_logits: dict[RID, int] | None = None  # req_id -> NaNs seen in its logits
     cudagraph_stats: Opaque | None = None
-    # req_id -> its MoE routing (vLLM 0.31 on; 0.29-0.30 send `routed_experts` below)
-    aux_output_connector_output: dict[RID, AuxRequestOutput] | None = None
+    # req_id -> its MoE routing (vLLM 0.31 on; 0.29-0.30 send `routed_experts` below); captures written before it
+    # was mirrored hold an Opaque summary
+    aux_output_connector_output: dict[RID, AuxRequestOutput] | Opaque | None = None
     sampling_masks: Opaque | None = None  # vLLM 0.32: SamplingMaskLists
     # MoE routing of every scheduled token (vLLM 0.29-0.30 with enable_return_routed_experts; 0.31 moved it to the
     # aux output connector, which needs Model Runner V2)
@@ -152,13 +153,17 @@ class ModelRunnerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defa
         """req_id -> (the token index of its first row, its MoE routing rows [n, num_moe_layers, top_k]) this step,
         from whichever form this vLLM sent (`so`: the step's SchedulerOutput, which places 0.29-0.30's rows); {}
         without routing."""
-        if self.aux_output_connector_output:
+        if isinstance(self.aux_output_connector_output, dict) and self.aux_output_connector_output:
             return {rid: (out.token_start, out.rows.to_numpy()) for rid, out in self.aux_output_connector_output.items()}
         if self.routed_experts is None:
             return {}
-        first = so.num_computed_before()
-        return {rid: (first.get(rid, 0), rows)
-                for rid, rows in self.routed_experts.rows(self.req_ids, so.num_scheduled_tokens).items()}
+        first, drafts = so.num_computed_before(), so.scheduled_spec_decode_tokens
+        out = {}
+        for rid, rows in self.routed_experts.rows(self.req_ids, so.num_scheduled_tokens).items():
+            if drafts.get(rid):  # rows past the first rejected draft were computed on tokens that never were
+                rows = rows[:len(rows) - len(drafts[rid]) + max(len(self.sampled(rid)) - 1, 0)]
+            out[rid] = (first.get(rid, 0), rows)
+        return out
 
     def sampled(self, req_id: RID) -> list[int]:
         """Tokens sampled for `req_id` this step ([] if none or not in the batch)."""

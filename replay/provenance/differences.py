@@ -100,7 +100,8 @@ COMPARED_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "DNNL_", "ONE
 UNCOMPARED_ENV = ("OMP_NUM_THREADS",)
 
 
-def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, str]) -> list[HeaderDifference]:
+def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, str],
+                      both_vllm: bool = False) -> list[HeaderDifference]:
     out = []
     if name == "hardware":  # a key one side could not read (or an older capture) is unknown, not different
         for key in sorted(set(x) & set(y), key=lambda k: list(LABELS).index(k) if k in LABELS else len(LABELS)):
@@ -109,7 +110,7 @@ def _dict_differences(section: str, name: str, x: dict[str, str], y: dict[str, s
                 out.append(HeaderDifference(f"{section}.{name}.{key}", LABELS.get(key, key), a, b, "hardware"))
         return out
     if name == "layout":  # vLLM's names; a setting one side does not have (the builtin engine) is unknown
-        if "tensor_parallel_size" in x and "tensor_parallel_size" in y:  # two vLLM layouts: a flag left out is off
+        if both_vllm:  # two vLLM layouts: a flag left out is off
             x, y = ({**{k: "False" for k in FLAG_LAYOUT}, **d} for d in (x, y))
         for key in [k for k in x if k in y]:
             if x[key] != y[key]:
@@ -161,7 +162,7 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
             continue
         x, y = _value(a, section, name), _value(b, section, name)
         if label == "*":
-            out += _dict_differences(section, name, x or {}, y or {})
+            out += _dict_differences(section, name, x or {}, y or {}, a.engine == b.engine == "vllm")
             continue
         if name == "fingerprint" and (not x or not y):
             continue

@@ -177,7 +177,8 @@ def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
         first = next((x for x in divs if x.request_id == d.request_id and x.position == d.position), None)
         flip = next((x for x in divs if x.kind in ("token", "length")), None)
         cards.append(Card("first-divergence", "First divergence", [
-            ("request", d.request_id), ("output position", d.position), ("what", d.kind), ("step in A", d.a_step),
+            ("request", d.request_id), ("token" if d.kind == "routed_experts" else "output position", d.position),
+            ("what", d.kind), ("step in A", d.a_step),
             ("step in B", d.b_step), ("token in A", d.a_token), ("token in B", d.b_token),
             ("max |Δlogprob|", _g(d.max_abs_logprob_diff)), ("top1-top2 margin", _g(d.margin)), ("flip", d.flip),
             ("MoE layer", d.moe_layer), ("experts in A", d.a_experts), ("experts in B", d.b_experts),

@@ -229,6 +229,8 @@ def test_ulps_count_the_floats_between_two_outputs_across_zero_too():
 
     f32, bf16 = torch.float32, torch.bfloat16
     assert _ulps(torch.tensor([1.0]), torch.tensor([1.0 + 2**-23])) == 1
+    f64 = torch.float64
+    assert _ulps(torch.tensor([1.0], dtype=f64), torch.tensor([1.0 + 2**-52], dtype=f64)) == 1  # integers, not floats
     assert _ulps(torch.tensor([1e-45]), torch.tensor([-1e-45])) == 2 and _ulps(torch.tensor([0.0]), torch.tensor([-0.0])) == 0
     assert _ulps(torch.tensor([0.0], dtype=bf16), torch.tensor([1e-3], dtype=bf16)) < 2**16
     assert _ulps(torch.tensor([1.0], dtype=f32), torch.tensor([1.0078125], dtype=bf16)) == 1  # in bfloat16's units

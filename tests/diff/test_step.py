@@ -100,3 +100,31 @@ def test_moe_routing_is_compared_token_by_token_with_the_step_schedule():
     assert (d.expected_experts, d.actual_experts, summary.routing_mismatches) == ([0, 1], [1, 0], 1)
     summary, divs = compare_step(3, expected, out, {}, {}, Tolerance(), so=so)  # the replay returned none
     assert divs == [] and summary.tokens_routed == 0
+
+
+def test_routing_is_compared_only_where_both_sides_routed_and_not_for_rebuilt_requests():
+    """Two sides that routed no common token compare nothing (no error); a request rebuilt from a keyframe (held to
+    a looser tolerance) is not compared; rows of drafts a request rejected are not its routing."""
+    from msgspec.structs import replace
+
+    from replay.contracts import AuxRequestOutput, CachedRequestData, RoutedExpertsLists, SchedulerOutput
+
+    so = SchedulerOutput([], CachedRequestData(["b"], set(), [], {}, [None], [40], [5]), {"b": 3}, 3,
+                         {"b": [8, 9]}, {}, set(), [])
+    out = _out({"b": [7, 8]})  # one of two drafts accepted, then the bonus token
+
+    def aux(start, n, shape=(2, 2)):
+        return {"b": AuxRequestOutput(start, Array.from_numpy(np.zeros((n, *shape), np.uint8)))}
+
+    e = replace(out, aux_output_connector_output=aux(40, 3))
+    for a in (replace(out, aux_output_connector_output=aux(50, 2)),  # later tokens only
+              replace(out, aux_output_connector_output=aux(50, 2, (3, 2)))):  # and another number of layers
+        summary, divs = compare_step(3, e, a, {}, {}, Tolerance(), so=so)
+        assert divs == [] and summary.tokens_routed == 0
+    moved = replace(out, aux_output_connector_output=aux(40, 3, (2, 3)))
+    assert compare_step(3, e, moved, {}, {}, Tolerance(), so=so)[1][0].kind == "routed_experts"
+    assert compare_step(3, e, moved, {}, {}, Tolerance(), so=so, tol_of={"b": Tolerance(atol=1e-4)})[1] == []
+    data = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)
+    routed = replace(out, routed_experts=RoutedExpertsLists(Array.from_numpy(data)))
+    start, rows = routed.routing(so)["b"]
+    assert start == 40 and np.array_equal(rows, data[:2])  # the token and the accepted draft, not the rejected one

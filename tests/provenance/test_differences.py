@@ -97,10 +97,14 @@ def test_a_vllm_flag_recorded_only_when_on_is_off_where_another_vllm_layout_leav
     from replay.replayer.suspects import sampler_suspect
 
     on = {"tensor_parallel_size": "1", "use_fp64_gumbel": "True", "enable_return_routed_experts": "True"}
-    (fp64, routing) = sorted(_dict_differences("engine_config", "layout", on, {"tensor_parallel_size": "1"}),
+    off = {"tensor_parallel_size": "1"}  # the builtin engine's layout has this much too
+    (fp64, routing) = sorted(_dict_differences("engine_config", "layout", on, off, both_vllm=True),
                              key=lambda d: d.label, reverse=True)
     assert (fp64.label, fp64.a, fp64.b, fp64.affects) == ("use_fp64_gumbel", "True", "False", "layout")
     assert (routing.label, routing.affects) == ("enable_return_routed_experts", "host")
-    assert _dict_differences("engine_config", "layout", on, {}) == []  # the builtin engine: unknown
+    assert _dict_differences("engine_config", "layout", on, off) == []  # against the builtin engine: unknown
+    vllm, builtin = (msgspec.structs.replace(_header(**{"engine_config.layout": layout}), engine=engine)
+                     for engine, layout in (("vllm", on), ("builtin", off)))
+    assert not [d for d in header_differences(vllm, builtin) if d.label == "use_fp64_gumbel"]
     assert sampler_suspect([f"{fp64.label}: recorded True, replay False", "model: a vs b"]) == \
         "the sampler: same distribution, another draw (use_fp64_gumbel: recorded True, replay False)"

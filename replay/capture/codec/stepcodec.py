@@ -120,8 +120,8 @@ def _map_mro(mro: ModelRunnerOutput, f: Callable[[A], B], lp: Callable, plp: Cal
         kv_connector_output=_map_connector(mro.kv_connector_output, f),
         ec_connector_output=_map_connector(mro.ec_connector_output, f),
         num_nans_in_logits=None if mro.num_nans_in_logits is None else _md(f, mro.num_nans_in_logits),
-        aux_output_connector_output=None if mro.aux_output_connector_output is None else
-        _md(f, mro.aux_output_connector_output),
+        aux_output_connector_output=_md(f, mro.aux_output_connector_output) if isinstance(
+            mro.aux_output_connector_output, dict) else mro.aux_output_connector_output,
     )
 
 
