@@ -130,7 +130,7 @@ def moe_cell(version: str, work: Path, model: Path) -> str:
     cap = work / f"moe-{version}.capture"
     out = run(py, str(work / "moe.py"), str(model), env={"REPLAY_CAPTURE": str(cap), "VLLM_CPU_KVCACHE_SPACE": "1"})
     if out.returncode != 0:
-        return f"not returned: {root_cause(out.stderr) or f'exit {out.returncode}'}"
+        return f"not returned: {root_cause(out.stderr + out.stdout) or f'exit {out.returncode}'}"  # (vLLM logs to both)
     v = verdict(py, "run", str(cap), "--diff", "--runner", "vllm")
     return f"kept; self-replay {cell(v)}, the routing of {v['routed']} tokens compared"
 
