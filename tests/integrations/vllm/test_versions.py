@@ -20,6 +20,7 @@ from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
 from tests.vllm_checkpoints import tiny_llama, tiny_mixtral  # noqa: E402
+from tests.vllm_jobs import side_by_side  # noqa: E402
 
 VERSION = "0.30.0"
 VENV = Path(__file__).resolve().parents[3] / f".venv-vllm-{VERSION}"
@@ -30,17 +31,25 @@ pytestmark = pytest.mark.skipif(not list(VENV.glob(f"lib/python*/site-packages/v
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
+def recorded(tmp_path_factory) -> dict[str, Path]:
+    """Recorded on 0.30 side by side: a tiny Llama's greedy and seeded requests ("smoke"), and a tiny Mixtral (2 MoE
+    layers, top-2 of 4 experts) with its routing returned ("moe")."""
     d = tmp_path_factory.mktemp("v030")
-    return record(tiny_llama(d / "tiny-llama"), d / "v030.capture", seeded=True, max_tokens=8, python=OLD)
+    llama, mixtral = tiny_llama(d / "tiny-llama"), tiny_mixtral(d / "tiny-mixtral")
+    jobs = {"smoke": lambda: record(llama, d / "v030.capture", seeded=True, max_tokens=8, python=OLD),
+            "moe": lambda: record(mixtral, d / "moe.capture", max_tokens=6, python=OLD,
+                                  engine_args={"enable_return_routed_experts": True})}
+    return side_by_side(lambda name: jobs[name](), list(jobs))
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """A tiny Mixtral (2 MoE layers, top-2 of 4 experts) recorded on 0.30 with its routing returned."""
-    d = tmp_path_factory.mktemp("moe")
-    return record(tiny_mixtral(d / "tiny-mixtral"), d / "moe.capture", max_tokens=6, python=OLD,
-                  engine_args={"enable_return_routed_experts": True})
+def capture(recorded) -> Path:
+    return recorded["smoke"]
+
+
+@pytest.fixture(scope="module")
+def moe(recorded) -> Path:
+    return recorded["moe"]
 
 
 def _run(*args: str) -> tuple[int, dict, str]:
@@ -78,12 +87,13 @@ def test_moe_routing_is_kept_and_shown(moe):
 
 
 def test_moe_routing_replays_bitwise_and_a_planted_router_fault_is_a_routing_divergence(moe):
-    code, rep, err = _run("run", str(moe), "--diff", "--runner", "vllm")
-    assert code == 0 and not rep["diverged"] and rep["tokens_routed"] == sum(5 + 3 * i for i in range(6)) + 6 * 5, err
     # the largest router logit of request 2's token at step 3, in the second MoE layer, pushed down: it is routed
-    # to other experts there, and the routing is what the replay reports first
-    code, rep, err = _run("run", str(moe), "--diff", "--runner", "vllm", "--plant",
-                          "3:2:model.layers.1.block_sparse_moe.gate:-100")
+    # to other experts there, and the routing is what the replay reports first (both replays side by side)
+    runs = side_by_side(lambda args: _run("run", str(moe), "--diff", "--runner", "vllm", *args),
+                        [(), ("--plant", "3:2:model.layers.1.block_sparse_moe.gate:-100")])
+    (code, rep, err), (planted_code, planted, planted_err) = runs.values()
+    assert code == 0 and not rep["diverged"] and rep["tokens_routed"] == sum(5 + 3 * i for i in range(6)) + 6 * 5, err
+    code, rep, err = planted_code, planted, planted_err
     d = rep.get("first_divergence") or {}
     assert code == 1 and d.get("kind") == "routed_experts", err
     assert (d["step"], d["request_id"], d["token_index"], d["moe_layer"]) == (3, "2", 5 + 3 * 2 + 2, 1)
