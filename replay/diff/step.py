@@ -85,6 +85,7 @@ class StepSummary(msgspec.Struct):
     tokens_compared: int = 0  # sampled tokens (output positions) of this step that were compared
     routing_mismatches: int = 0  # requests with a token whose MoE routing differs
     tokens_routed: int = 0  # scheduled tokens whose MoE routing was compared
+    routing_not_compared: bool = False  # the recording kept MoE routing this step and the replay returned none
     # positions whose rank or top-k order moved while every logprob stayed within the tolerance (not divergences)
     near_ties: int = 0
 
@@ -151,18 +152,22 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             if not equal:
                 summary.logprob_mismatches += 1
                 divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
-    if so is not None and expected is not None and actual is not None:
+    if so is not None and expected is not None:
         divs += _compare_routing(step, expected, actual, so, ext, positions, skip, summary, tol_of or frozenset())
     return summary, divs
 
 
-def _compare_routing(step: int, expected: ModelRunnerOutput, actual: ModelRunnerOutput, so: SchedulerOutput,
+def _compare_routing(step: int, expected: ModelRunnerOutput, actual: ModelRunnerOutput | None, so: SchedulerOutput,
                      ext: dict[str, str], positions: dict[str, int], skip: set[str] | frozenset,
                      summary: StepSummary, rebuilt: dict | frozenset = frozenset()) -> list[Divergence]:
     """Each request's MoE routing this step, recorded against replayed, over the tokens both sides routed (the
     same dtype or not: expert ids are compared as ids): its first token routed otherwise. Requests in `rebuilt`
     (compared within a looser tolerance: their K/V was rebuilt from a keyframe) are not compared."""
-    e_rows, a_rows = expected.routing(so), actual.routing(so)
+    e_rows = expected.routing(so)
+    if not e_rows:
+        return []
+    a_rows = actual.routing(so) if actual is not None else {}
+    summary.routing_not_compared = not a_rows
     divs = []
     for rid, (e_start, e) in e_rows.items():
         if rid in skip or rid in rebuilt or rid not in a_rows:  # a rebuilt K/V may tip a router's near-tie

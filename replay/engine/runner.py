@@ -285,7 +285,7 @@ class ModelRunner:
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """Whether this runner repeats a random draw recorded by `recorded`'s sampler ("builtin" | "vllm"): its own
         always; vLLM's on CPU for seeded requests of a version whose draw is ported (`vllm_seeded`)."""
-        return recorded == "builtin" or (recorded == "vllm" and seeded and self.vllm_seeded in ("splitmix", "race", "race64"))
+        return recorded == "builtin" or (recorded == "vllm" and seeded and bool(self.vllm_seeded))
 
     def margins(self) -> dict[str, float]:
         """top1 - top2 raw logprob of each request sampled in the last step (the diff classifies flips with it)."""

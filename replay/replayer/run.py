@@ -172,7 +172,6 @@ class _Pass:
     rebuild_tolerance: Tolerance | None = None
     primed_tokens: int = 0
     draws_why: str = ""  # why the recording's seeded draws are not compared, where the reason is the version
-    routing_not_compared: int = 0  # steps whose recorded MoE routing the replay did not return
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -272,8 +271,6 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
                                          {rid: rebuilt_tol for rid in loop.priming.rebuilt} if loop.priming else None,
                                          so)
             out.summaries.append(summary)
-            if expected is not None and expected.routing(so) and (actual is None or not actual.routing(so)):
-                out.routing_not_compared += 1
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:
                 out.first_batch = batch_composition(rec.index, so, loop.external)
@@ -374,7 +371,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
                         p.rebuild_tolerance, p.primed_tokens, p.draws_why,
-                        sum(s.tokens_routed for s in p.summaries), p.routing_not_compared)
+                        sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries))
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:
