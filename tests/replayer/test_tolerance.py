@@ -15,6 +15,7 @@ from replay.capture import CaptureReader, CaptureWriter
 from replay.cli import app
 from replay.diff import diff_captures
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.provenance.hardware import KERNEL_ISA
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 from replay.replayer import ReplayOptions, check_capture, replay_capture
 from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
@@ -56,12 +57,13 @@ def test_on_the_recordings_hardware_auto_is_bitwise(here):
 
 def test_on_other_hardware_auto_takes_the_cross_hardware_tolerance_and_names_the_difference(here, tmp_path):
     hw = _hardware(here)
-    hw["cpu_isa"] = hw.get("cpu_isa", "") + " amx_tile"
+    lacked = next(f for f in KERNEL_ISA if f not in hw.get("cpu_isa", "").split())  # whatever this processor lacks
+    hw["cpu_isa"] = hw.get("cpu_isa", "") + f" {lacked}"
     moved = _rewritten(here, tmp_path / "moved.capture", hardware=hw)
     rep = replay_capture(moved, ReplayOptions(auto_tolerance=True))
     assert not rep.diverged and rep.tolerance.atol == CROSS_HARDWARE_ATOL["float32"]
-    assert "CPU features: recorded amx_tile, replay none" in rep.tolerance_choice
-    assert rep.environment_differences[0] == "CPU features: recorded amx_tile, replay none"  # the leading suspect
+    assert f"CPU features: recorded {lacked}, replay none" in rep.tolerance_choice
+    assert rep.environment_differences[0] == f"CPU features: recorded {lacked}, replay none"  # the leading suspect
     bitwise = replay_capture(moved)  # without auto: the same bits still compare bitwise (same machine, in truth)
     assert not bitwise.diverged and bitwise.tolerance.bitwise
 
