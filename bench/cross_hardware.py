@@ -25,7 +25,8 @@ def measure(path: str) -> dict:
     """One capture: recorded and replay hardware, the drift between them, and auto's choice."""
     with CaptureReader(path) as r:
         env = r.header.environment
-    loose = replay_capture(path, ReplayOptions(tolerance=Tolerance(atol=1e9)))  # every token compared, no logprob hidden
+    loose = replay_capture(path,
+                           ReplayOptions(tolerance=Tolerance(atol=1e9)))  # every token compared, no logprob hidden
     auto = replay_capture(path, ReplayOptions(auto_tolerance=True))
     return {
         "capture": path,

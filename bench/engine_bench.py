@@ -4,8 +4,8 @@ Part 1, runner vs transformers (CPU, float32, measured at 1 and at 2 torch threa
 mode, `batched` attention):
 
   checkpoint  a random `LlamaForCausalLM` made by transformers after `torch.manual_seed(0)` (hidden 256,
-              intermediate 768, 4 layers, 4 heads / 2 KV heads, head_dim 64, vocab 32000, untied head; the model of
-              measurements §4), saved with `save_pretrained` to a temporary directory (HF_HUB_OFFLINE=1) and loaded
+              intermediate 768, 4 layers, 4 heads / 2 KV heads, head_dim 64, vocab 32000, untied head),
+              saved with `save_pretrained` to a temporary directory (HF_HUB_OFFLINE=1) and loaded
               twice: by us with `replay.engine.weights.load_checkpoint(path, torch.float32, "cpu")`, and by
               transformers with `from_pretrained(path, attn_implementation="eager")`.
   prefill     one request of 512 random prompt tokens. Ours: `ModelRunner.execute_model` on a hand-built
@@ -78,7 +78,7 @@ from replay.contracts import (
     SchedulerOutput,
 )
 from replay.engine.config import EngineConfig, RunnerConfig
-from replay.engine.runner import ModelRunner
+from replay.engine.model_runner import ModelRunner
 from replay.engine.weights import load_checkpoint
 from replay.provenance import set_torch_threads
 from replay.record import CaptureTap, SyntheticWorkload, synthetic
@@ -100,7 +100,7 @@ TAP_WORKLOADS = [("default SyntheticWorkload()", SyntheticWorkload()),
 # -- part 1: runner vs transformers ----------------------------------------------------------------------------------
 
 def make_checkpoint(path: Path) -> None:
-    """Save a random float32 LlamaForCausalLM (seed 0, the measurements §4 shapes) to `path` with save_pretrained."""
+    """Save a random float32 LlamaForCausalLM (seed 0, the shapes above) to `path` with save_pretrained."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -148,7 +148,7 @@ def new_request(rid: str, prompt: list[int], blocks: list[int]) -> NewRequestDat
 
 def sched(new_reqs=(), cached: CachedRequestData | None = None, tokens: dict[str, int] | None = None,
           finished=()) -> SchedulerOutput:
-    """A SchedulerOutput built by hand, as tests/engine/test_runner.py does."""
+    """A SchedulerOutput built by hand, as tests/engine/test_model_runner.py does."""
     tokens = tokens or {}
     return SchedulerOutput(list(new_reqs), cached or CachedRequestData.make_empty(), tokens, sum(tokens.values()),
                            {}, {}, set(finished), [])
@@ -506,8 +506,10 @@ def render(m: dict, models: dict, taps: list[dict], tg: list[dict]) -> str:
         for i, (metric, a, b, r) in enumerate(rows):
             lines.append(row.format(lab[i] if i < len(lab) else "", metric, a, b, r))
     lines.append("")
-    lines.append(f"A/B: ours/transformers (above 1 = ours faster) for tok/s; tap on/off (below 1.03 = target) for walls. "
-                 f"decode: {S} steps per repeat from context {CONTEXT}. B prefill uses logits_to_keep=1 like generate()")
+    lines.append(f"A/B: ours/transformers (above 1 = ours faster) for tok/s; tap on/off (below 1.03 = target) for "
+                 f"walls. "
+                 f"decode: {S} steps per repeat from context {CONTEXT}. B prefill uses logits_to_keep=1 like "
+                  "generate()")
     lines.append("mode rows (sdpa per request, batch-invariant): A = ours in that mode, B = ours by default (batched "
                  "attention); below 1 = the mode's cost")
     lines += ["", "targets:"]

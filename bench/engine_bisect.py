@@ -8,7 +8,7 @@
 2. `replay run --runner vllm` on the recorded layout, then with `--set tensor_parallel_size=1`, and `bisect layers`
    at the first divergence against tensor_parallel_size=1.
 3. `bisect batch` on vLLM's runner and on ours, on an offline capture of a Llama wide enough for float32 batch
-   variance (`tests.vllm_checkpoints.wide_llama`).
+   variance (`testbed.checkpoints.wide_llama`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import urllib.request
 from pathlib import Path
 
 from replay.integrations.vllm.layout import omp_threads_bind
-from tests.vllm_captures import record
-from tests.vllm_checkpoints import add_tokenizer, real_vocab_qwen2, wide_llama
+from testbed.checkpoints import add_tokenizer, real_vocab_qwen2, wide_llama
+from testbed.vllm_record import record
 
 
 def replay(*args: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """Keyframe cost: what the writer's shadow of the request table costs per step, and what one keyframe costs, at 256
-live requests with long contexts (DESIGN §9).
+live requests with long contexts (docs/design.md, "The flight recorder").
 
 Method: a synthetic engine stream (`replay.record.synth`: 256 requests decoding at once, prompts of 1,000-2,000
 tokens, outputs of 500-2,000, top-5 logprobs, 16-token blocks) written by a `CaptureWriter` three ways, in rotating
@@ -127,10 +127,12 @@ def render(res: dict) -> str:
         lines.append(f"  {v:<24} {c['min']:.3f} / {c['median']:.3f} / {c['max']:.3f} ms   capture {r['bytes']:,} B")
     k = res["keyframe"]
     lines.append(f"one keyframe: {k['live_requests']} live requests, {k['tokens']:,} tokens, {k['raw_bytes']:,} B raw, "
-                 f"{k['zstd_bytes']:,} B compressed ({k['bytes_per_token']:.2f} B/token), built in {k['build_ms']:.1f} ms")
+                 f"{k['zstd_bytes']:,} B compressed ({k['bytes_per_token']:.2f} B/token), built in "
+                 f"{k['build_ms']:.1f} ms")
     if "ring" in res:
         r = res["ring"]
-        lines.append(f"a {r['size_mb']:.0f} MB ring over {r['steps']:,} steps ({r['segments_written']} segments written), "
+        lines.append(f"a {r['size_mb']:.0f} MB ring over {r['steps']:,} steps ({r['segments_written']} segments "
+                     f"written), "
                      f"at each tenth: RSS {r['rss_mb']} MB; on disk {r['disk_mb']} MB")
     return "\n".join(lines)
 

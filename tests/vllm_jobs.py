@@ -8,9 +8,10 @@ independent captures start them together (`side_by_side`) and each test then che
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

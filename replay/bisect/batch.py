@@ -10,15 +10,16 @@ changes R's logits, or the verdict that R is batch-invariant at S.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
 
 from replay.bisect.ddmin import Ddmin
-from replay.bisect.session import make_session
+from replay.bisect.open_session import make_session
 from replay.diff import Tolerance
-from replay.replayer.environment import applied, in_environment
+from replay.processes.environment import applied, in_environment
 from replay.replayer.knobs import env_knobs
 
 PAD_SIZES = (1, 2, 3, 4, 8, 16, 32)
@@ -99,15 +100,18 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
     pads = []
     for k in (k for k in PAD_SIZES if k <= s.max_padding):
         r = run({rid}, pad=k)
-        pads.append(PadResult(k, not differs(r.logits, alone.logits, tol), float((r.logits - alone.logits).abs().max())))
+        pads.append(PadResult(k, not differs(r.logits, alone.logits, tol),
+                              float((r.logits - alone.logits).abs().max())))
     invariant = not minimal
     names = s.names(minimal)
     if invariant:
-        verdict = f"request {request} is batch-invariant at step {step}: alone and with its {len(others)} neighbours it gives the same logits"
+        verdict = (f"request {request} is batch-invariant at step {step}: alone and with its {len(others)} "
+                   "neighbours it gives the same logits")
     elif len(names) == 1:
         verdict = f"request {request}'s numerics at step {step} change when {names[0]} shares its batch"
     else:
-        verdict = f"request {request}'s numerics at step {step} change with {len(names)} neighbours together: {', '.join(names)}"
+        verdict = (f"request {request}'s numerics at step {step} change with {len(names)} neighbours together: "
+                   f"{', '.join(names)}")
     size_dep = [p.padding for p in pads if not p.same_as_alone]
     if size_dep:
         verdict += f"; batch size alone changes them too (with {size_dep[0]}+ padding requests)"

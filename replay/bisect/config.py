@@ -4,15 +4,15 @@ minimal change that makes the replay diverge."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 
 from replay.bisect.ddmin import Ddmin
 from replay.capture import StepRange
 from replay.errors import UsageError
+from replay.processes.fanout import FanOut, fan_out
 from replay.replayer import ReplayOptions, parse_overrides, replay_capture
-from replay.replayer.fanout import FanOut, fan_out
 from replay.replayer.knobs import split_knobs
 
 

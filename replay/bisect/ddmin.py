@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Callable, Hashable, Sequence, TypeVar
+from typing import TypeVar
 
 from replay.errors import UsageError
 
@@ -62,7 +63,8 @@ class Ddmin:
         if key not in self._cache:
             self._cache[key] = bool(self._test(tuple(subset)))
             self._save()
-            self.log(f"  test {len(self._cache)}: {len(subset)} item(s) -> {'changes it' if self._cache[key] else 'no change'}")
+            said = "changes it" if self._cache[key] else "no change"
+            self.log(f"  test {len(self._cache)}: {len(subset)} item(s) -> {said}")
         return self._cache[key]
 
     def prefetch(self, subsets: Sequence[Sequence[T]]) -> None:

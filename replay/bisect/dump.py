@@ -11,19 +11,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from replay.bisect.module_compare import LayersBisect, compare_modules, module_verdict
+from replay.bisect.session import Run
 from replay.errors import UsageError
-
-if TYPE_CHECKING:
-    from replay.bisect.layers import LayersBisect
-    from replay.bisect.session import Run
 
 BEFORE = 2  # modules kept before the first differing one
 DIFFERING = 3  # differing modules kept from the first one on
 
 
-def dump_window(res: "LayersBisect") -> list[str]:
+def dump_window(res: LayersBisect) -> list[str]:
     """The modules dumped: the `BEFORE` modules before the first differing one, and the first `DIFFERING` differing
     modules; none when no module differs."""
     names = [m.module for m in res.modules]
@@ -48,7 +46,7 @@ def _computed_by(runner: str) -> dict[str, str]:
     return out
 
 
-def write_dump(directory: str | os.PathLike, res: "LayersBisect", a: "Run", b: "Run", every: bool = False) -> str:
+def write_dump(directory: str | os.PathLike, res: LayersBisect, a: Run, b: Run, every: bool = False) -> str:
     """Write `a.safetensors` and `b.safetensors` (module name -> [rows, features] tensor, as each side computed it;
     `every`: every module, else `dump_window`'s) and `index.json` into `directory`; returns its path."""
     from safetensors.torch import save_file
@@ -102,11 +100,9 @@ def _load(directory: str | os.PathLike) -> tuple[dict, list[tuple[str, Any]]]:
     return index, modules
 
 
-def compare_dumps(a: str | os.PathLike, b: str | os.PathLike) -> "LayersBisect":
+def compare_dumps(a: str | os.PathLike, b: str | os.PathLike) -> LayersBisect:
     """The first module whose output differs between two dumps' side A (`--dump-all` of one step and request, made in
     two installs), and how the difference grows; both must hold the same step and request."""
-    from replay.bisect.layers import LayersBisect, compare_modules
-
     ia, ma = _load(a)
     ib, mb = _load(b)
     if (ia["step"], ia["request"]) != (ib["step"], ib["request"]):
@@ -118,12 +114,8 @@ def compare_dumps(a: str | os.PathLike, b: str | os.PathLike) -> "LayersBisect":
     apart = len({n for n, _ in ma} | {n for n, _ in mb}) - len(diffs)
     what = lambda i: ", ".join(f"{k} {v}" for k, v in i.get("computed_by", {}).items() if k != "replay")  # noqa: E731
     first = next((d for d in diffs if not d.equal), None)
-    head = f"request {ia['request']} at step {ia['step']}"
-    if first is None:
-        verdict = f"{head}: every module's output ({len(diffs)} compared) is bitwise the same in {a} and {b}"
-    else:
-        verdict = (f"{head}: the first module whose output differs between {a} and {b} is {first.module} "
-                   f"(max |Δ| {first.max_abs:.3g}, {first.max_ulps:.3g} ULPs)")
+    verdict = module_verdict(f"request {ia['request']} at step {ia['step']}", diffs, f"in {a} and {b}",
+                             f"between {a} and {b}")
     notes = [f"{a}: {what(ia)}", f"{b}: {what(ib)}"]
     if apart:
         notes.append(f"{apart} modules not compared: in one dump only, or of another shape")

@@ -10,79 +10,16 @@ step under other knobs (any `--set` knob: `tensor_parallel_size=1`, `vllm.kv_cac
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
-import msgspec
-import numpy as np
-import torch
-
-from replay.bisect.session import Run, make_session
+from replay.bisect.dump import write_dump
+from replay.bisect.module_compare import LayersBisect, compare_modules, module_verdict
+from replay.bisect.open_session import make_session
+from replay.bisect.session import Run
 from replay.errors import CannotTestError
+from replay.processes.environment import applied, in_environment
 from replay.replayer import Plant, parse_overrides
-from replay.replayer.environment import applied, in_environment
 from replay.replayer.knobs import env_knobs, split_knobs
-
-
-class ModuleDiff(msgspec.Struct):
-    """One module's output for R, side A against side B."""
-
-    module: str
-    equal: bool
-    max_abs: float
-    max_ulps: float  # in the coarser of the two dtypes
-    gathered: bool = False  # sharded across tensor-parallel ranks on a side, compared put back together
-
-
-class LayersBisect(msgspec.Struct):
-    """The answer of `bisect layers`."""
-
-    capture: str
-    step: int
-    request: str
-    against: str
-    verdict: str
-    first_module: str | None
-    modules: list[ModuleDiff]  # in execution order
-    runner: str = "builtin"
-    notes: list[str] = []  # how the sides were run, and how they differ from the recording
-    dump: str | None = None  # the directory `--dump` wrote
-
-
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest distance between two outputs in representable values of the coarser dtype (how many floats of
-    that dtype lie between them, across zero too; a NaN on either side is left out)."""
-    dtype = a.dtype if torch.finfo(a.dtype).eps >= torch.finfo(b.dtype).eps else b.dtype
-    if dtype not in _BITS:
-        dtype = torch.float32
-    x, y = a.to(dtype).contiguous(), b.to(dtype).contiguous()
-
-    def ordered(t: torch.Tensor) -> np.ndarray:  # the float's bits as integers in the floats' order, as uint64
-        i = t.view(_BITS[dtype]).numpy().astype(np.int64)
-        low = -(1 << (8 * t.element_size() - 1))  # the bits of -0.0
-        return np.where(i >= 0, i, low - i).astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63)  # sign-shifted
-
-    ox, oy = ordered(x), ordered(y)
-    u = np.where(ox >= oy, ox - oy, oy - ox).astype(np.float64)  # exact in integers, then a float to report
-    u[(x.isnan() | y.isnan()).numpy()] = np.nan
-    return float(np.nanmax(u, initial=0.0))
-
-
-def compare_modules(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]],
-                    gathered: set[str] = frozenset()) -> list[ModuleDiff]:
-    """Diff two runs' module outputs, in side A's execution order (modules side B lacks are skipped)."""
-    other = dict(b)
-    out = []
-    for name, ta in a:
-        tb = other.get(name)
-        if tb is None or ta.shape != tb.shape:
-            continue
-        equal = ta.dtype == tb.dtype and torch.equal(ta, tb)
-        diff = 0.0 if equal else float((ta.double() - tb.double()).abs().max())
-        out.append(ModuleDiff(name, equal, diff, 0.0 if equal else _ulps(ta, tb), name in gathered))
-    return out
 
 
 def side_runs(path: str, step: int, request: str, overrides: dict[str, str], runs: list[tuple[bool, Plant | None]],
@@ -90,7 +27,7 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
               fresh: bool = False) -> tuple[str, list[str], list[Run]]:
     """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
     Returns R's internal id, the session's notes and the runs. With environment knobs, or `fresh`, this runs in a
-    fresh process started with them (`replay.replayer.environment`)."""
+    fresh process started with them (`replay.processes.environment`)."""
     env = env_knobs(overrides)
     if fresh or (env and not applied(env)):
         return in_environment(env, side_runs, path, step, request, overrides, runs, force)
@@ -134,15 +71,10 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     first = next((d for d in diffs if not d.equal), None)
     what = against + (f" + planted {plant.size:g} in {plant.module}" if plant else "")
     on = " on vLLM's runner" if runner == "vllm" else ""
-    if first is None:
-        verdict = (f"request {request} at step {step}{on}: every module's output ({len(diffs)} compared) is bitwise "
-                   f"the same against {what}")
-    else:
-        verdict = (f"request {request} at step {step}{on}: the first module whose output differs against {what} is "
-                   f"{first.module} (max |Δ| {first.max_abs:.3g}, {first.max_ulps:.3g} ULPs)")
+    verdict = module_verdict(f"request {request} at step {step}{on}", diffs, f"against {what}", f"against {what}")
     shapes = {n: t.shape for n, t in b.modules}
     apart = [n for n, t in a.modules if n in shapes and shapes[n] != t.shape]
-    if apart:  # e.g. K/V heads replicated across more ranks than there are heads: their shards are not a layout
+    if apart:  # e.g. K/V heads replicated across more ranks than there are heads: their shards do not put back together
         notes.append(f"{len(apart)} modules not compared, their outputs' shapes differ between the sides: "
                      f"{', '.join(apart[:3])}{', ...' if len(apart) > 3 else ''}")
     if against == "solo" and runner == "vllm":
@@ -153,7 +85,5 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
         notes.append(f"{gathered} module outputs are sharded across tensor-parallel ranks: compared put back together")
     res = LayersBisect(path, step, request, what, verdict, first.module if first else None, diffs, runner, notes)
     if dump is not None:
-        from replay.bisect.dump import write_dump
-
         res.dump = write_dump(dump, res, a, b, every=dump_all)
     return res

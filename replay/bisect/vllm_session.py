@@ -10,7 +10,8 @@ graph); a compiled recording is replayed eager, and the session's notes say so.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from replay.bisect.session import Run, Session, padded
 from replay.capture import CaptureReader, EngineConfig, Step
@@ -110,10 +111,7 @@ class VllmStepSession(Session):
                                                                               if skip else ""))
             self._replay(skip)
         self._fresh = False
-        so = self.step.scheduler_output.without(skip)
-        grammar = self.step.grammar_output
-        if grammar is not None and skip:
-            grammar = grammar.without(skip, self.step.scheduler_output.scheduled_spec_decode_tokens)
+        so, grammar = self.without(skip)
         if pad:
             spare = (b for b in range(self.runner.num_blocks - 1, 0, -1) if b not in self._blocks)
             so = padded(so, pad, spare)

@@ -1,8 +1,8 @@
-"""The `replay` command: parse, call one library function, render, map errors to exit codes (DESIGN §6).
+"""The `replay` command: parse, call one library function, render, map errors to exit codes (docs/design.md, "Errors").
 
-Results go to stdout, diagnostics to stderr. Every error is one line (`replay: <file>: <problem>`), never a
-traceback (`replay -v` shows it). Exit codes: 0 ok, 1 divergence / nothing recoverable, 2 usage or unreadable input, 3 completed on a
-damaged capture, 125 cannot test.
+Results go to stdout, diagnostics to stderr. Every error is one line (`replay: <file>: <problem>`), never a traceback
+(`replay -v` shows it). Exit codes: 0 ok, 1 divergence / nothing recoverable, 2 usage or unreadable input, 3 completed
+on a damaged capture, 125 cannot test.
 """
 
 from __future__ import annotations

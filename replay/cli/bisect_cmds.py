@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -29,15 +28,16 @@ from replay.cli.common import (
     replay_options,
     step_range,
 )
+from replay.diff.rules import DEFAULT_TIE_MARGIN
 from replay.errors import EXIT_DAMAGED
 
 
 @bisect_command
 def bisect_steps(
     a: Path = typer.Argument(..., help="Capture (replayed and diffed), or capture A of two."),
-    b: Optional[Path] = typer.Argument(None, help="Capture B: compare two captures instead of replaying."),
+    b: Path | None = typer.Argument(None, help="Capture B: compare two captures instead of replaying."),
     mode: str = ModeOpt,
-    set_: Optional[list[str]] = SetOpt,
+    set_: list[str] | None = SetOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
     json: bool = JsonOpt,
@@ -46,7 +46,7 @@ def bisect_steps(
     from replay.bisect.steps import bisect_steps as run_it
     from replay.cli.render_replay import render_bisect_steps
 
-    opts = replay_options(mode, set_, None, atol, rtol, 0.05, 1, False, None)
+    opts = replay_options(mode, set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, False, None)
     res = run_it(a, b, opts=opts, tol=opts.tolerance)
     emit(res, render_bisect_steps, json=json)
     if res.step is not None:
@@ -62,9 +62,9 @@ def bisect_batch(
     request: str = typer.Option(..., "--request", help="The request to watch (external or internal id)."),
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
-    set_: Optional[list[str]] = SetOpt,
-    runner: Optional[str] = RunnerOpt,
-    state: Optional[Path] = StateOpt,
+    set_: list[str] | None = SetOpt,
+    runner: str | None = RunnerOpt,
+    state: Path | None = StateOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
@@ -86,12 +86,19 @@ def bisect_layers(
     capture: Path = CaptureArg,
     step: int = typer.Option(..., "--step", min=0),
     request: str = typer.Option(..., "--request"),
-    against: str = typer.Option("solo", "--against", help="solo (REQUEST alone), same, or KNOB=VALUE,... for side B (dtype=bfloat16, tensor_parallel_size=1, vllm.ARG=V, env.NAME=V)."),
-    plant: Optional[str] = PlantOpt,
-    runner: Optional[str] = typer.Option(None, "--runner", help="builtin (our modules, the default) | vllm (vLLM's own model and kernels, in every worker)."),
-    set_: Optional[list[str]] = SetOpt,
-    dump: Optional[Path] = typer.Option(None, "--dump", help="Write both sides' outputs of the first differing modules (and those just before) as safetensors, with index.json."),
-    dump_all: bool = typer.Option(False, "--dump-all", help="With --dump: every module's output (for `bisect dumps` across two installs)."),
+    against: str = typer.Option("solo", "--against",
+                                help="solo (REQUEST alone), same, or KNOB=VALUE,... for side B (dtype=bfloat16, "
+                                     "tensor_parallel_size=1, vllm.ARG=V, env.NAME=V)."),
+    plant: str | None = PlantOpt,
+    runner: str | None = typer.Option(None, "--runner",
+                                      help="builtin (our modules, the default) | vllm (vLLM's own model and kernels, "
+                                           "in every worker)."),
+    set_: list[str] | None = SetOpt,
+    dump: Path | None = typer.Option(None, "--dump",
+                                     help="Write both sides' outputs of the first differing modules (and those just "
+                                          "before) as safetensors, with index.json."),
+    dump_all: bool = typer.Option(False, "--dump-all",
+                                  help="With --dump: every module's output (for `bisect dumps` across two installs)."),
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
@@ -126,11 +133,11 @@ def bisect_config(
     capture: Path = CaptureArg,
     good: str = typer.Option("", "--good", help="Knobs that replay within tolerance, K=V,... (default: as recorded)."),
     bad: str = typer.Option(..., "--bad", help="Knobs that diverge, K=V,..."),
-    steps: Optional[str] = StepsOpt,
-    state: Optional[Path] = StateOpt,
+    steps: str | None = StepsOpt,
+    state: Path | None = StateOpt,
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
-    ray_address: Optional[str] = RayAddressOpt,
+    ray_address: str | None = RayAddressOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:

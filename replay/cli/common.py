@@ -6,12 +6,14 @@ import functools
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import typer
 from typer.core import TyperGroup
 
 from replay.capture.reading.step_range import StepRange
+from replay.diff.rules import DEFAULT_TIE_MARGIN
 from replay.errors import (
     EXIT_DAMAGED,
     EXIT_OK,
@@ -23,8 +25,8 @@ from replay.errors import (
 
 if TYPE_CHECKING:
     from replay.capture import Damage
+    from replay.processes.fanout import FanOut
     from replay.replayer import ReplayOptions
-    from replay.replayer.fanout import FanOut
 
 # `replay --help` lists the commands in the order of a user's day, then the rest as they were registered
 DAY = ("record", "snapshot", "run", "diff", "info", "show", "report", "bisect", "stress", "check")
@@ -170,17 +172,12 @@ def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: f
                    runner: str | None = None, tolerance: str | None = None) -> ReplayOptions:
     """ReplayOptions from the replay commands' shared flags (`--runner R` is `--set runner=R`; `--tolerance auto`
     chooses between bitwise and a cross-hardware tolerance, and cannot be mixed with --atol/--rtol)."""
-    from replay.diff import Tolerance
-    from replay.errors import UsageError
     from replay.replayer import Plant, ReplayOptions, parse_overrides
 
-    if tolerance not in (None, "auto", "bitwise"):
-        raise UsageError(f"--tolerance {tolerance}: use auto or bitwise (or --atol/--rtol for numbers)")
-    if tolerance is not None and (atol or rtol):
-        raise UsageError(f"--tolerance {tolerance} decides the tolerance itself: drop --atol/--rtol, or it")
+    tol, auto = ReplayOptions.tolerance_from(tolerance, atol, rtol, tie_margin)
     knobs = set_ if runner is None else [*(set_ or []), f"runner={runner}"]
     return ReplayOptions(mode=mode, overrides=parse_overrides(knobs), steps=step_range(steps),
-                         tolerance=Tolerance(atol, rtol, tie_margin), auto_tolerance=tolerance == "auto",
+                         tolerance=tol, auto_tolerance=auto,
                          repeat=repeat, force=force,
                          plant=Plant.parse(plant) if plant else None, diff=diff,
                          progress=step_progress if sys.stderr.isatty() else None)
@@ -198,29 +195,39 @@ CaptureArg = typer.Argument(..., help="Capture file.", show_default=False)
 CaptureSetArg = typer.Argument(..., help="Capture file, or a directory or glob of them (one per data-parallel rank).",
                                show_default=False)
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
-ModeOpt = typer.Option("forced", "--mode", help="forced: recorded tokens fed back each step (local diffs); free: the runner's own.")
-SetOpt = typer.Option(None, "--set", help="Override a knob for the replay (repeatable): dtype, attention, threads, device, model, seed, runner, vLLM's layout knobs, vllm.ARG=VALUE (any vLLM engine argument), env.NAME=VALUE (an environment variable, in a fresh process).")
+ModeOpt = typer.Option("forced", "--mode",
+                       help="forced: recorded tokens fed back each step (local diffs); free: the runner's own.")
+SetOpt = typer.Option(None, "--set",
+                      help="Override a knob for the replay (repeatable): dtype, attention, threads, device, model, "
+                      "seed, runner, vLLM's layout knobs, vllm.ARG=VALUE (any vLLM engine argument), env.NAME=VALUE "
+                      "(an environment variable, in a fresh process).")
 JobsOpt = typer.Option(1, "--jobs", "-j", min=1, help="Run N replays at once, in local processes.")
 RayOpt = typer.Option(False, "--ray", help="One Ray task per replay, on the cluster at RAY_ADDRESS (or --ray-address), "
-                      "else on a local single-node one.")
+                                           "else on a local single-node one.")
 RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to join (implies --ray).")
 
 
-def fan_out_options(jobs: int, ray: bool, ray_address: str | None) -> "FanOut":
+def fan_out_options(jobs: int, ray: bool, ray_address: str | None) -> FanOut:
     """Where independent replays run, from --jobs / --ray / --ray-address."""
-    from replay.replayer.fanout import FanOut
+    from replay.processes.fanout import FanOut
 
     return FanOut(jobs=jobs, ray=ray or ray_address is not None, ray_address=ray_address)
 
 
-RunnerOpt = typer.Option(None, "--runner", help="builtin (the reference runner) | vllm (vLLM's own model runner); same as --set runner=...")
-StepsOpt = typer.Option(None, "--steps", help="Diff only steps A-B (steps before A still run: state is rebuilt from step 0).")
+RunnerOpt = typer.Option(None, "--runner",
+                         help="builtin (the reference runner) | vllm (vLLM's own model runner); same as --set "
+                              "runner=...")
+StepsOpt = typer.Option(None, "--steps",
+                        help="Diff only steps A-B (steps before A still run: state is rebuilt from step 0).")
 AtolOpt = typer.Option(0.0, "--atol", min=0, help="Absolute logprob tolerance (default: bitwise).")
 RtolOpt = typer.Option(0.0, "--rtol", min=0, help="Relative logprob tolerance (default: bitwise).")
 ToleranceOpt = typer.Option(None, "--tolerance", help="auto: bitwise on the recording's hardware, else the "
                             "measured cross-hardware tolerance (it says which it took); bitwise: the default.")
-TieOpt = typer.Option(0.05, "--tie-margin", min=0, help="A token flip at a top1-top2 margin below this is a tie flip.")
+TieOpt = typer.Option(DEFAULT_TIE_MARGIN, "--tie-margin", min=0,
+                      help="A token flip at a top1-top2 margin below this is a tie flip.")
 ForceOpt = typer.Option(False, "--force", help="Replay even on a model whose weights differ from the recording's.")
-PlantOpt = typer.Option(None, "--plant", help="Plant a divergence: STEP:REQUEST:MODULE:SIZE adds SIZE to that module's output.")
+PlantOpt = typer.Option(None, "--plant",
+                        help="Plant a divergence: STEP:REQUEST:MODULE:SIZE adds SIZE to that module's output.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress lines on stderr.")
-StateOpt = typer.Option(None, "--state", help="JSON file keeping every re-execution's result: an interrupted run resumes from it.")
+StateOpt = typer.Option(None, "--state",
+                        help="JSON file keeping every re-execution's result: an interrupted run resumes from it.")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -44,9 +43,10 @@ def info(capture: Path = CaptureSetArg, json: bool = JsonOpt) -> None:
 @command
 def show(
     capture: Path = CaptureArg,
-    step: Optional[str] = typer.Option(None, "--step", "-s", help="Step N, range A-B, or A- (to the end)."),
-    request: Optional[str] = typer.Option(None, "--request", "-r", help="Only steps scheduling this request (internal or external id)."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many steps."),
+    step: str | None = typer.Option(None, "--step", "-s", help="Step N, range A-B, or A- (to the end)."),
+    request: str | None = typer.Option(None, "--request", "-r",
+                                       help="Only steps scheduling this request (internal or external id)."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="At most this many steps."),
     json: bool = JsonOpt,
 ) -> None:
     """One step (or a range, or one request's steps) as a human reads it."""
@@ -61,7 +61,9 @@ def show(
 @command
 def recover(
     capture: Path = CaptureArg,
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write (default: NAME without .partial, or NAME.recovered.capture)."),
+    output: Path | None = typer.Option(None, "--output", "-o",
+                                       help="Where to write (default: NAME without .partial, or "
+                                            "NAME.recovered.capture)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
     json: bool = JsonOpt,
 ) -> None:
@@ -82,7 +84,7 @@ def export(
     capture: Path = CaptureArg,
     format: str = typer.Option("jsonl", "--format", "-f", help="Output format: jsonl (one JSON object per record) "
                                "or perfetto (a trace-event JSON timeline for ui.perfetto.dev and chrome://tracing)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write to a file instead of stdout."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write to a file instead of stdout."),
 ) -> None:
     """Every record of a capture, one JSON object per line, for other tools; or (--format perfetto) its steps and
     requests as a timeline to open in ui.perfetto.dev or chrome://tracing."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -30,43 +29,75 @@ _SC, _RC = SchedulerConfig(), RunnerConfig()
 
 @command
 def record(
-    prompts: Optional[Path] = typer.Option(None, "--prompts", "-p", help="JSONL: prompt or prompt_token_ids, request_id, arrival_step, SamplingParams fields."),
-    engine: str = typer.Option("builtin", "--engine", "-e", help="builtin (the reference engine) | vllm (a real vLLM engine, in-process, with the tap attached)."),
-    model: str = typer.Option("tiny", "--model", "-m", help="'tiny' (builtin, generated from a fixed seed) or a local HF checkpoint directory."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=f"{_RC.dtype} (default) | bfloat16 | float16 | float64 (builtin)."),
-    device: Optional[str] = typer.Option(None, "--device", help=f"Builtin engine: {_RC.device} (default), cuda, cuda:1, ..."),
-    attention: Optional[str] = typer.Option(None, "--attention", help=f"Builtin engine: batched | sdpa | reference (default {_RC.attention_impl}; sdpa attends per request)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Builtin engine: torch intra-op threads."),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", min=1, help=f"Default {_SC.max_num_seqs} (builtin) or vLLM's."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", min=1, help=f"Default {_SC.max_num_batched_tokens} (builtin) or vLLM's."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help=f"Default {_SC.block_size} (builtin) or vLLM's (a multiple of 32 on CPU)."),
-    num_blocks: Optional[int] = typer.Option(None, "--num-blocks", min=1, help=f"KV blocks. Default {_SC.num_gpu_blocks} (builtin) or what vLLM's memory budget gives."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=2, help=f"Default {_SC.max_model_len} (builtin) or the model's."),
-    prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help=f"Default {'on' if _SC.enable_prefix_caching else 'off'}."),
-    batch_invariant: Optional[bool] = typer.Option(None, "--batch-invariant", help="Builtin engine: batch-invariant runner (slower; see README)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Engine seed (seeds drawn for unseeded requests) and synthetic workload seed (default 0)."),
+    prompts: Path | None = typer.Option(None, "--prompts", "-p",
+                                        help="JSONL: prompt or prompt_token_ids, request_id, arrival_step, "
+                                             "SamplingParams fields."),
+    engine: str = typer.Option("builtin", "--engine", "-e",
+                               help="builtin (the reference engine) | vllm (a real vLLM engine, in-process, with the "
+                                    "tap attached)."),
+    model: str = typer.Option("tiny", "--model", "-m",
+                              help="'tiny' (builtin, generated from a fixed seed) or a local HF checkpoint directory."),
+    dtype: str | None = typer.Option(None, "--dtype",
+                                     help=f"{_RC.dtype} (default) | bfloat16 | float16 | float64 (builtin)."),
+    device: str | None = typer.Option(None, "--device",
+                                      help=f"Builtin engine: {_RC.device} (default), cuda, cuda:1, ..."),
+    attention: str | None = typer.Option(None, "--attention",
+                                         help=f"Builtin engine: batched | sdpa | reference (default "
+                                              f"{_RC.attention_impl}; sdpa attends per request)."),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="Builtin engine: torch intra-op threads."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1,
+                                            help=f"Default {_SC.max_num_seqs} (builtin) or vLLM's."),
+    max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens", min=1,
+                                                      help=f"Default {_SC.max_num_batched_tokens} (builtin) or "
+                                                           "vLLM's."),
+    block_size: int | None = typer.Option(None, "--block-size", min=1,
+                                          help=f"Default {_SC.block_size} (builtin) or vLLM's (a multiple of 32 on "
+                                               f"CPU)."),
+    num_blocks: int | None = typer.Option(None, "--num-blocks", min=1,
+                                          help=f"KV blocks. Default {_SC.num_gpu_blocks} (builtin) or what vLLM's "
+                                               f"memory budget gives."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", min=2,
+                                             help=f"Default {_SC.max_model_len} (builtin) or the model's."),
+    prefix_caching: bool | None = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                               help=f"Default {'on' if _SC.enable_prefix_caching else 'off'}."),
+    batch_invariant: bool | None = typer.Option(None, "--batch-invariant",
+                                                help="Builtin engine: batch-invariant runner (slower; see README)."),
+    seed: int | None = typer.Option(None, "--seed",
+                                    help="Engine seed (seeds drawn for unseeded requests) and synthetic workload seed "
+                                         "(default 0)."),
     num_requests: int = typer.Option(16, "--num-requests", min=1, help="Synthetic workload: requests."),
     prompt_len: str = typer.Option("8:48", "--prompt-len", help="Synthetic workload: MIN:MAX prompt tokens."),
     output_len: str = typer.Option("8:32", "--output-len", help="Synthetic workload: MIN:MAX output tokens."),
-    arrival_rate: float = typer.Option(2.0, "--arrival-rate", min=0, help="Synthetic workload: mean arrivals per step (0: all at once)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", min=0, help="Sampling default for every request."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", min=0, max=1),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1),
-    logprobs: Optional[int] = typer.Option(None, "--logprobs", min=-1),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Capture path (default: captures/<model>-<time>.capture)."),
-    flush_interval: Optional[float] = typer.Option(None, "--flush-interval", min=0.01, help="Seconds before an open chunk is written (default 1): bounds what a crash of the writer can lose."),
-    ring: Optional[str] = typer.Option(None, "--ring", help="Builtin engine: record into a ring of SIZE bytes (e.g. 4MB) in the directory OUT: a bounded flight recorder; `replay snapshot OUT` seals its window."),
-    keyframe_steps: Optional[int] = typer.Option(None, "--keyframe-steps", min=0, help="Steps between keyframes, where `run --from-keyframe` can start (default 4096, or REPLAY_KEYFRAME_STEPS; 0: none)."),
-    vllm_arg: Optional[list[str]] = typer.Option(None, "--vllm-arg", help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, e.g. gpu_memory_utilization=0.5 (repeatable)."),
+    arrival_rate: float = typer.Option(2.0, "--arrival-rate", min=0,
+                                       help="Synthetic workload: mean arrivals per step (0: all at once)."),
+    temperature: float | None = typer.Option(None, "--temperature", min=0, help="Sampling default for every request."),
+    top_p: float | None = typer.Option(None, "--top-p", min=0, max=1),
+    top_k: int | None = typer.Option(None, "--top-k"),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1),
+    logprobs: int | None = typer.Option(None, "--logprobs", min=-1),
+    out: Path | None = typer.Option(None, "--out", "-o",
+                                    help="Capture path (default: captures/<model>-<time>.capture)."),
+    flush_interval: float | None = typer.Option(None, "--flush-interval", min=0.01,
+                                                help="Seconds before an open chunk is written (default 1): bounds "
+                                                     "what a crash of the writer can lose."),
+    ring: str | None = typer.Option(None, "--ring",
+                                    help="Builtin engine: record into a ring of SIZE bytes (e.g. 4MB) in the "
+                                         "directory OUT: a bounded flight recorder; `replay snapshot OUT` seals its "
+                                         "window."),
+    keyframe_steps: int | None = typer.Option(None, "--keyframe-steps", min=0,
+                                              help="Steps between keyframes, where `run --from-keyframe` can start "
+                                                   "(default 4096, or REPLAY_KEYFRAME_STEPS; 0: none)."),
+    vllm_arg: list[str] | None = typer.Option(None, "--vllm-arg",
+                                              help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, "
+                                                   "e.g. gpu_memory_utilization=0.5 (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
     json: bool = JsonOpt,
 ) -> None:
     """Run an engine (builtin, or a real vLLM) on a workload with the tap on; write every step to a capture."""
+    from replay.capture.flight import parse_size
     from replay.cli.render_capture import render_record
     from replay.record import EngineOptions, SyntheticWorkload, workload_requests
     from replay.record import record as do_record
-    from replay.capture.flight import parse_size
     from replay.record.options import parse_vllm_args
 
     options = EngineOptions(engine, model, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
@@ -87,7 +118,9 @@ def record(
 
 @command
 def snapshot(
-    ring: Path = typer.Argument(..., help="The ring's directory (REPLAY_CAPTURE of a recorder with REPLAY_CAPTURE_RING set, or `record --ring SIZE --out DIR`).", show_default=False),
+    ring: Path = typer.Argument(...,
+                                help="The ring's directory (REPLAY_CAPTURE of a recorder with REPLAY_CAPTURE_RING "
+                                     "set, or `record --ring SIZE --out DIR`).", show_default=False),
     after: int = typer.Option(0, "--after", min=0, help="Wait for N more steps first."),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds to wait for the snapshot."),
     json: bool = JsonOpt,
@@ -103,7 +136,8 @@ def snapshot(
 
 @command
 def demo(
-    output: Path = typer.Option(Path("captures/demo.capture"), "--output", "-o", help="Where to write the demo capture."),
+    output: Path = typer.Option(Path("captures/demo.capture"), "--output", "-o",
+                                help="Where to write the demo capture."),
 ) -> None:
     """The main job on the embedded default: record the default workload on `tiny`, inspect the capture, replay it
     bit for bit, then replay it in bfloat16 to show what a divergence report looks like."""
@@ -115,29 +149,32 @@ def demo(
 
 @command
 def stress(
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Text prompt (the model's tokenizer)."),
-    prompt_token_ids: Optional[str] = typer.Option(None, "--prompt-token-ids", help="Comma-separated token ids."),
+    prompt: str | None = typer.Option(None, "--prompt", help="Text prompt (the model's tokenizer)."),
+    prompt_token_ids: str | None = typer.Option(None, "--prompt-token-ids", help="Comma-separated token ids."),
     model: str = typer.Option("tiny", "--model", "-m"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=f"{_RC.dtype} (default) | bfloat16 | float16 | float64."),
+    dtype: str | None = typer.Option(None, "--dtype", help=f"{_RC.dtype} (default) | bfloat16 | float16 | float64."),
     trials: int = typer.Option(20, "--trials", min=2, help="How many times to run the prompt."),
     max_tokens: int = typer.Option(24, "--max-tokens", min=1),
     neighbours: str = typer.Option("0:12", "--neighbours", help="MIN:MAX random co-batched requests per trial."),
-    batch_invariant: Optional[bool] = typer.Option(None, "--batch-invariant", help="Run the builtin runner's batch-invariant mode."),
+    batch_invariant: bool | None = typer.Option(None, "--batch-invariant",
+                                                help="Run the builtin runner's batch-invariant mode."),
     threads: int = typer.Option(1, "--threads", min=1),
     seed: int = typer.Option(0, "--seed"),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="env.NAME=VALUE: an environment variable the engine runs with (repeatable)."),
+    set_: list[str] | None = typer.Option(None, "--set",
+                                          help="env.NAME=VALUE: an environment variable the engine runs with "
+                                               "(repeatable)."),
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
-    ray_address: Optional[str] = RayAddressOpt,
+    ray_address: str | None = RayAddressOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """The same prompt N times, greedy, under varied co-batching: how many unique completions and logprob sequences?
     Trials run in parallel with --jobs or --ray (their co-batching is drawn up front: the answer is the serial one)."""
-    from replay.bisect.stress import prompt_ids
-    from replay.bisect.stress import stress as run_it
     from replay.cli.render_replay import render_stress
     from replay.record import EngineOptions, builtin_config
+    from replay.record.stress import prompt_ids
+    from replay.record.stress import stress as run_it
     from replay.replayer import parse_overrides
     from replay.replayer.knobs import env_knobs
 

@@ -11,9 +11,9 @@ from replay.contracts.unkept import unkept
 
 if TYPE_CHECKING:
     from replay.capture import Crash, Damage, Step
-    from replay.capture.reading.recover import RecoverResult
     from replay.capture.flight.control import SnapshotResult
     from replay.capture.flight.ring_info import RingInfo
+    from replay.capture.reading.recover import RecoverResult
     from replay.inspect import CaptureInfo, ShownSteps
     from replay.record import RecordResult
 
@@ -91,7 +91,8 @@ def render_info(info: CaptureInfo) -> str:
         at = ", ".join(map(str, k[:8])) + (f", ... {k[-1]}" if len(k) > 8 else "")
         lines.append(f"keyframes {len(k)}, before steps {at} (run --steps A-B --from-keyframe starts at one)")
     bpt = f", {info.bytes_per_generated_token} B per generated token" if info.bytes_per_generated_token else ""
-    lines.append(f"size      {_mb(info.file_bytes)} on disk, {_mb(info.raw_bytes)} raw, ratio {info.compression_ratio:.2f}x{bpt}")
+    lines.append(f"size      {_mb(info.file_bytes)} on disk, {_mb(info.raw_bytes)} raw, ratio "
+                 f"{info.compression_ratio:.2f}x{bpt}")
     if info.unknown_records:
         lines.append(f"skipped   {info.unknown_records} records of a newer format version")
     if info.damage:
@@ -162,7 +163,9 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
             f"{len(so.finished_req_ids)} finished before it")
     if step.timing is not None and step.timing.execute_ns:
         head += f"; execute {step.timing.execute_ns / 1e6:.2f} ms"
-    rows = [head, f"  {'request':<44} {'kind':<8} {'computed':>8} {'sched':>6}  {'sampled':<12} {'logprob':>10} {'rank':>5}  top-k"]
+    rows = [head,
+            f"  {'request':<44} {'kind':<8} {'computed':>8} {'sched':>6}  {'sampled':<12} {'logprob':>10} {'rank':>5} "
+            f" top-k"]
     index = mro.req_id_to_index if mro is not None else {}
     routing = mro.routing(so) if mro is not None else {}
     for rid, n in so.num_scheduled_tokens.items():
@@ -176,7 +179,8 @@ def render_step(step: Step, external_ids: dict[str, str], only: str | None = Non
             computed = cr.num_computed_tokens[i] if i is not None else -1
         label = rid + (f" ({external_ids[rid]})" if rid in external_ids else "")
         row = index.get(rid)
-        sampled = str(mro.sampled_token_ids[row]) if mro is not None and row is not None and row < len(mro.sampled_token_ids) else "-"
+        sampled = (str(mro.sampled_token_ids[row])
+                   if mro is not None and row is not None and row < len(mro.sampled_token_ids) else "-")
         lpv, rank, topk = _lp_cells(step, row) if row is not None else ("", "", "")
         line = f"  {label:<44} {kind:<8} {computed:>8} {n:>6}  {sampled:<12} {lpv:>10} {rank:>5}  {topk}"
         drafts = so.scheduled_spec_decode_tokens.get(rid)
@@ -220,7 +224,8 @@ def render_recover(res: RecoverResult) -> str:
         lines.append("lost:")
         lines += render_damage(res.damage)
     if res.unknown_records_dropped:
-        lines.append(f"dropped {res.unknown_records_dropped} records of a newer format version (this replay cannot re-encode them)")
+        lines.append(f"dropped {res.unknown_records_dropped} records of a newer format version (this replay cannot "
+                     f"re-encode them)")
     if not res.lost_data:
         lines.append("nothing was lost")
     return "\n".join(lines)

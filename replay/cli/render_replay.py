@@ -17,11 +17,11 @@ from replay.replayer.verdict import (
 if TYPE_CHECKING:
     from replay.bisect.batch import BatchBisect
     from replay.bisect.config import ConfigBisect
-    from replay.bisect.layers import LayersBisect
+    from replay.bisect.module_compare import LayersBisect
     from replay.bisect.steps import StepsBisect
-    from replay.bisect.stress import StressReport
     from replay.demo import DemoResult
     from replay.diff import BatchComposition, CaptureDiff, Divergence
+    from replay.record.stress import StressReport
     from replay.replayer import CheckResult, ReplayReport
     from replay.replayer.corpus import CorpusResult, CorpusRow
 
@@ -54,7 +54,8 @@ def flip_name(flip: str | None) -> str:
 def render_divergence(d: Divergence) -> list[str]:
     """The lines that describe one divergence."""
     if d.kind == "token":
-        margin = f"top1-top2 margin {_fmt(d.margin, '.4g')}" if d.margin is not None else "margin unknown (no top-2 logprobs)"
+        margin = (f"top1-top2 margin {_fmt(d.margin, '.4g')}" if d.margin is not None
+                  else "margin unknown (no top-2 logprobs)")
         if d.flip == "draw":
             margin = ("logprobs equal within the tolerance: the same distribution, another draw" if d.same_distribution
                       else "a random draw: its margin says nothing")
@@ -158,8 +159,8 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
         lines.append(f"ignored (--force): {f}")
     start = "" if rep.keyframe is None else (f" from the keyframe at step {rep.keyframe} ({rep.primed_tokens} tokens "
                                               "prefilled to rebuild its K/V)")
-    head = (f"replayed {rep.steps_replayed} steps of {rep.capture}{start} ({rep.mode} mode, {tol_text}; a tie flip is a "
-            f"flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
+    head = (f"replayed {rep.steps_replayed} steps of {rep.capture}{start} ({rep.mode} mode, {tol_text}; a tie flip is "
+            f"a flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
             f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
             "tokens" + (f", the MoE routing of {rep.tokens_routed} tokens" if rep.tokens_routed else ""))
     lines.append(head)
@@ -210,10 +211,11 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
         lines += render_divergence(flip)
     bad = [s for s in rep.steps if s.token_mismatches or s.logprob_mismatches or s.draft_mismatches]
     lines.append("")
-    lines.append(f"{'step':>6} {'reqs':>5} {'tokens':>7} {'token flips':>12} {'logprob diffs':>14} {'max |Δlogprob|':>15} "
-                 f"{'top-k changes':>14} {'rank changes':>13}")
+    lines.append(f"{'step':>6} {'reqs':>5} {'tokens':>7} {'token flips':>12} {'logprob diffs':>14} "
+                 f"{'max |Δlogprob|':>15} {'top-k changes':>14} {'rank changes':>13}")
     for s in bad[:40]:
-        lines.append(f"{s.step:>6} {s.num_requests:>5} {s.num_tokens:>7} {s.token_mismatches:>12} {s.logprob_mismatches:>14} "
+        lines.append(f"{s.step:>6} {s.num_requests:>5} {s.num_tokens:>7} {s.token_mismatches:>12} "
+                     f"{s.logprob_mismatches:>14} "
                      f"{s.max_abs_logprob_diff:>15.3g} {s.topk_set_changes:>14} {s.rank_changes:>13}")
     if len(bad) > 40:
         lines.append(f"... {len(bad) - 40} more steps differ (--json has every number)")
@@ -271,7 +273,8 @@ def render_bisect_steps(res: StepsBisect) -> str:
 
 def render_bisect_batch(res: BatchBisect) -> str:
     """`bisect batch`: the verdict, alone vs batched, padding, and the cost."""
-    pads = ", ".join(f"+{p.padding} {'same' if p.same_as_alone else f'Δ{p.max_abs_logit_diff:.2g}'}" for p in res.padding)
+    pads = ", ".join(f"+{p.padding} {'same' if p.same_as_alone else f'Δ{p.max_abs_logit_diff:.2g}'}"
+                     for p in res.padding)
     return "\n".join([
         res.verdict,
         f"  alone vs in its recorded batch ({len(res.neighbours)} neighbours): max |Δlogit| "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -30,6 +29,7 @@ from replay.cli.common import (
     fan_out_options,
     replay_options,
 )
+from replay.diff.rules import DEFAULT_TIE_MARGIN
 from replay.errors import EXIT_DAMAGED, ReplayError
 
 
@@ -38,20 +38,23 @@ def run(
     capture: Path = CaptureSetArg,
     diff: bool = typer.Option(False, "--diff", help="Diff tokens and logprobs against the recording."),
     mode: str = ModeOpt,
-    set_: Optional[list[str]] = SetOpt,
-    runner: Optional[str] = RunnerOpt,
-    steps: Optional[str] = StepsOpt,
+    set_: list[str] | None = SetOpt,
+    runner: str | None = RunnerOpt,
+    steps: str | None = StepsOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
-    tolerance: Optional[str] = ToleranceOpt,
+    tolerance: str | None = ToleranceOpt,
     tie_margin: float = TieOpt,
-    repeat: int = typer.Option(1, "--repeat", min=1, help="Replay N times and report whether the runner is run-to-run deterministic."),
-    from_keyframe: bool = typer.Option(False, "--from-keyframe", help="With --steps A-B: start at the keyframe nearest before A (its live requests rebuilt, and compared as such), not at step 0."),
+    repeat: int = typer.Option(1, "--repeat", min=1,
+                               help="Replay N times and report whether the runner is run-to-run deterministic."),
+    from_keyframe: bool = typer.Option(False, "--from-keyframe",
+                                       help="With --steps A-B: start at the keyframe nearest before A (its live "
+                                            "requests rebuilt, and compared as such), not at step 0."),
     force: bool = ForceOpt,
-    plant: Optional[str] = PlantOpt,
+    plant: str | None = PlantOpt,
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
-    ray_address: Optional[str] = RayAddressOpt,
+    ray_address: str | None = RayAddressOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Re-execute the recorded steps on a fresh runner; with --diff, report where and how the outputs part. A
@@ -86,18 +89,18 @@ def check(
     capture: Path = typer.Argument(..., help="Capture file; or a corpus: a directory, a glob or a list file of them.",
                                    show_default=False),
     mode: str = ModeOpt,
-    set_: Optional[list[str]] = SetOpt,
-    runner: Optional[str] = RunnerOpt,
+    set_: list[str] | None = SetOpt,
+    runner: str | None = RunnerOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
-    tolerance: Optional[str] = ToleranceOpt,
+    tolerance: str | None = ToleranceOpt,
     force: bool = ForceOpt,
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
-    ray_address: Optional[str] = RayAddressOpt,
-    results: Optional[Path] = typer.Option(None, "--results", help="Corpus: append each row to this JSONL file as "
+    ray_address: str | None = RayAddressOpt,
+    results: Path | None = typer.Option(None, "--results", help="Corpus: append each row to this JSONL file as "
                                            "it finishes; rows already there for unchanged captures are reused."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Corpus: also write the answer as one HTML page "
+    report: Path | None = typer.Option(None, "--report", help="Corpus: also write the answer as one HTML page "
                                           "(`replay report RESULTS` writes it from a results file later)."),
     json: bool = JsonOpt,
 ) -> None:
@@ -110,9 +113,10 @@ def check(
     from replay.replayer.corpus import check_corpus, corpus_paths
 
     try:
-        opts = replay_options(mode, set_, None, atol, rtol, 0.05, 1, force, None, runner=runner, tolerance=tolerance)
+        opts = replay_options(mode, set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, force, None, runner=runner,
+                              tolerance=tolerance)
         many = corpus_paths(capture) != [capture]  # a directory, a glob, a list file
-    except Exception as e:  # even a bad flag must not read as "bad commit" to git bisect
+    except Exception as e:  # noqa: BLE001 - even a bad flag must not read as "bad commit" to git bisect
         err(str(e))
         raise typer.Exit(125) from None
     if not many and not (ray or ray_address or results or report or jobs > 1):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -28,21 +27,21 @@ from replay.errors import EXIT_DAMAGED, UsageError
 @command
 def report(
     capture: Path = CaptureArg,
-    other: Optional[Path] = typer.Argument(None, help="A second capture of the same workload: report how the two "
+    other: Path | None = typer.Argument(None, help="A second capture of the same workload: report how the two "
                                            "runs differ (as `replay diff A B`).", show_default=False),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The HTML file to write (default: "
+    output: Path | None = typer.Option(None, "--output", "-o", help="The HTML file to write (default: "
                                           "NAME.report.html beside the capture)."),
     diff: bool = typer.Option(False, "--diff", help="Replay the capture and report where the replay diverges (as "
                               "`replay run --diff`)."),
     mode: str = ModeOpt,
-    set_: Optional[list[str]] = SetOpt,
-    runner: Optional[str] = RunnerOpt,
+    set_: list[str] | None = SetOpt,
+    runner: str | None = RunnerOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
-    tolerance: Optional[str] = ToleranceOpt,
+    tolerance: str | None = ToleranceOpt,
     tie_margin: float = TieOpt,
     force: bool = ForceOpt,
-    bisect: Optional[Path] = typer.Option(None, "--bisect", help="Show a bisect's verdict too: the JSON that "
+    bisect: Path | None = typer.Option(None, "--bisect", help="Show a bisect's verdict too: the JSON that "
                                           "`replay bisect ... --json` printed."),
     json: bool = JsonOpt,
 ) -> None:

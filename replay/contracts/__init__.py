@@ -1,8 +1,8 @@
 """vLLM v1 data contracts as msgspec Structs: the spine of the project. Nothing else defines these.
 
-Field names, order and meaning follow vLLM 0.32 (`reference/vllm-on-cpu.md` §4.4); a comment marks each place where
-we differ. Step contracts are generic in the request-id type (see `reqid`): `SchedulerOutput` in memory holds vLLM's
-string ids, the capture stores `SchedulerOutput[int]` handles.
+Field names, order and meaning follow vLLM 0.32 (`vllm/v1/core/sched/output.py`, `vllm/v1/outputs.py`); a comment marks
+each place where we differ. Step contracts are generic in the request-id type (see `reqid`): `SchedulerOutput` in memory
+holds vLLM's string ids, the capture stores `SchedulerOutput[int]` handles.
 """
 
 from replay.contracts.arrays import DTYPES, Array, Opaque
@@ -46,7 +46,8 @@ __all__ = [
     "DTYPES", "Array", "Opaque", "RID",
     "SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "SamplingType",
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "GrammarOutput",
-    "LogprobsLists", "RoutedExpertsLists", "AuxRequestOutput", "LogprobsTensors", "SamplerOutput", "DraftTokenIds", "KVConnectorOutput", "ECConnectorOutput",
+    "LogprobsLists", "RoutedExpertsLists", "AuxRequestOutput", "LogprobsTensors", "SamplerOutput", "DraftTokenIds",
+    "KVConnectorOutput", "ECConnectorOutput",
     "ModelRunnerOutput", "EMPTY_MODEL_RUNNER_OUTPUT",
     "EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreEvent", "EngineCoreEventType",
     "FinishReason", "RequestStatus",

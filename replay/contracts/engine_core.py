@@ -49,12 +49,12 @@ class RequestStatus(enum.IntEnum):
         return self.name
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         """True for every FINISHED_* status."""
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> FinishReason | None:
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
         """The FinishReason reported for a status, or None while it is not finished."""
         return _FINISHED_REASON_MAP.get(status)
 
@@ -85,7 +85,7 @@ class EngineCoreEvent(msgspec.Struct):
     timestamp: float
 
     @classmethod
-    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None) -> "EngineCoreEvent":
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None) -> EngineCoreEvent:
         """An event stamped now unless a timestamp is given."""
         return cls(event_type, time.monotonic() if timestamp is None else timestamp)
 

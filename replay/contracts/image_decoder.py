@@ -1,13 +1,13 @@
 """Another engine's msgpack image -> our contract, at msgspec's C speed when the image has our field types.
 
-The tolerant walk (`replay.contracts.tolerant`) converts a decoded image field by field in Python: about 130 µs
-for a 64-request vLLM step (decode to builtins included), most of the writer process's work. Yet almost every
+The tolerant walk (`replay.contracts.tolerant`) converts a decoded image field by field in Python, which is slow
+for a large vLLM step. Yet almost every
 image already has the kinds our contracts declare; only the outer shape differs: vLLM's dataclasses encode as
 maps, our contracts are `array_like` (positional). So for each contract we derive a *map twin*, a Struct with the
 same field names, types and defaults that decodes from a map (unknown fields ignored, as the tolerant walk
 ignores them), decode the image into it with a typed msgspec decoder, and convert the twin into the contract
-with `msgspec.convert(..., from_attributes=True)`: both in C, twice as fast (63 against 127 µs for the vLLM bench's
-64-request steps; its readers pay it: since format 1.3 the writer stores vLLM's images as they are).
+with `msgspec.convert(..., from_attributes=True)`: both in C, about twice as fast (readers pay it: since format 1.3
+the writer stores vLLM's images as they are).
 
 Anything the typed decoder refuses (a field of another kind, an enum value we lack: version drift) falls back to
 the tolerant walk for that one object, so the result is always what the tolerant walk would give.

@@ -2,7 +2,7 @@
 
 vLLM's `LogprobsLists` holds numpy arrays and `LogprobsTensors` torch tensors; both become packed `Array`s here so
 float32 logprobs survive bit for bit. Column 0 of the logprob matrices is the sampled token, columns 1.. the
-top-k (DESIGN §4.7).
+top-k (docs/design.md, "Runner semantics").
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class RoutedExpertsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc
 
     def rows(self, req_ids: list, num_scheduled_tokens: dict) -> dict:
         """req_id -> its rows of `routing_data` [n, num_moe_layers, top_k]; {} when the rows are not one per
-        scheduled token (another layout: nothing is paired rather than pairing the wrong rows)."""
+        scheduled token (another arrangement: nothing is paired rather than pairing the wrong rows)."""
         data = self.routing_data.to_numpy()
         counts = [int(num_scheduled_tokens.get(r, 0)) for r in req_ids]
         if data.ndim != 3 or data.shape[0] != sum(counts):
@@ -154,7 +154,8 @@ class ModelRunnerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defa
         from whichever form this vLLM sent (`so`: the step's SchedulerOutput, which places 0.29-0.30's rows); {}
         without routing."""
         if isinstance(self.aux_output_connector_output, dict) and self.aux_output_connector_output:
-            return {rid: (out.token_start, out.rows.to_numpy()) for rid, out in self.aux_output_connector_output.items()}
+            return {rid: (out.token_start, out.rows.to_numpy())
+                    for rid, out in self.aux_output_connector_output.items()}
         if self.routed_experts is None:
             return {}
         first, drafts = so.num_computed_before(), so.scheduled_spec_decode_tokens

@@ -1,8 +1,8 @@
 """Mirrors `vllm/v1/core/sched/output.py` (vLLM 0.32): what the scheduler hands the model runner each step.
 
-A `SchedulerOutput` is a *diff* against the runner's cached per-request state (DESIGN §4), which is why replay
-must start from an empty runner at a clean step boundary and apply steps in order. vLLM declares these as
-dataclasses; ours are array-like msgspec Structs (same field names and order) so a step costs few bytes.
+A `SchedulerOutput` is a *diff* against the runner's cached per-request state (docs/design.md, "Runner semantics"),
+which is why replay must start from an empty runner at a clean step boundary and apply steps in order. vLLM declares
+these as dataclasses; ours are array-like msgspec Structs (same field names and order) so a step costs few bytes.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class CachedRequestData(msgspec.Struct, Generic[RID], array_like=True, omit_defa
         return len(self.req_ids)
 
     @classmethod
-    def make_empty(cls) -> "CachedRequestData":
+    def make_empty(cls) -> CachedRequestData:
         """An instance with no requests (vLLM's `make_empty`)."""
         return cls([], set(), [], {}, [], [], [])
 
@@ -84,7 +84,7 @@ class SchedulerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaul
     num_common_prefix_blocks: list[int] = []  # [num_kv_cache_groups]; cascade attention
 
     @classmethod
-    def make_empty(cls) -> "SchedulerOutput":
+    def make_empty(cls) -> SchedulerOutput:
         """A step that schedules nothing (vLLM's `make_empty`)."""
         return cls([], CachedRequestData.make_empty(), {}, 0, {}, {}, set(), [])
 
@@ -92,7 +92,7 @@ class SchedulerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaul
         """Ids of every request scheduled this step: new ones first, then cached, as the runner adds them."""
         return [r.req_id for r in self.scheduled_new_reqs] + list(self.scheduled_cached_reqs.req_ids)
 
-    def without(self, req_ids: set[RID] | frozenset) -> "SchedulerOutput[RID]":
+    def without(self, req_ids: set[RID] | frozenset) -> SchedulerOutput[RID]:
         """This step with the requests `req_ids` taken out (scheduled, drafts, finished), as if never scheduled:
         a `--force` replay runs the rest of the batch. Structured-output bitmasks are the caller's to filter."""
         if not req_ids or not any(r in req_ids for r in self.num_scheduled_tokens) and \
@@ -111,7 +111,8 @@ class SchedulerOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaul
             self, scheduled_new_reqs=[n for n in self.scheduled_new_reqs if n.req_id not in req_ids],
             scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
-            scheduled_spec_decode_tokens={r: t for r, t in self.scheduled_spec_decode_tokens.items() if r not in req_ids},
+            scheduled_spec_decode_tokens={r: t for r, t in self.scheduled_spec_decode_tokens.items()
+                                          if r not in req_ids},
             scheduled_encoder_inputs={r: t for r, t in self.scheduled_encoder_inputs.items() if r not in req_ids},
             finished_req_ids=self.finished_req_ids - set(req_ids))
 
@@ -138,7 +139,7 @@ class GrammarOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults
     # [num_structured_reqs]: leading drafts per request the bitmask constrained (spec decode); None: no draft valid
     num_acceptable_drafts: list[int] | None = None
 
-    def without(self, req_ids: set[RID] | frozenset, drafts: dict[RID, list[int]]) -> "GrammarOutput[RID] | None":
+    def without(self, req_ids: set[RID] | frozenset, drafts: dict[RID, list[int]]) -> GrammarOutput[RID] | None:
         """These bitmasks with the rows of `req_ids` taken out (1 + its drafts rows per request, as vLLM lays them
         out); None when no structured request is left."""
         if not any(r in req_ids for r in self.structured_output_request_ids):
@@ -155,4 +156,5 @@ class GrammarOutput(msgspec.Struct, Generic[RID], array_like=True, omit_defaults
         if not ids:
             return None
         mask = self.grammar_bitmask.to_numpy()[rows]
-        return GrammarOutput(ids, Array.from_numpy(mask), acceptable if self.num_acceptable_drafts is not None else None)
+        return GrammarOutput(ids, Array.from_numpy(mask),
+                             acceptable if self.num_acceptable_drafts is not None else None)

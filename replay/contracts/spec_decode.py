@@ -22,7 +22,7 @@ class DraftCounts(msgspec.Struct):
     accepted: int = 0  # of those, the ones the rejection sampler kept
     verifying_requests: int = 0  # request-steps that verified at least one draft
 
-    def add(self, other: "DraftCounts") -> None:
+    def add(self, other: DraftCounts) -> None:
         """Accumulate another step's counts."""
         self.drafted += other.drafted
         self.accepted += other.accepted

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from msgspec import inspect as mi

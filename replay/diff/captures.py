@@ -3,7 +3,7 @@
 Steps do not line up between runs (another batch size, another engine, another machine), so requests are aligned
 by external id (else by prompt and arrival order) and compared output position by output position. At the first
 divergence both sides' batches are shown: if they differ, batch variance is the suspect; if they are the same,
-run-to-run nondeterminism is (DESIGN §5).
+run-to-run nondeterminism is.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class Tolerance(msgspec.Struct, frozen=True):
 
 
 class Row(NamedTuple):
-    """One output position's logprobs, in vLLM's layout: column 0 the sampled token, columns 1.. the top-k."""
+    """One output position's logprobs, in vLLM's columns: column 0 the sampled token, columns 1.. the top-k."""
 
     ids: np.ndarray  # [k + 1] token ids
     values: np.ndarray  # [k + 1] raw logprobs

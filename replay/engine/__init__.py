@@ -1,4 +1,5 @@
-"""The builtin reference engine: a small, exact, pure-PyTorch vLLM-v1-style engine (DESIGN §1, §4).
+"""The builtin reference engine: a small, exact, pure-PyTorch vLLM-v1-style engine (docs/design.md, "What it is",
+"Runner semantics").
 
 `config` (knobs, vLLM's names) -> `request`, `kv_cache_manager`, `scheduler` (what runs each step) ->
 `weights`, `model`, `attention`, `tokenizer` (the model) -> `sampler`, `grammar`, `runner` (one step, with vLLM's

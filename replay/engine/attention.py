@@ -32,7 +32,7 @@ from replay.engine.config import ATTENTION_IMPLS
 # more than the call it saves (the fused CPU kernel's time grows with the padded query length).
 SHORT = 16
 # A group's longest context is at most PAD_RATIO times any member's, or at most MIN_KEYS: a decode reads its whole
-# padded context (memory-bound), so one long context padding 31 short ones would cost ~8x the per-request calls.
+# padded context (memory-bound), so one long context padding many short ones would cost more than the per-request calls.
 PAD_RATIO = 1.5
 MIN_KEYS = 128
 
@@ -195,7 +195,7 @@ class PagedAttention:
                 mask, causal = None, False
             else:
                 mask, causal = self._mask(n, ctx, num_computed, qh.device), False
-            # 4-D inputs: torch's fused CPU kernel takes them (3-D falls back to the ~3x slower math path)
+            # 4-D inputs: torch's fused CPU kernel takes them (3-D falls back to the slower math path)
             return F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask, is_causal=causal,
                                                   scale=d ** -0.5)[0]
         mask = self._mask(n, ctx, num_computed, qh.device)

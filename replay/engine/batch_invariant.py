@@ -1,14 +1,14 @@
 """Batch-invariant mode for the builtin runner: a row's result never depends on how many rows share the call.
 
-On this CPU a float32 GEMM gives a row different bits for M = 1, M = 2-3 and M >= 4 rows (measurements §4), so
-the usual batched forward is batch-variant even though every op is "row-wise". In this mode:
+A float32 GEMM on CPU can give a row different bits for different numbers of rows M (the kernel is chosen by size;
+docs/guide.md, "`replay stress` and the batch-invariant mode"), so the usual batched forward is batch-variant even
+though every op is "row-wise". In this mode:
 - every linear layer runs on fixed tiles of exactly `TILE` rows (the last tile zero-padded): a row's dot products
   are computed by the same kernel, with the same blocking, whatever else is in the batch;
 - attention runs one query token at a time against its own context (the decode path), whatever the attention
   implementation (`batched` included), so neither the batch nor the way a prefill was chunked changes a token's
   attention.
-RMSNorm, RoPE, SiLU and the sampler are row-wise already. The cost, against the default mode (batched attention):
-2.3-2.4x slower decode steps and ~3x slower prefill at one thread, 3x and ~5x at two (bench/engine_bench.py).
+RMSNorm, RoPE, SiLU and the sampler are row-wise already. What it costs: docs/performance.md (bench/engine_bench.py).
 """
 
 from __future__ import annotations

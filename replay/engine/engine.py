@@ -13,7 +13,7 @@ from replay.capture import EngineConfig as CaptureEngineConfig
 from replay.capture import Header, ModelIdentity, StepTiming
 from replay.contracts import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from replay.engine.config import EngineConfig, ModelConfig
-from replay.engine.runner import ModelRunner
+from replay.engine.model_runner import ModelRunner
 from replay.engine.scheduler import Scheduler
 from replay.engine.weights import load_model, torch_dtype
 from replay.errors import UsageError
@@ -23,6 +23,9 @@ from replay.provenance import (
     pin_threading,
     set_torch_threads,
 )
+
+# How every capture names this runner: an identity that replays compare, so it stays as it is when modules move.
+RUNNER_CLASS = "replay.engine.runner.ModelRunner"
 
 
 class LLMEngine:
@@ -108,7 +111,8 @@ class LLMEngine:
         self.step_index += 1
         return outputs
 
-    # -- provenance ------------------------------------------------------------------------------------------------------
+    # -- provenance
+    # ------------------------------------------------------------------------------------------------------
 
     def header(self) -> Header:
         """The capture header of a recording of this engine."""
@@ -132,7 +136,7 @@ def builtin_header(config: EngineConfig, model_config: ModelConfig, fingerprint:
         max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
         enable_prefix_caching=sc.enable_prefix_caching, enable_chunked_prefill=sc.enable_chunked_prefill,
         attention_impl=rc.attention_impl, seed=rc.seed, logprobs_mode=rc.logprobs_mode,
-        runner_class="replay.engine.runner.ModelRunner", batch_invariant=rc.batch_invariant,
+        runner_class=RUNNER_CLASS, batch_invariant=rc.batch_invariant,
         extra={"device": rc.device, "dtype": rc.dtype},
         layout={"tensor_parallel_size": "1", "pipeline_parallel_size": "1", "data_parallel_size": "1"})
     return make_header("builtin", engine_version=__version__, model=model, engine_config=engine_config,

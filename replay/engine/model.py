@@ -27,7 +27,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class AttentionContext(Protocol):
-    """What `CausalLM.forward` needs from whoever knows the batch layout (contiguous sequences, paged cache...)."""
+    """What `CausalLM.forward` needs from whoever knows how the batch is arranged (contiguous sequences, paged
+    cache...)."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, num_heads, head_dim], k/v [N, num_kv_heads, head_dim] (RoPE applied) -> [N, num_heads, head_dim]."""
@@ -111,7 +112,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1), the half-split RoPE layout of HF checkpoints."""
+    """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1), the half-split RoPE convention of HF checkpoints."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 

@@ -29,7 +29,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float
     eos_token_id: int | None  # sampling_params.eos_token_id if set, else the model's
-    external_req_id: str | None = None  # the user's id: compare requests across runs by this (DESIGN §4)
+    external_req_id: str | None = None  # the user's id: compare requests across runs by this
     priority: int = 0
     client_index: int = 0
     cache_salt: str | None = None  # mixed into the first block's hash, so salted prompts share no cache
@@ -45,7 +45,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
 
     @classmethod
-    def from_engine_core_request(cls, ecr: EngineCoreRequest, eos_token_id: int | None) -> "Request":
+    def from_engine_core_request(cls, ecr: EngineCoreRequest, eos_token_id: int | None) -> Request:
         """Build the engine-side state of a request handed over by the frontend.
 
         Raises ValueError for what the builtin engine cannot run: prompt embeddings, pooling requests.

@@ -96,6 +96,6 @@ def load_tokenizer(name_or_path: str) -> Tokenizer | None:
         raise UsageError("text prompts need the `tokenizers` package (pip install tokenizers)") from None
     try:
         tok = _Tokenizers.from_file(str(d / "tokenizer.json"))
-    except Exception as e:  # the library raises a bare Exception on malformed files
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on malformed files
         raise UsageError(f"{d / 'tokenizer.json'}: cannot load ({e})") from None
     return HFTokenizer(tok, _special_id(tok, d, "bos"), _special_id(tok, d, "eos"))

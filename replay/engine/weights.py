@@ -166,7 +166,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype,
                         unexpected.append(name)
         except UsageError:
             raise
-        except Exception as e:  # safetensors raises its own error types for damaged files
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
             raise UsageError(f"{f}: cannot read safetensors ({e})") from None
     if missing := sorted(set(params) - loaded):
         raise UsageError(f"{d}: tensors missing from the checkpoint: {_names(missing)}")

@@ -22,8 +22,9 @@ from __future__ import annotations
 import bisect
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 import msgspec
 
@@ -67,10 +68,10 @@ class _Trace:
         self.names: set[str] = set()
         self.states: Counter[str] = Counter()  # requests per state, for the counters (kept, not recounted per step)
         self.lanes = self.untimed = 0
-        self.spans = self._layout()
+        self.spans = self._place_spans()
         self.end = max((a + d for a, d, _ in self.spans), default=0)
 
-    def _layout(self) -> list[tuple[int, int, int]]:
+    def _place_spans(self) -> list[tuple[int, int, int]]:
         """(start, duration, lane) of each step: its own timing, or NOMINAL_STEP_NS after the previous one."""
         out, lane_ends, end = [], [], 0
         for s in self.steps:
@@ -277,7 +278,7 @@ class _Trace:
 
 
 def perfetto_trace(path: str | os.PathLike) -> tuple[dict[str, Any], list[Damage]]:
-    """The trace-event document of the capture at `path` (see the module docstring for its layout), built from
+    """The trace-event document of the capture at `path` (see the module docstring for its shape), built from
     every readable record, and the damage met reading it."""
     steps: list[StepSummary] = []
     arrivals: list[RequestAdded] = []

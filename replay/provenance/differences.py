@@ -82,7 +82,8 @@ def _text(field: str, value: Any) -> str:
 # library settings that say how the process runs, not what a kernel computes
 HOST_LIBRARY_SETTINGS = ("interop_threads", "cpus_allowed")
 # settings that let a library run a call on fewer threads than it is given: they matter only with several threads
-DYNAMIC_THREADS = {"mkl_dynamic": "MKL may then run a call on fewer threads than set, which splits its sums another way",
+DYNAMIC_THREADS = {"mkl_dynamic": "MKL may then run a call on fewer threads than set, which splits its sums "
+                                  "another way",
                    "omp_dynamic": "OpenMP may then run a region on fewer threads than set, which splits its sums "
                                   "another way"}
 # layout settings that only carry the calls (the executor starts the same workers, which run the same kernels; the

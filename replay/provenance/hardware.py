@@ -59,7 +59,7 @@ def _cuda(device: str) -> dict[str, str]:
         return out
     dev = torch.device(device)
     out["gpu"] = torch.cuda.get_device_name(dev)
-    out["gpu_capability"] = "%d.%d" % torch.cuda.get_device_capability(dev)
+    out["gpu_capability"] = "{}.{}".format(*torch.cuda.get_device_capability(dev))
     out["cuda_runtime"] = str(torch.version.cuda or "")
     driver = _driver_version()
     if driver:

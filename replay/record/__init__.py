@@ -3,7 +3,8 @@
 `options` (the engine knobs a user gave, and the one place that turns them into a configuration) ->
 `workload` (requests: a prompts file or a synthetic mix) -> `builtin` / `vllm` (the two recorders, sharing
 `result`) -> `recorder` (`record`: the command as one call). `tap` streams the builtin engine's steps into a
-writer; `synth` writes model-free step streams at production shapes.
+writer; `synth` writes model-free step streams at production shapes; `stress` runs one prompt many times under
+varied co-batching (`replay stress`).
 """
 
 from replay.record.builtin import RecordOptions, record_builtin, run_engine

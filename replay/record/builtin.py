@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from replay.capture.flight import RingLayout
-from replay.capture.flight.process import ring_writer
+from replay.capture.flight import RingDirectory
+from replay.capture.flight.ring_process import ring_writer
 from replay.capture.writing.writer_process import ProcessCaptureWriter
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
@@ -114,5 +114,6 @@ def record_builtin(opts: RecordOptions) -> RecordResult:
     if writer is not None:
         writer.close()
         # a ring: what its segments hold on disk
-        size = sum(p.stat().st_size for p in RingLayout(opts.out).segments()) if opts.ring else opts.out.stat().st_size
+        size = sum(p.stat().st_size
+                   for p in RingDirectory(opts.out).segments()) if opts.ring else opts.out.stat().st_size
     return RecordResult.of(opts.out, steps, len(opts.requests), prompt_tokens, generated, wall, size)

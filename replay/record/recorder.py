@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from replay.capture.writing.keyframes import KEYFRAME_ENV, keyframe_interval
+from replay.capture.writing.keyframe_maker import KEYFRAME_ENV, keyframe_interval
 from replay.errors import UsageError
 from replay.record.options import EngineOptions, builtin_config
 from replay.record.result import RecordResult
@@ -25,10 +25,10 @@ def default_capture_path(model: str) -> Path:
 def record(engine: EngineOptions, requests: list[WorkloadRequest], out: str | Path | None = None, *,
            overwrite: bool = False, progress: bool = False, flush_interval: float | None = None,
            keyframe_steps: int | None = None, ring: int | None = None) -> RecordResult:
-    """Record `requests` on the engine `engine` describes (its defaults for every knob it leaves unset) into
-    `out` (default: `default_capture_path`); a keyframe every `keyframe_steps` steps (default: REPLAY_KEYFRAME_STEPS,
-    else `replay.capture.writing.keyframes.DEFAULT_KEYFRAME_STEPS`; 0: none); `ring`: bytes of a ring of segments in
-    the directory `out` instead (the builtin engine; vLLM's tap takes REPLAY_CAPTURE_RING)."""
+    """Record `requests` on the engine `engine` describes (its defaults for every knob it leaves unset) into `out`
+    (default: `default_capture_path`); a keyframe every `keyframe_steps` steps (default: REPLAY_KEYFRAME_STEPS, else
+    `replay.capture.writing.keyframe_maker.DEFAULT_KEYFRAME_STEPS`; 0: none); `ring`: bytes of a ring of segments in the
+    directory `out` instead (the builtin engine; vLLM's tap takes REPLAY_CAPTURE_RING)."""
     engine.check()
     path = Path(out) if out is not None else default_capture_path(engine.model)
     if engine.engine == "vllm":

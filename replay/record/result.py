@@ -21,7 +21,7 @@ class RecordResult(msgspec.Struct):
 
     @classmethod
     def of(cls, path: object, steps: int, requests: int, prompt_tokens: int, generated_tokens: int, wall_s: float,
-           capture_bytes: int) -> "RecordResult":
+           capture_bytes: int) -> RecordResult:
         """A result with the throughput worked out from the token counts and the wall time."""
         total = prompt_tokens + generated_tokens
         return cls(str(path), steps, requests, prompt_tokens, generated_tokens, round(wall_s, 3),

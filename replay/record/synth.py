@@ -4,15 +4,16 @@
 It exists to exercise and measure the capture layer at production shapes (hundreds of running requests, top-k
 logprobs, churn of finishing and arriving requests, chunked prefills) where running a real model would take hours.
 Token ids follow a Zipf law over a permuted vocabulary and logprobs are random float32 values, so their bytes are
-as incompressible as real ones (measurements §1-2). Everything is drawn from one seeded numpy Generator.
+as incompressible as real ones. Everything is drawn from one seeded numpy Generator.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,8 @@ def synth_events(w: SynthShape) -> Iterator[SynthEvent]:
             r.blocks.extend(fresh)
             num_sched[r.req_id] = n
             if not r.scheduled_before:
-                new_reqs.append(NewRequestData(r.req_id, r.prompt, [], r.params, None, (list(r.blocks),), r.num_computed, None))
+                new_reqs.append(NewRequestData(r.req_id, r.prompt, [], r.params, None, (list(r.blocks),),
+                                               r.num_computed, None))
                 r.scheduled_before = True
             else:
                 cached_ids.append(r.req_id)
@@ -148,7 +150,8 @@ def synth_events(w: SynthShape) -> Iterator[SynthEvent]:
                 sampled.append([])  # partial prefill chunk: nothing sampled
         lp = None
         if w.num_logprobs is not None:
-            lp = _logprobs(rng, zipf_tokens, sampled, [by_id[rid].params.temperature == 0.0 for rid in ids], w.num_logprobs)
+            lp = _logprobs(rng, zipf_tokens, sampled, [by_id[rid].params.temperature == 0.0 for rid in ids],
+                           w.num_logprobs)
         mro = ModelRunnerOutput(ids, {rid: i for i, rid in enumerate(ids)}, sampled, lp)
         yield SynthEvent(step, scheduler_output=so, model_runner_output=mro)
         still = []
@@ -162,7 +165,7 @@ def synth_events(w: SynthShape) -> Iterator[SynthEvent]:
 
 
 def _logprobs(rng, zipf_tokens, sampled: list[list[int]], greedy: list[bool], k: int) -> LogprobsLists:
-    """vLLM's layout: column 0 the sampled token, columns 1..k the top-k by value, plus the sampled token's rank.
+    """vLLM's columns: column 0 the sampled token, columns 1..k the top-k by value, plus the sampled token's rank.
     A greedy token is the top-1 (rank 1); a random one has a geometric rank and sits in the top-k when rank <= k."""
     n = len(sampled)
     tok = zipf_tokens(n * (k + 1)).reshape(n, k + 1).astype(np.int32)

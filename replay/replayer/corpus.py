@@ -13,8 +13,8 @@ import glob
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 
@@ -22,9 +22,9 @@ from replay.capture import CaptureReader
 from replay.capture.format.records import PROLOGUE_MAGIC
 from replay.diff import Tolerance
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, UsageError
+from replay.processes.fanout import FanOut, fan_out
 from replay.replayer.check import check_capture
-from replay.replayer.fanout import FanOut, fan_out
-from replay.replayer.run import ReplayOptions
+from replay.replayer.replay_capture import ReplayOptions
 
 
 class CheckSpec(msgspec.Struct, frozen=True):
@@ -38,7 +38,7 @@ class CheckSpec(msgspec.Struct, frozen=True):
     force: bool = False
 
     @classmethod
-    def of(cls, opts: ReplayOptions) -> "CheckSpec":
+    def of(cls, opts: ReplayOptions) -> CheckSpec:
         """The spec of `opts` (steps, plants and repeats are single-capture options)."""
         return cls(opts.mode, dict(opts.overrides), opts.tolerance.atol, opts.tolerance.rtol, opts.auto_tolerance,
                    opts.force)

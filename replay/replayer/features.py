@@ -141,7 +141,8 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
                     "speculative decoding", "", rec.index, f"{drafts} draft token(s) scheduled for verification"))
             if so.scheduled_encoder_inputs and "multimodal inputs" not in first:
                 uses["multimodal inputs"] = uses.get("multimodal inputs", 0) + 1
-                first["multimodal inputs"] = Unreplayable("multimodal inputs", "", rec.index, "encoder inputs scheduled")
+                first["multimodal inputs"] = Unreplayable("multimodal inputs", "", rec.index,
+                                                          "encoder inputs scheduled")
     except Exception:  # noqa: BLE001 - damage: the replay itself reads the prefix and reports what was lost
         pass
     out = []

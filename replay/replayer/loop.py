@@ -17,15 +17,15 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
 from replay.capture import Crash, Keyframe, Record, RequestAdded, Step
 from replay.contracts import ModelRunnerOutput
 from replay.errors import UsageError
+from replay.replayer.build import Runner
 from replay.replayer.prime import Priming, prime
-from replay.replayer.runner import Runner
 
 MODES = ("forced", "free")
 # vLLM's multiprocess executor re-raises a worker's exception as its own RuntimeError around the worker's message:
@@ -106,7 +106,8 @@ class StepLoop:
                 raise UsageError(f"{self.path}: capture starts at step {rec.index}, not at a clean boundary (step 0): "
                                  "a SchedulerOutput is a diff against state the runner never saw")
             if expected is not None and rec.index != expected:
-                self.stopped = f"steps {expected}-{rec.index - 1} are missing: the replay stops after step {expected - 1}"
+                self.stopped = (f"steps {expected}-{rec.index - 1} are missing: the replay stops after step "
+                                f"{expected - 1}")
                 return
             expected = rec.index + 1
             if self.priming is not None:
@@ -146,7 +147,8 @@ class StepLoop:
         self.steps_run += 1
         return actual
 
-    def _reexecute_crash(self, step: Step, crash: Crash, run: Callable[[Step], ModelRunnerOutput] | None) -> CrashOutcome:
+    def _reexecute_crash(self, step: Step, crash: Crash,
+                         run: Callable[[Step], ModelRunnerOutput] | None) -> CrashOutcome:
         """Run the step the recording crashed on; an exception is the outcome, not an error of the replay."""
         try:
             self.execute(step, run)

@@ -22,9 +22,9 @@ from replay.errors import UsageError
 if TYPE_CHECKING:
     from replay.capture import Step
     from replay.contracts import ModelRunnerOutput
-    from replay.engine.runner import ModelRunner
+    from replay.engine.model_runner import ModelRunner
+    from replay.replayer.build import BuiltRunner
     from replay.replayer.loop import StepLoop
-    from replay.replayer.runner import BuiltRunner
 
 
 class Plant(msgspec.Struct, frozen=True):
@@ -36,7 +36,7 @@ class Plant(msgspec.Struct, frozen=True):
     size: float  # added to the largest element of each of the module's output rows of that request
 
     @classmethod
-    def parse(cls, text: str) -> "Plant":
+    def parse(cls, text: str) -> Plant:
         """STEP:REQUEST:MODULE:SIZE (the request id may itself contain ':' characters)."""
         parts = text.split(":")
         try:
@@ -44,7 +44,8 @@ class Plant(msgspec.Struct, frozen=True):
                 raise ValueError
             return cls(int(parts[0]), ":".join(parts[1:-2]), parts[-2], float(parts[-1]))
         except ValueError:
-            raise UsageError(f"--plant {text!r}: expected STEP:REQUEST:MODULE:SIZE, e.g. 12:req-3:layers.1.mlp:1e-3") from None
+            raise UsageError(f"--plant {text!r}: expected STEP:REQUEST:MODULE:SIZE, e.g. "
+                             "12:req-3:layers.1.mlp:1e-3") from None
 
 
 def install(plant: Plant, runner: ModelRunner, internal_id: str) -> Any:
@@ -54,7 +55,8 @@ def install(plant: Plant, runner: ModelRunner, internal_id: str) -> Any:
     modules = dict(runner.model.named_modules())
     if plant.module not in modules:
         names = [n for n in modules if n][:8]
-        raise UsageError(f"--plant: the model has no module {plant.module!r} (modules are named like {', '.join(names)}, ...)")
+        raise UsageError(f"--plant: the model has no module {plant.module!r} (modules are named like "
+                         f"{', '.join(names)}, ...)")
 
     def hook(module, args, output):
         if not isinstance(output, torch.Tensor):
@@ -76,7 +78,7 @@ def install(plant: Plant, runner: ModelRunner, internal_id: str) -> Any:
     return modules[plant.module].register_forward_hook(hook)
 
 
-def run_planted(built: "BuiltRunner", loop: "StepLoop", step: "Step", plant: Plant) -> "ModelRunnerOutput":
+def run_planted(built: BuiltRunner, loop: StepLoop, step: Step, plant: Plant) -> ModelRunnerOutput:
     """Run one step (with its recorded grammar bitmask), with the planted perturbation when this is its step."""
     so, grammar = step.scheduler_output, step.grammar_output
     if plant.step != step.index:

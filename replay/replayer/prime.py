@@ -1,4 +1,5 @@
-"""Priming a runner from a keyframe (DESIGN §9): the K/V a replay from step K needs, rebuilt before step K runs.
+"""Priming a runner from a keyframe (docs/design.md, "The flight recorder"): the K/V a replay from step K needs, rebuilt
+before step K runs.
 
 A keyframe lists what filled the KV blocks before step K: the live requests' tokens, and the tokens of blocks that
 finished or preempted requests left behind for the prefix cache (oldest first). Each of these *writers* becomes a
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from replay.capture import Keyframe
 from replay.contracts import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from replay.diff import Tolerance
-from replay.replayer.runner import Runner
+from replay.replayer.build import Runner
 
 PRIME_PREFIX = "replay-prime:"
 MIN_PRIME_BUDGET = 2048  # tokens a priming step prefills at most (or the engine's max_num_batched_tokens, if more)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replay.replayer.runner import BuiltRunner, set_by
+from replay.replayer.build import BuiltRunner, set_by
 
 
 def lead_suspect(built: BuiltRunner, overrides: dict[str, str]) -> str:

@@ -2,10 +2,10 @@
 tokens and logprobs within what other kernels are measured to move them. A capture moved to another machine is
 the first thing a user must rule out, and a golden test must hold on any x86-64 machine.
 
-Measured (README, "Moving captures between machines"): float32 captures recorded on an AVX512 processor replay on
+Measured (docs/guide.md, "Moving captures between machines"): float32 captures recorded on an AVX512 processor replay on
 an AVX2-only one (same torch 2.13.0+cpu, one thread) with equal tokens and max |Δlogprob| 4.4e-6; another Xeon
 model gave 4e-6. CROSS_HARDWARE_ATOL keeps about 20x headroom over that. Half precision was not measured across
-processors here: its bound is about two units in the last place of a logprob near -4 in that format, and the
+processors: its bound is about two units in the last place of a logprob near -4 in that format, and the
 sentence auto prints says it is not measured."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from replay.diff import CaptureDiff
-    from replay.replayer.run import ReplayReport
+    from replay.replayer.replay_capture import ReplayReport
 
 
 def crash_verdict(rep: ReplayReport) -> str | None:

@@ -29,7 +29,7 @@ from replay.replayer.verdict import capture_diff_verdict, replay_verdict
 from replay.report.comparison import cell_of, comparison_data
 from replay.report.page import Batch, Card, Page, render_page
 from replay.report.pairs import position_mismatches
-from replay.report.run import RunFacts, run_facts
+from replay.report.run_facts import RunFacts, run_facts
 from replay.report.sections import provenance, request_table, run_stats, steps_data
 
 KEEP_DIVERGENCES = 50_000_000  # a report's replay keeps every divergence (the terminal's keeps 1,000)

@@ -19,7 +19,7 @@ from replay.report.bins import (
     b64,
     bin_of,
 )
-from replay.report.run import RunFacts
+from replay.report.run_facts import RunFacts
 
 SCATTER_W, SCATTER_H = 360, 200  # scatter cells: about one per 2 x 2 CSS pixels
 MAX_MARKERS = 20_000  # token-flip markers drawn over the heat map (one per cell at most)
@@ -93,7 +93,8 @@ def _heatmap(run: RunFacts, p: _Points, flipped: dict[str, int], atol: float = 0
     cc, rr = bin_of(p.pos, n_steps, MAX_COLUMNS), bin_of(p.row, n_req, MAX_ROWS)
     np.maximum.at(grid, (rr, cc), scale.levels(p.delta))
     flips = p.flip > 0
-    key = np.unique(np.stack([cc[flips], rr[flips], p.flip[flips]], axis=1), axis=0) if flips.any() else np.zeros((0, 3))
+    key = np.unique(np.stack([cc[flips], rr[flips], p.flip[flips]], axis=1),
+                    axis=0) if flips.any() else np.zeros((0, 3))
     labels = _row_labels([f.name for f in reqs], rows)
     return {"cols": cols, "rows": rows, "cells": b64(grid), "lo": scale.lo, "hi": scale.hi, "atol": atol,
             "requests": n_req,

@@ -14,7 +14,7 @@ import msgspec
 from replay import __version__
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, UsageError
 from replay.replayer.corpus import CorpusResult, CorpusRow, corpus_groups
-from replay.report.page import CSP, STYLE
+from replay.report.page import CSP, asset
 
 _ORDER = {EXIT_DIVERGED: 0, EXIT_CANNOT_TEST: 1, EXIT_OK: 2}
 
@@ -78,12 +78,12 @@ def write_corpus_report(result: CorpusResult | list[CorpusRow], output: str | os
         f"</td></tr>" for g in groups)
     body = "".join(
         f"<tr class='{'diverged' if r.code == EXIT_DIVERGED else ''}'><td>{_e(r.verdict.upper())}</td>"
-        f"<td>{_e(r.capture)}</td><td>{_e(r.first_divergence)}</td><td>{_e(r.suspect)}</td>"
+                    f"<td>{_e(r.capture)}</td><td>{_e(r.first_divergence)}</td><td>{_e(r.suspect)}</td>"
         f"<td class='num'>{r.seconds:.1f}</td><td>{_e(r.reason if r.code == EXIT_CANNOT_TEST else '')}</td></tr>"
         for r in sorted(rows, key=lambda r: (_ORDER.get(r.code, 1), r.capture)))
     page = f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
-<title>replay check: {_e(summary)}</title><style>{STYLE}</style></head><body><main>
+<title>replay check: {_e(summary)}</title><style>{asset("report.css")}</style></head><body><main>
 <h1>replay check: a corpus of {len(rows)} captures</h1>
 <p class="sub">report written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by replay {__version__}</p>
 <div class="verdict {kind}" id="verdict">{_e(summary)}</div>
@@ -91,7 +91,8 @@ def write_corpus_report(result: CorpusResult | list[CorpusRow], output: str | os
 <table class="data" id="groups"><thead><tr><th>diverge</th><th>cannot test</th><th>recorded differently from this
 runner in</th></tr></thead><tbody>{group_rows}</tbody></table>
 <h2>Captures</h2><p class="muted">diverging first, then those that could not be tested, then the good ones</p>
-<div class="tablewrap"><table class="data" id="rows"><thead><tr><th>verdict</th><th>capture</th><th>first divergence</th>
+<div class="tablewrap"><table class="data" id="rows">
+<thead><tr><th>verdict</th><th>capture</th><th>first divergence</th>
 <th>suspect</th><th>seconds</th><th>why it could not be tested</th></tr></thead><tbody>{body}</tbody></table></div>
 </main></body></html>
 """

@@ -5,15 +5,15 @@ decodes any version; the packed forms (`PackedStep`, `AlignedStep`) are given ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import add
-from typing import Callable
 
 import msgspec
 
-from replay.capture.format import records as fmt
 from replay.capture.codec.columns import ColumnSource
 from replay.capture.codec.step_image import is_nil, restore_output
 from replay.capture.codec.stepcodec import batch_order, map_request_ids
+from replay.capture.format import records as fmt
 from replay.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from replay.contracts.image_decoder import ImageDecoder
 
@@ -84,25 +84,26 @@ class _AlignedStepHead(StepHead, tag="aligned_step"):
 
     grammar_output: msgspec.Raw = msgspec.Raw(b"")
     num_scheduled: list[int] | None = None
-    layout: int = 0
+    elided: int = 0
 
     def unpack(self) -> StepHead:
         """The head as a `StepHead`: computed-token counts, scheduled-token counts and output ids restored."""
         so, mro = self.scheduler_output, self.model_runner_output
         c = so.scheduled_cached_reqs
-        if self.layout & fmt.COMPUTED_MINUS_OUTPUT:
+        if self.elided & fmt.COMPUTED_MINUS_OUTPUT:
             c.num_computed_tokens = list(map(add, c.num_computed_tokens, c.num_output_tokens))
         order = batch_order(so)
         if self.num_scheduled is not None:
             so.num_scheduled_tokens = dict(zip(order, self.num_scheduled))
-        if self.layout & fmt.OUTPUT_IDS_IN_BATCH_ORDER and mro is not None:
+        if self.elided & fmt.OUTPUT_IDS_IN_BATCH_ORDER and mro is not None:
             mro.req_ids = order
         return self
 
 
 # every record of a chunk, steps as heads
 DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | fmt.LiveIds | StepHead
-                                  | _PackedStepHead | _AlignedStepHead | fmt.LogprobColumns | fmt.StepImage | fmt.Crash | fmt.Footer)
+                                  | _PackedStepHead | _AlignedStepHead | fmt.LogprobColumns | fmt.StepImage | fmt.Crash
+                                  | fmt.Footer)
 _HEAD = msgspec.msgpack.Decoder(StepHead)
 
 

@@ -1,62 +1,26 @@
 """`render_page`: the report as one HTML document. What reads as text (the verdict, the commands, the first
 divergence, the batch, provenance) is static HTML, readable with scripts off; the plots and the request table are
-drawn by the inline script (`replay.report.script`) from JSON embedded in the page. A Content-Security-Policy
+drawn by the inline script (assets/report.js) from JSON embedded in the page. A Content-Security-Policy
 forbids every load that is not inline, so the page cannot reach the network even by mistake."""
 
 from __future__ import annotations
 
+import functools
 import html
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import msgspec
 
-from replay.report.script import SCRIPT, WATCH
-
 CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
-STYLE = """
-*{box-sizing:border-box}body{margin:0;font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#0f172a;background:#f8fafc}
-main{max-width:1400px;margin:0 auto;padding:20px 28px 60px}h1{font-size:20px;margin:0 0 2px}h2{font-size:16px;margin:28px 0 8px}
-h3{font-size:14px;margin:14px 0 6px}.sub{color:#64748b;margin:0 0 14px}code,pre{font:12.5px ui-monospace,SFMono-Regular,Menlo,monospace}
-.verdict{font-size:17px;font-weight:600;padding:12px 16px;border-radius:8px;margin:10px 0;border:1px solid}
-.verdict.match{background:#ecfdf5;border-color:#6ee7b7;color:#065f46}.verdict.diverged{background:#fff1f2;border-color:#fda4af;color:#9f1239}
-.verdict.none{background:#f1f5f9;border-color:#cbd5e1;color:#334155}
-pre.cmd{background:#0f172a;color:#e2e8f0;padding:8px 12px;border-radius:6px;overflow-x:auto;margin:4px 0}
-.notes{color:#92400e;margin:6px 0;padding-left:18px}.box{background:#fff;border:1px solid #e2e8f0;border-radius:8px;padding:12px 16px}
-.cards{display:flex;flex-wrap:wrap;gap:12px}.card{flex:1 1 300px}.kv{border-collapse:collapse;width:100%}
-.kv th{text-align:left;font-weight:500;color:#475569;padding:2px 12px 2px 0;vertical-align:top;white-space:nowrap;width:1%}
-.kv td{padding:2px 0;word-break:break-word}.stats{display:flex;flex-wrap:wrap;gap:10px;margin:8px 0}
-.stat{background:#fff;border:1px solid #e2e8f0;border-radius:8px;padding:8px 14px;min-width:130px}
-.stat b{display:block;font-size:18px}.stat span{color:#64748b;font-size:12px}
-.plotrow{display:grid;grid-template-columns:150px 1fr;align-items:stretch;margin:2px 0}
-.plotrow .lab{font-size:11.5px;line-height:1.25;color:#475569;padding-right:8px;text-align:right;display:flex;flex-direction:column;justify-content:space-between}
-.plotrow canvas{width:100%;display:block;background:#fff;border:1px solid #e2e8f0}
-#tl-batch,#tl-tokens,#tl-time{height:90px}#tl-marks{height:28px}#tl-axis{height:20px;border:0!important;background:none!important}
-.plotrow.hm{grid-template-columns:max-content minmax(0,1fr)}
-#hm-rows{display:flex;flex-direction:column;font-size:11px;color:#334155;text-align:right;padding-right:8px;min-width:142px}
-.hm-row{white-space:nowrap;line-height:1;display:flex;align-items:center;justify-content:flex-end}
-.hm-row.tiny{font-size:0}#hm-plot{position:relative;border:1px solid #e2e8f0;background:#fff}
-#heatmap{position:absolute;inset:0;width:100%;height:100%;image-rendering:pixelated}
-#heatmap-overlay{position:absolute;inset:0;width:100%;height:100%}#hm-plot canvas{background:transparent;border:0}#scatter{width:100%;max-width:760px;height:340px;background:#fff;border:1px solid #e2e8f0;display:block}
-.legend{display:flex;flex-wrap:wrap;gap:16px;align-items:center;font-size:12px;color:#334155;margin:6px 0 6px 150px}
-.sw{display:inline-block;width:12px;height:12px;border:1px solid #cbd5e1;vertical-align:-2px;margin-right:4px}
-.grad{display:inline-block;width:160px;height:12px;vertical-align:-2px;margin:0 4px;border:1px solid #cbd5e1;
-background:linear-gradient(90deg,#fcfdbf,#feb078,#f1605d,#b73779,#721f81,#2c115f,#000004)}
-.ring{display:inline-block;width:11px;height:11px;border:2px solid #2563eb;border-radius:50%;vertical-align:-2px;margin-right:4px}
-.sq{display:inline-block;width:10px;height:10px;border:2px solid #7c3aed;vertical-align:-2px;margin-right:4px}
-.dia{display:inline-block;width:9px;height:9px;background:#e11d48;transform:rotate(45deg);margin:0 5px 0 2px}
-.bar{height:14px;background:#94a3b8;border-radius:2px}.bar.first{background:#e11d48}.bar.diverged{background:#f59e0b}
-table.data{border-collapse:collapse;width:100%;background:#fff;font-size:12.5px}
-table.data th,table.data td{padding:3px 8px;border-bottom:1px solid #eef2f7;text-align:left;white-space:nowrap}
-table.data th{position:sticky;top:0;background:#f1f5f9;cursor:pointer;user-select:none}table.data .num{text-align:right}
-table.data th[aria-sort=ascending]::after{content:" \\25B2"}table.data th[aria-sort=descending]::after{content:" \\25BC"}
-tr.diverged td:first-child{border-left:3px solid #f59e0b}tr.flipped td:first-child{border-left:3px solid #e11d48}
-.tablewrap{max-height:560px;overflow:auto;border:1px solid #e2e8f0;border-radius:6px}
-.controls{display:flex;gap:14px;align-items:center;margin:6px 0}.controls input[type=search]{padding:4px 8px;width:260px}
-#tip{position:fixed;z-index:10;background:#0f172a;color:#f8fafc;font-size:12px;padding:6px 8px;border-radius:5px;white-space:pre;pointer-events:none}
-#errors{background:#fef2f2;color:#991b1b;border:1px solid #fca5a5;padding:8px;white-space:pre-wrap}
-details summary{cursor:pointer;color:#475569}.muted{color:#64748b}
-"""
+
+
+@functools.cache
+def asset(name: str) -> str:
+    """One of the page's own files (replay/report/assets/: report.css, watch.js, report.js), as text."""
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
 
 
 def esc(x: Any) -> str:
@@ -153,7 +117,8 @@ def _comparison(p: Page) -> str:
 <h3>Steps × requests, coloured by the largest |Δlogprob| of the cell</h3>
 <p class=muted>{rows.capitalize()}, {cols}; a cell shows the largest |Δlogprob| of what it holds. Hover a cell for
 its numbers.</p>
-<div class="plotrow hm"><div id=hm-rows></div><div id=hm-plot><canvas id=heatmap></canvas><canvas id=heatmap-overlay></canvas></div></div>
+<div class="plotrow hm"><div id=hm-rows></div>
+<div id=hm-plot><canvas id=heatmap></canvas><canvas id=heatmap-overlay></canvas></div></div>
 {_legend(p.legend)}
 <div class=cards>{''.join(_card(c) for c in p.cards)}</div>
 <h3>|Δlogprob| against the top1–top2 margin</h3>
@@ -175,7 +140,8 @@ def _timeline(p: Page) -> str:
             "</span><span id=tl-time-max></span></div><canvas id=tl-time></canvas></div>" if s["timed"] else
             "<p class=muted>This capture records no step timings (a synthetic capture, say).</p>")
     return f"""<h3>Step timeline</h3><p class=muted>{esc(s['binning'])}; hover for numbers.</p>
-<div class=plotrow><div class=lab><span>requests in the batch</span><span id=tl-batch-max></span></div><canvas id=tl-batch></canvas></div>
+<div class=plotrow><div class=lab><span>requests in the batch</span><span id=tl-batch-max></span></div>
+<canvas id=tl-batch></canvas></div>
 <div class=plotrow><div class=lab><span>tokens: prefill <i class=sw style=background:#f59e0b></i> decode
 <i class=sw style=background:#3b82f6></i></span><span id=tl-tokens-max></span></div><canvas id=tl-tokens></canvas></div>
 {time}
@@ -196,8 +162,9 @@ def render_page(p: Page) -> str:
     bisect = _card(p.bisect) if p.bisect is not None else ""
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><meta http-equiv="Content-Security-Policy" content="{CSP}">
-<meta name=viewport content="width=device-width, initial-scale=1"><title>{esc(p.title)}</title><style>{STYLE}</style>
-<script>{WATCH}</script></head>
+<meta name=viewport content="width=device-width, initial-scale=1"><title>{esc(p.title)}</title>
+<style>{asset("report.css")}</style>
+<script>{asset("watch.js")}</script></head>
 <body data-status=loading><main>
 <h1>{esc(p.title)}</h1><p class=sub>{esc(p.subtitle)}</p>
 <div id=errors hidden></div>
@@ -205,12 +172,13 @@ def render_page(p: Page) -> str:
 <div class=stats id=stats>{stats}</div>
 {_comparison(p)}
 <section id=run><h2>The run</h2>{_timeline(p)}</section>
-<section id=requests><h2>Requests</h2><div class=controls><input type=search id=req-filter placeholder="filter by request id or status">
+<section id=requests><h2>Requests</h2>
+<div class=controls><input type=search id=req-filter placeholder="filter by request id or status">
 {only}<span id=req-count class=muted></span></div>
 <div class=tablewrap><table class=data><thead><tr id=req-head></tr></thead><tbody id=req-body></tbody></table></div>
 <button id=req-more hidden>show more</button></section>
 <section id=provenance><h2>Provenance</h2><div class=cards>{prov}</div></section>
 </main><div id=tip hidden></div>
 <script type="application/json" id=report-data>{data}</script>
-<script>{SCRIPT}</script></body></html>
+<script>{asset("report.js")}</script></body></html>
 """

@@ -11,7 +11,7 @@ import numpy as np
 from replay.capture import Header
 from replay.provenance import hardware_summary
 from replay.report.bins import MAX_COLUMNS, bin_of, bin_starts, reduce_bins, rounded
-from replay.report.run import RunFacts
+from replay.report.run_facts import RunFacts
 
 
 def provenance(header: Header, status: str) -> list[tuple[str, list[tuple[str, Any]]]]:
@@ -35,7 +35,8 @@ def provenance(header: Header, status: str) -> list[tuple[str, list[tuple[str, A
     hardware += sorted(e.hardware.items())
     if e.libraries.get("cpu_capability"):
         hardware.append(("ATen kernels", e.libraries["cpu_capability"]))
-    env = [("device", e.device), ("torch", e.torch_version), ("CUDA", e.cuda_version), ("threads", e.num_threads or None),
+    env = [("device", e.device), ("torch", e.torch_version), ("CUDA", e.cuda_version),
+           ("threads", e.num_threads or None),
            ("deterministic algorithms", _on(e.deterministic_algorithms)), ("float32 matmul precision",
                                                                              e.matmul_precision),
            ("python", e.python_version), ("platform", e.platform), ("host", e.hostname)]
@@ -60,7 +61,8 @@ def run_stats(run: RunFacts) -> list[tuple[str, Any]]:
            ("scheduled tokens", f"{int(s['prefill'].sum() + s['decode'].sum()):,}"),
            ("preemptions", f"{int(s['preempted'].sum()):,}"), ("prefix-cache hits", f"{int(s['prefix_hits'].sum()):,}")]
     if run.timed:
-        out.append(("engine time (s)", f"{(s['schedule_ns'].sum() + s['execute_ns'].sum() + s['update_ns'].sum()) / 1e9:.3f}"))
+        out.append(("engine time (s)",
+                    f"{(s['schedule_ns'].sum() + s['execute_ns'].sum() + s['update_ns'].sum()) / 1e9:.3f}"))
     out.append(("capture status", run.status))
     return out
 

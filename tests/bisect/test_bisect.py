@@ -77,7 +77,7 @@ def test_a_batch_variant_op_is_pinned_on_the_one_neighbour_that_triggers_it(crow
             return out
         return runner.model.get_submodule("layers.1.mlp.down_proj").register_forward_hook(fn)
 
-    import replay.bisect.session as session_mod
+    import replay.bisect.builtin_session as session_mod
 
     real_init = session_mod.StepSession.__init__
 
@@ -116,7 +116,7 @@ def test_config_bisect_names_dtype(crowd):
 def test_config_bisect_fanned_out_gives_the_serial_verdict(crowd):
     """Each ddmin round's subsets replay at once as Ray tasks (a local single-node cluster; local processes take
     the same path, see test_corpus): the minimal change is the serial one."""
-    from replay.replayer.fanout import FanOut
+    from replay.processes.fanout import FanOut
 
     path, _ = crowd
     args = (path, "dtype=float32,seed=0,threads=1", "dtype=bfloat16,seed=5,threads=2")
@@ -225,13 +225,14 @@ def test_ulps_count_the_floats_between_two_outputs_across_zero_too():
     gives), NaN pairs left out."""
     import torch
 
-    from replay.bisect.layers import _ulps
+    from replay.bisect.module_compare import ulps as _ulps
 
     f32, bf16 = torch.float32, torch.bfloat16
     assert _ulps(torch.tensor([1.0]), torch.tensor([1.0 + 2**-23])) == 1
     f64 = torch.float64
     assert _ulps(torch.tensor([1.0], dtype=f64), torch.tensor([1.0 + 2**-52], dtype=f64)) == 1  # integers, not floats
-    assert _ulps(torch.tensor([1e-45]), torch.tensor([-1e-45])) == 2 and _ulps(torch.tensor([0.0]), torch.tensor([-0.0])) == 0
+    assert _ulps(torch.tensor([1e-45]), torch.tensor([-1e-45])) == 2 and _ulps(torch.tensor([0.0]),
+                                                                               torch.tensor([-0.0])) == 0
     assert _ulps(torch.tensor([0.0], dtype=bf16), torch.tensor([1e-3], dtype=bf16)) < 2**16
     assert _ulps(torch.tensor([1.0], dtype=f32), torch.tensor([1.0078125], dtype=bf16)) == 1  # in bfloat16's units
     assert _ulps(torch.tensor([float("nan"), 2.0]), torch.tensor([float("nan"), 2.0])) == 0

@@ -4,7 +4,7 @@ variance pinned on a neighbour, on vLLM's kernels and on ours; engine arguments 
 the dumped tensors of the differing modules.
 
 Two captures: `tp2_capture` (tests/conftest.py, shared with the vLLM-runner tests) and `wide`, a Llama wide enough
-for float32 batch variance on vLLM's CPU GEMMs (tests/vllm_checkpoints.wide_llama), at TP=1.
+for float32 batch variance on vLLM's CPU GEMMs (testbed/checkpoints.wide_llama), at TP=1.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from replay.bisect.layers import bisect_layers  # noqa: E402
 from replay.cli import main  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.replayer import Plant, ReplayOptions, replay_capture  # noqa: E402
+from testbed.checkpoints import wide_llama  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
-from tests.vllm_checkpoints import wide_llama  # noqa: E402
 
 STEP = 2  # a decode step: the 8 requests of `wide` together, after their prefill
 

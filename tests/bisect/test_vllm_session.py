@@ -33,7 +33,8 @@ def test_a_request_keeps_the_neighbour_whose_prefix_blocks_it_reads(tmp_path):
                 and hitter in s.scheduler_output.num_scheduled_tokens)
     free, kept = co_batched(path, last, hitter, 4)
     assert writer in kept and writer not in free
-    assert set(free) | set(kept) == {x for s in steps if s.index <= last and hitter in s.scheduler_output.num_scheduled_tokens
+    assert set(free) | set(kept) == {x for s in steps if s.index <= last
+                                     and hitter in s.scheduler_output.num_scheduled_tokens
                                      for x in s.scheduler_output.num_scheduled_tokens} - {hitter}
     free_w, kept_w = co_batched(path, last, writer, 4)  # the writer reads nobody's blocks
     assert hitter in free_w and not kept_w

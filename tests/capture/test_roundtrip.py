@@ -25,7 +25,8 @@ from tests.strategies import (
 _counter = itertools.count()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     steps=st.lists(st.tuples(scheduler_outputs(), st.none() | model_runner_outputs(), st.none() | step_timings,
                              st.dictionaries(st.text(min_size=1, max_size=4), st.integers(0, 2**63 - 1), max_size=2)),

@@ -148,7 +148,8 @@ def test_usage_errors_exit_2_in_one_line(capsys):
 
 
 def test_root_cli_py_hands_over_to_the_package(small_capture):
-    out = subprocess.run([sys.executable, "cli.py", "info", str(small_capture), "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "cli.py", "info", str(small_capture), "--json"], capture_output=True,
+                         text=True,
                          cwd=__file__.rsplit("/tests/", 1)[0])
     assert out.returncode == 0 and json.loads(out.stdout)["num_steps"] == 40
 

@@ -25,8 +25,10 @@ def paths(tmp_path, small_capture):
     golden = Path(__file__).resolve().parents[2] / "captures" / "tiny-mixed.capture"
     empty = tmp_path / "no-captures"
     empty.mkdir()
-    return {"cap": str(small_capture), "golden": str(golden), "dir": str(tmp_path), "loop": str(loop_a), "missing": str(tmp_path / "nope"),
-            "jsonl": str(bad_jsonl), "grammar": str(grammar), "fanout": str(fanout), "out": str(tmp_path / "out.capture"),
+    return {"cap": str(small_capture), "golden": str(golden), "dir": str(tmp_path), "loop": str(loop_a),
+            "missing": str(tmp_path / "nope"),
+            "jsonl": str(bad_jsonl), "grammar": str(grammar), "fanout": str(fanout),
+            "out": str(tmp_path / "out.capture"),
             "emptydir": str(empty)}
 
 

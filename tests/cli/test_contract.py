@@ -41,11 +41,13 @@ def _base(path: tuple[str, ...], tmp: Path) -> tuple[list[str], dict[str, list[s
         ring.mkdir()
         shutil.copy(GOLDEN, ring / "segment-000001.capture")
     table: dict[tuple[str, ...], tuple[list[str], dict[str, list[str]]]] = {
-        ("info",): ([GOLDEN], {}), ("show",): ([GOLDEN], {"--step": ["1"]}), ("export",): ([GOLDEN], {"-o": [str(tmp / "x.jsonl")]}),
+        ("info",): ([GOLDEN], {}), ("show",): ([GOLDEN], {"--step": ["1"]}),
+        ("export",): ([GOLDEN], {"-o": [str(tmp / "x.jsonl")]}),
         ("recover",): ([GOLDEN], {"-o": [out]}), ("synth",): ([out], {"--steps": ["2"], "--running": ["2"]}),
         ("run",): ([GOLDEN], runs), ("check",): ([GOLDEN], {}), ("diff",): ([GOLDEN, GOLDEN], {}),
         ("record",): ([], {"--num-requests": ["1"], "--prompt-len": ["2:2"], "--output-len": ["1:1"], "-o": [out]}),
-        ("demo",): ([], {"-o": [out]}), ("snapshot",): ([str(ring)], {}), ("report",): ([GOLDEN], {"-o": [str(tmp / "report.html")]}),
+        ("demo",): ([], {"-o": [out]}), ("snapshot",): ([str(ring)], {}),
+        ("report",): ([GOLDEN], {"-o": [str(tmp / "report.html")]}),
         ("stress",): ([], {"--prompt-token-ids": ["5,6"], "--trials": ["2"], "--max-tokens": ["1"],
                            "--neighbours": ["0:0"]}),
         ("bisect", "steps"): ([GOLDEN], {}),
@@ -75,7 +77,8 @@ def _cases():
             if param.param_type_name != "option" or getattr(param, "is_flag", False) or param.name == "help":
                 continue
             for value, refused in _bad_values(param):
-                yield pytest.param(path, param.opts[0], value, refused, id=f"{' '.join(path)} {param.opts[0]}={value!r}")
+                yield pytest.param(path, param.opts[0], value, refused,
+                                   id=f"{' '.join(path)} {param.opts[0]}={value!r}")
 
 
 def test_every_command_is_walked():
@@ -133,7 +136,8 @@ def test_an_internal_error_is_one_line_and_verbose_shows_it(capsys, monkeypatch)
     monkeypatch.setattr(replay.inspect, "capture_info", boom)
     assert main(["info", GOLDEN]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "replay: internal error, please report it: ZeroDivisionError: a bug (`replay -v ...` shows where)"
+    assert err.strip() == ("replay: internal error, please report it: ZeroDivisionError: a bug "
+                           "(`replay -v ...` shows where)")
     monkeypatch.setenv("REPLAY_VERBOSE", "1")
     assert main(["info", GOLDEN]) == 2
     assert "Traceback" in capsys.readouterr().err

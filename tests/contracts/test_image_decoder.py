@@ -1,4 +1,5 @@
-"""ImageDecoder: another engine's msgpack image -> contracts, typed where it can, always what the tolerant walk gives."""
+"""ImageDecoder: another engine's msgpack image -> contracts, typed where it can, always what the tolerant walk
+gives."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def test_fewer_tokens_with_equal_common_tokens_is_a_draft_difference_not_a_flip(
     actual = _out({"b": [7, 8]})  # the replay verified another draft at position 1 and emitted the same token
     summary, divs = compare_step(8, expected, actual, {"b": "req-b"}, {"b": 9}, Tolerance(), drafts={"b": [7, 99, 4]})
     (d,) = divs
-    assert (d.step, d.request_id, d.position, d.kind, d.expected_token, d.actual_token) == (8, "req-b", 11, "drafts", 9, None)
+    assert (d.step, d.request_id, d.position, d.kind, d.expected_token, d.actual_token) == (8, "req-b", 11, "drafts",
+                                                                                            9, None)
     assert d.flip is None and summary.token_mismatches == 0 and summary.draft_mismatches == 1
     assert (d.expected_accepted, d.actual_accepted, d.rejected_draft, d.rejected_position) == (3, 1, 99, 10)
 
@@ -94,7 +95,8 @@ def test_moe_routing_is_compared_token_by_token_with_the_step_schedule():
     expected = replace(out, routed_experts=routed(rows))
     summary, divs = compare_step(3, expected, replace(out, routed_experts=routed(rows)), {}, {}, Tolerance(), so=so)
     assert divs == [] and summary.tokens_routed == 4
-    summary, (d,) = compare_step(3, expected, replace(out, routed_experts=routed(moved)), {"b": "req-b"}, {}, Tolerance(),
+    summary, (d,) = compare_step(3, expected, replace(out, routed_experts=routed(moved)), {"b": "req-b"}, {},
+                                 Tolerance(),
                                  so=so)
     assert (d.kind, d.request_id, d.token_index, d.moe_layer) == ("routed_experts", "req-b", 41, 1)
     assert (d.expected_experts, d.actual_experts, summary.routing_mismatches) == ([0, 1], [1, 0], 1)

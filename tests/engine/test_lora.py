@@ -13,7 +13,7 @@ from replay.engine.lora import LoRAHooks, load_adapter
 from replay.engine.model import ContiguousAttention
 from replay.engine.weights import load_checkpoint
 from replay.errors import UsageError
-from tests.vllm_checkpoints import lora_adapter, tiny_llama
+from testbed.checkpoints import lora_adapter, tiny_llama
 
 pytest.importorskip("transformers")
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from replay.contracts import SamplingParams, SchedulerOutput
-from replay.engine.runner import ModelRunner
+from replay.engine.model_runner import ModelRunner
 from replay.engine.sampler import SampleRow
 from replay.engine.spec_decode import verify_drafts
 from replay.engine.weights import tiny_model
 from replay.provenance import set_torch_threads
-from tests.engine.test_runner import BS, cached, new, so
+from tests.engine.test_model_runner import BS, cached, new, so
 
 PROMPT = list(range(3, 14))
 BLOCKS = [5, 9, 2, 7, 11, 12]  # room for the prompt and 12 more tokens

@@ -36,7 +36,8 @@ def test_info_by_linear_scan_agrees(small_capture, tmp_path):
     p.write_bytes(data[:index_at])
     a, b = capture_info(small_capture), capture_info(p)
     assert not b.complete and not b.damaged
-    for f in ("num_steps", "num_generated_tokens", "num_scheduled_tokens", "num_requests_added", "raw_bytes", "num_chunks"):
+    for f in ("num_steps", "num_generated_tokens", "num_scheduled_tokens", "num_requests_added", "raw_bytes",
+              "num_chunks"):
         assert getattr(a, f) == getattr(b, f), f
 
 

@@ -147,7 +147,8 @@ def test_every_step_has_one_engine_slice_with_schedule_execute_update_inside(bui
         assert [c["name"] for c in children] == ["schedule", "execute", "update"]
         for c in children:
             assert start <= _ns(c["ts"]) and _ns(c["ts"]) + _ns(c["dur"]) <= end
-        assert _ns(children[0]["ts"]) == start and _ns(children[1]["ts"]) >= _ns(children[0]["ts"]) + _ns(children[0]["dur"])
+        assert _ns(children[0]["ts"]) == start
+        assert _ns(children[1]["ts"]) >= _ns(children[0]["ts"]) + _ns(children[0]["dur"])
 
 
 def test_every_request_has_a_track_with_ordered_phases_and_its_tokens(builtin):
@@ -220,7 +221,8 @@ def test_a_prefix_cache_hit_is_on_the_request_and_the_step(builtin):
     _, trace = builtin
     first = next(e for e in _request_tracks(trace)["r1"] if e["name"] == "prefill")
     assert first["args"]["cached_prefix_tokens"] == first["args"]["num_computed_tokens"] == 16
-    step = next(e for e in trace["traceEvents"] if e.get("cat") == "step" and e["args"]["step"] == first["args"]["step"])
+    step = next(e for e in trace["traceEvents"] if e.get("cat") == "step"
+                and e["args"]["step"] == first["args"]["step"])
     assert step["args"]["prefix_cache_hits"] == 1 and step["args"]["prefix_cached_tokens"] > 0
 
 
@@ -297,7 +299,8 @@ def test_cli_exports_perfetto_and_a_damaged_capture_exits_3(builtin, tmp_path, c
     assert main(["export", str(cut), "--format", "perfetto", "-o", str(out)]) == 3
     partial = json.loads(out.read_text())
     assert partial["metadata"]["damage"] and partial["metadata"]["status"] == "unfinished"
-    assert 0 < sum(e.get("cat") == "step" for e in partial["traceEvents"]) < sum(e.get("cat") == "step" for e in trace["traceEvents"])
+    assert 0 < sum(e.get("cat") == "step" for e in partial["traceEvents"]) < sum(e.get("cat") == "step"
+                                                                                 for e in trace["traceEvents"])
     _assert_well_formed(partial)
     capsys.readouterr()
     assert main(["export", str(path), "--format", "xml", "-o", str(out)]) == 2

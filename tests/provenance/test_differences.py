@@ -17,7 +17,8 @@ GOLDEN = Path(__file__).resolve().parents[2] / "captures" / "tiny-mixed.capture"
 
 
 def _header(**changes):
-    h = make_header("builtin", engine_version="1", model=ModelIdentity("tiny", "LlamaForCausalLM", "ab" * 32, "float32"),
+    h = make_header("builtin", engine_version="1",
+                    model=ModelIdentity("tiny", "LlamaForCausalLM", "ab" * 32, "float32"),
                     engine_config=EngineConfig(block_size=16, attention_impl="sdpa"),
                     environment=Environment(device="cpu", torch_version="2.13.0", num_threads=2, platform="Linux-x"))
     for path, value in changes.items():

@@ -72,10 +72,9 @@ def test_preemption_and_prefix_caching_do_not_change_greedy_outputs(tmp_path):
                            sampling="greedy", seed=8)
     tight = record_builtin(RecordOptions(EngineConfig(scheduler=SMALL_POOL, runner=RunnerConfig(num_threads=1)),
                                  synthetic(wl, 512), tmp_path / "tight.capture"))
-    roomy = record_builtin(RecordOptions(EngineConfig(scheduler=SchedulerConfig(num_gpu_blocks=256, enable_prefix_caching=False,
-                                                                        max_num_batched_tokens=1024),
-                                              runner=RunnerConfig(num_threads=1)),
-                                 synthetic(wl, 512), tmp_path / "roomy.capture"))
+    roomy_pool = SchedulerConfig(num_gpu_blocks=256, enable_prefix_caching=False, max_num_batched_tokens=1024)
+    roomy = record_builtin(RecordOptions(EngineConfig(scheduler=roomy_pool, runner=RunnerConfig(num_threads=1)),
+                                         synthetic(wl, 512), tmp_path / "roomy.capture"))
     assert outputs_by_request(tight.path) == outputs_by_request(roomy.path)
 
 
@@ -88,8 +87,10 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_a_crowd():
         got = []
         engine.listeners.append(type("L", (), {
             "on_request_added": lambda *a: None, "on_request_aborted": lambda *a: None,
-            "on_step": lambda self, i, so, mro, **k: got.extend(mro.sampled(next(r for r in mro.req_ids if r.startswith("s-")))
-                                                                  if any(r.startswith("s-") for r in mro.req_ids) else []),
+            "on_step": lambda self, i, so, mro,
+            **k: got.extend(mro.sampled(next(r for r in mro.req_ids if r.startswith("s-")))
+                                                                  if any(r.startswith("s-") for r in mro.req_ids)
+                                                                  else []),
         })())
         crowd = [WorkloadRequest(SamplingParams(temperature=0.9, max_tokens=10), None, list(range(40 + i, 60 + i)),
                                  f"n{i}") for i in range(extra)]

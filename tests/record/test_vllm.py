@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from replay.diff import Tolerance, diff_captures  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from tests.vllm_checkpoints import add_tokenizer, tiny_llama, tiny_qwen3  # noqa: E402
+from testbed.checkpoints import add_tokenizer, tiny_llama, tiny_qwen3  # noqa: E402
 from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 REPLAY = [sys.executable, "-m", "replay.cli"]
@@ -42,10 +42,9 @@ from replay.errors import CaptureError
 send = ProcessCaptureWriter.output_image
 
 
-def output_image(self, index, *args):
-    if index == 3:  # a stand-in for a disk that fills up mid-run (the only thing injected; vLLM and the writer are real)
-        raise CaptureError(self.partial_path, "No space left on device")
-    return send(self, index, *args)
+def output_image(self, index, *args): if index == 3:  # a stand-in for a disk that fills up mid-run (the only thing
+    injected; vLLM and the writer are real) raise CaptureError(self.partial_path, "No space left on device") return
+    send(self, index, *args)
 
 
 ProcessCaptureWriter.output_image = output_image
@@ -67,7 +66,7 @@ def runs(tmp_path_factory):
     (capture, the finished process); each test checks its own run."""
     d = tmp_path_factory.mktemp("vllm-record")
     llama, qwen3 = add_tokenizer(tiny_llama(d / "tiny-llama")), tiny_qwen3(d / "tiny-qwen3")
-    # prompt lengths 20..300: float32 batch variance on CPU shows once GEMM shapes grow (reference/vllm-on-cpu.md §6)
+    # prompt lengths 20..300: float32 batch variance on CPU shows once GEMM shapes grow
     eight = _jsonl(d / "eight.jsonl", [{"request_id": f"p{i}", "prompt_token_ids": _ids(10 + i, 20 + 40 * i),
                                         "temperature": 0, "max_tokens": 16, "logprobs": 5, "ignore_eos": True}
                                        for i in range(8)])

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from replay.cli import main
+from replay.processes.fanout import FanOut
 from replay.record import EngineOptions, SyntheticWorkload, record, synthetic
 from replay.replayer.corpus import check_corpus, corpus_paths
-from replay.replayer.fanout import FanOut
 
 PLANTED = ("planted-0.capture", "planted-1.capture")
 PLANT = "MKL_CBWR: recorded COMPATIBLE, replay -"

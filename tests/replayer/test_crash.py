@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from replay.capture import CaptureReader, Crash, Step
 from replay.cli import app
 from replay.engine.config import EngineConfig, RunnerConfig
-from replay.engine.runner import ModelRunner
+from replay.engine.model_runner import ModelRunner
 from replay.inspect import capture_info
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 from replay.replayer import replay_capture

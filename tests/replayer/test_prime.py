@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from replay.capture import CaptureReader, Keyframe, StepRange
-from replay.capture.reading.keyframes import keyframe_steps
+from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.cli import app
 from replay.contracts import SamplingParams
 from replay.diff import Tolerance

@@ -51,8 +51,8 @@ def loaded_cpu():
                 p.kill()
 
 
-# The shape of the evidence capture (shared/evidence/loaded-2-threads.capture): 8 requests arriving together, so
-# step 0 is a 256-token prefill of 6 requests split over both threads' GEMM rows.
+# The shape of a capture recorded on a loaded machine that diverged on every quiet replay: 8 requests arriving together,
+# so step 0 is a 256-token prefill of 6 requests split over both threads' GEMM rows.
 WORKLOAD = dict(num_requests=8, prompt_len=(20, 60), output_len=(8, 16), arrival_rate=0.0)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from replay.report.run import run_facts
+from replay.report.run_facts import run_facts
 from tests.report.chromium import Dom, load, needs_chromium
 from tests.report.helpers import page_data
 
@@ -39,7 +39,8 @@ def test_every_plot_is_drawn_without_an_error(which, plots, request, tmp_path_fa
     assert len(dom.inside("tr", "req-body")) == min(200, data["requests"]["n"])  # the table's first page
     if data["comparison"]:
         hm = data["comparison"]["heatmap"]
-        assert [r["title"] for r in dom.with_class("hm-row")] == hm["row_labels"] and len(hm["row_labels"]) == hm["rows"]
+        assert [r["title"]
+                for r in dom.with_class("hm-row")] == hm["row_labels"] and len(hm["row_labels"]) == hm["rows"]
         assert dom.by_id("hm-rows")["data-clipped"] == "0"  # every readable row label is whole
 
 

@@ -21,7 +21,7 @@ from replay.report.bins import (
     NOT_COMPARED,
     bin_starts,
 )
-from replay.report.run import run_facts
+from replay.report.run_facts import run_facts
 from tests.report.chromium import Dom
 from tests.report.helpers import cli, page_data
 

@@ -47,7 +47,7 @@ def _np_dtype(name: str) -> np.dtype:
     return _DTYPES[name]
 
 
-_DTYPES = {name: np.dtype(layout) for name, layout in NUMPY_DTYPES.items()}
+_DTYPES = {name: np.dtype(spec) for name, spec in NUMPY_DTYPES.items()}
 
 
 def same_token_column(ids: np.ndarray) -> np.ndarray:
@@ -67,7 +67,7 @@ def xor_col0_inplace(values: np.ndarray, ids: np.ndarray) -> None:
 def small_ids(ids: np.ndarray) -> bool:
     """Byte-shuffle token ids only when they all fit in 16 bits: then the high byte planes are all zeros and
     vanish (vocabularies up to 64k: -6 % on a 1k-vocab vLLM capture); with larger vocabularies the interleaved
-    layout compresses better (+4 % if shuffled, capture_bench's 128k vocabulary)."""
+    bytes compress better (+4 % if shuffled, capture_bench's 128k vocabulary)."""
     return ids.size > 0 and ids.dtype.itemsize > 2 and int(ids.min()) >= 0 and int(ids.max()) < 1 << 16
 
 
@@ -84,7 +84,7 @@ class ColumnSink:
 
     def add(self, lp: LogprobsLists) -> LogprobsLists | None:
         """The step's `LogprobsLists` as stored (markers into this chunk's columns), or None for a matrix the
-        columns do not take (another layout: the per-step codec stores it). ValueError when an array's bytes do
+        columns do not take (another dtype or shape: the per-step codec stores it). ValueError when an array's bytes do
         not match its dtype and shape."""
         a, b, c = lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
         if a.filters or b.filters or c.filters:
@@ -104,20 +104,22 @@ class ColumnSink:
         if not _fits(shape, (a.dtype, b.dtype, c.dtype)) or tuple(b.shape) != shape or tuple(c.shape) != shape[:1]:
             return None
         ids, vals, ranks = plain(a), plain(b), plain(c)  # all three checked before any joins the group (ValueError)
-        data = [x.data if not x.filters else np.ascontiguousarray(v).tobytes() for x, v in ((a, ids), (b, vals), (c, ranks))]
+        data = [x.data if not x.filters else np.ascontiguousarray(v).tobytes() for x,
+                v in ((a, ids), (b, vals), (c, ranks))]
         g, row = self._append((a.dtype, b.dtype, c.dtype, shape[1]), shape[0], data)
         return markers((a.dtype, b.dtype, c.dtype), shape, g, row, lp.cu_num_generated_tokens), ids
 
     def take_bytes(self, dtypes: tuple[str, str, str], shape: tuple[int, int],
                    arrays: tuple[bytes, bytes, bytes]) -> tuple[int, int] | None:
-        """A step's matrices given as little-endian bytes (token ids [rows, K], logprobs [rows, K], ranks [rows]):
-        where they start in the columns (group, row), or None for a layout the columns do not take. ValueError when
+        """A step's matrices given as little-endian bytes (token ids [rows, K], logprobs [rows, K], ranks [rows]): where
+        they start in the columns (group, row), or None for a dtype or shape the columns do not take. ValueError when
         the bytes do not fit the shape. Nothing is decoded: the writer's common step is a few length checks."""
         if not _fits(shape, dtypes) or dtypes[1] not in _DTYPES:
             return None
         rows, k = shape
         sizes = [_DTYPES[d].itemsize for d in dtypes]
-        if len(arrays[0]) != rows * k * sizes[0] or len(arrays[1]) != rows * k * sizes[1] or len(arrays[2]) != rows * sizes[2]:
+        if (len(arrays[0]) != rows * k * sizes[0] or len(arrays[1]) != rows * k * sizes[1]
+                or len(arrays[2]) != rows * sizes[2]):
             raise ValueError(f"logprob matrices of {rows}x{k} {'/'.join(dtypes)} do not fit their bytes")
         return self._append((*dtypes, k), rows, arrays)
 
@@ -186,10 +188,10 @@ def _pack(kind: tuple, ids_rows: np.ndarray, vals_rows: np.ndarray, ranks: np.nd
     if k >= 2:
         same = np.zeros(rows, np.intp)  # per row, the first column j >= 1 holding column 0's id, else 0
         for j in range(k - 1, 0, -1):
-            np.copyto(same, j, where=ids[j] == ids[0])  # (a masked copy: 4x faster than same[mask] = j)
+            np.copyto(same, j, where=ids[j] == ids[0])  # (a masked copy: faster than same[mask] = j)
         bits = vals.view(np.dtype(f"<u{vals.dtype.itemsize}"))
-        # values column 0 XOR its same-token column (zeros then): one gather, where a boolean-mask gather and
-        # scatter per column took 10x as long (0.5 ms a chunk of 16k rows)
+        # values column 0 XOR its same-token column (zeros then): one gather, not a boolean-mask gather and scatter
+        # per column
         partner = np.take_along_axis(bits, same[np.newaxis], axis=0)[0]  # (column 0 itself where same == 0)
         np.bitwise_xor(bits[0], partner, out=bits[0], where=same > 0)
         val_filters += (FILTER_COL0_XOR,)

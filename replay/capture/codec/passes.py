@@ -1,12 +1,13 @@
 """The per-request passes of a step's stored form (`stepcodec.step_to_wire`): the batch-order checks, the id
 interning, computed minus output tokens, the count of generated tokens. Plain Python builtins (map, list(), ==), so
-the stored lists are the step's own; a C implementation of them saved the vLLM writer process 12-17 % of its CPU
-and was removed (docs/performance.md, "The compiled modules")."""
+the stored lists are the step's own: compiled passes would save too little to earn a build step
+(docs/performance.md, "The compiled modules")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import sub
-from typing import Any, Callable
+from typing import Any
 
 
 class PythonPasses:

@@ -1,11 +1,11 @@
 """`StepImage` records (format 1.3): another engine's step stored as its tap encoded it, converted when read.
 
-Why: converting a vLLM step into contracts (decode, convert, intern ids) is most of what a writer process spends
-per step (~100 µs for 64 requests), more than the naive tap's whole `pickle.dump` (~55 µs). Stored as images, a
+Why: converting a vLLM step into contracts (decode, convert, intern ids) would be most of what a writer process
+spends per step, more than a naive tap's whole `pickle.dump`. Stored as images, a
 step costs the writer a glance at a few fields (for the seek index), moving the logprob matrices into the chunk's
 columns, and compression; the images keep every field the engine sent, mirrored by our contracts or not. Reading
 pays the conversion instead (`ImageDecoder`: msgspec's typed decoding, the tolerant walk where the image differs),
-and yields the very `Step` the writer process used to store.
+and yields the very `Step` a capture of contracts holds.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from replay.capture.format import records as fmt
 from replay.capture.codec.columns import ColumnSink, ColumnSource, is_marker
+from replay.capture.format import records as fmt
 from replay.contracts import (
     Array,
     DraftCounts,
@@ -156,19 +156,20 @@ def _with_fields(image: bytes, *pairs: bytes) -> bytes:
     else:
         raise ValueError("an output image sent in parts is not a map")
     n += len(pairs)
-    head = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdf" + n.to_bytes(4, "big")
+    head = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdf" + n.to_bytes(4,
+                                                                                                                    "big")
     return b"".join((head, body, *pairs))
 
 
 # The sampled tokens, when the logprob rows repeat them in column 0 (vLLM always puts the sampled token there),
-# are stored as where to find them (-1.9 B per generated token on the vLLM bench): {"column-0": layout, "counts":
-# tokens per request}. Layout "tokens": one row per sampled token, in order (also with drafts); "requests": one row
+# are stored as where to find them (-1.9 B per generated token on the vLLM bench): {"column-0": rows, "counts":
+# tokens per request}. Rows "tokens": one row per sampled token, in order (also with drafts); "requests": one row
 # per request, whose list is that row's token or empty (a partial prefill's discarded row).
 _DERIVED = "column-0"
 
 
 class _Derived(msgspec.Struct):
-    layout: str = msgspec.field(name=_DERIVED)
+    rows: str = msgspec.field(name=_DERIVED)
     counts: list[int] = []
 
 
@@ -176,7 +177,7 @@ _DERIVED_DECODER = msgspec.msgpack.Decoder(_Derived)
 
 
 def count_tokens(tokens: msgspec.Raw | None, image: bytes, decoder: ImageDecoder) -> int:
-    """How many tokens an output image's `sampled_token_ids` hold (counted on the contract for another layout)."""
+    """How many tokens an output image's `sampled_token_ids` hold (counted on the contract for another form)."""
     try:
         return sum(map(len, _TOKENS.decode(tokens))) if tokens is not None else 0
     except msgspec.ValidationError:
@@ -200,27 +201,28 @@ def tokens_in_column_0(tokens: msgspec.Raw | None, col0: list[int]) -> tuple[msg
     try:
         lists = _TOKENS.decode(tokens)
     except msgspec.ValidationError:
-        return None, 0  # another layout: counted on the contract
+        return None, 0  # another form: counted on the contract
     counts = list(map(len, lists))
     generated = sum(counts)
     if generated == len(col0) and [t for ts in lists for t in ts] == col0:
         return msgspec.Raw(_ENCODER.encode({_DERIVED: "tokens", "counts": counts})), generated
-    if len(lists) == len(col0) and all(c <= 1 for c in counts) and all(not t or t[0] == c0 for t, c0 in zip(lists, col0)):
+    if len(lists) == len(col0) and all(c <= 1 for c in counts) and all(not t or t[0] == c0 for t,
+                                                                       c0 in zip(lists, col0)):
         return msgspec.Raw(_ENCODER.encode({_DERIVED: "requests", "counts": counts})), generated
     return None, generated
 
 
 def _tokens_from_column_0(how: _Derived, lp: LogprobsLists) -> list[list[int]]:
     col0 = lp.logprob_token_ids.to_numpy()[:, 0].tolist()
-    if how.layout == "tokens" and sum(how.counts) == len(col0):
+    if how.rows == "tokens" and sum(how.counts) == len(col0):
         out, at = [], 0
         for c in how.counts:
             out.append(col0[at:at + c])
             at += c
         return out
-    if how.layout == "requests" and len(how.counts) == len(col0) and all(c in (0, 1) for c in how.counts):
+    if how.rows == "requests" and len(how.counts) == len(col0) and all(c in (0, 1) for c in how.counts):
         return [[t] if c else [] for t, c in zip(col0, how.counts)]
-    raise ValueError(f"the sampled tokens' reference ({how.layout}) does not fit the logprob rows")
+    raise ValueError(f"the sampled tokens' reference ({how.rows}) does not fit the logprob rows")
 
 
 def restore_output(image: msgspec.Raw, columns: ColumnSource | None) -> tuple[msgspec.Raw, LogprobsLists | None]:
@@ -300,7 +302,7 @@ def step_outline(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSourc
     else:
         try:
             sampled = _TOKENS.decode(tokens)
-        except msgspec.ValidationError:  # another layout (a tensor): the contract's conversion
+        except msgspec.ValidationError:  # another form (a tensor): the contract's conversion
             return step_from_image(rec, decoder, columns)
     nans = fields.get("num_nans_in_logits")
     mro = ModelRunnerOutput(_REQ_IDS.decode(fields["req_ids"]), {}, sampled, lists if logprobs else None,
@@ -333,7 +335,8 @@ class ImageOutline(NamedTuple):
         lists = None
         if logprobs:
             lp = fields.get("logprobs")
-            lists = parts.logprobs() if parts is not None else (_LOGPROBS.decode(lp) if lp is not None and not is_nil(lp)
+            lists = parts.logprobs() if parts is not None else (_LOGPROBS.decode(lp) if lp is not None
+                                                                and not is_nil(lp)
                                                                 else None)
         nans = fields.get("num_nans_in_logits")
         return fmt.Step(self.index, so, ModelRunnerOutput(

@@ -4,16 +4,17 @@ Two lossless transforms, both undone exactly on read:
 - request ids become int handles (`IdTable`), each id string stored once per capture in an `Ids` record;
 - logprob matrices are byte-shuffled, and column 0 of `logprob_token_ids` (the sampled token, which repeats
   `sampled_token_ids`) is stored as its difference from the sampled token, so it compresses to almost nothing
-  (measurements §2: 40.4 -> 34.8 B per generated token with top-5 logprobs). Since format 1.3 the writer hands
+  (docs/performance.md, "Capture format"). Since format 1.3 the writer hands
   a step's logprob matrices to its chunk's columns instead (`replay.capture.codec.columns`) and the step keeps markers;
   the per-step transforms remain for what the columns do not take and for earlier captures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from operator import add
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from msgspec.structs import replace
@@ -246,22 +247,22 @@ def batch_order(so: SchedulerOutput[A]) -> list[A]:
 def _slim(so: SchedulerOutput[str], mro: ModelRunnerOutput[str] | None,
           p: PythonPasses) -> tuple[list[int] | None, int, list | None, dict | None]:
     """What of the step its batch order gives back (`AlignedStep`): the values of `num_scheduled_tokens` if the map
-    is left out, the layout bits, and the output's `req_ids` and `req_id_to_index` as stored ([] and {} where left
+    is left out, the elided bits, and the output's `req_ids` and `req_id_to_index` as stored ([] and {} where left
     out, None where kept). Checked on the string ids, before interning, so the maps left out are never remapped:
     list comparisons run at C speed, dict building does not."""
     cached = so.scheduled_cached_reqs.req_ids
     order = cached if not so.scheduled_new_reqs and type(cached) is list else batch_order(so)  # (only read)
     scheduled = p.ordered_values(so.num_scheduled_tokens, order)  # (keys are distinct, so `order` has no repeats)
-    layout = 0
+    elided = 0
     ids = index = None
     if mro is not None:
         if mro.req_ids == order:
-            layout |= OUTPUT_IDS_IN_BATCH_ORDER
+            elided |= OUTPUT_IDS_IN_BATCH_ORDER
             ids = []
         if p.is_index(mro.req_id_to_index, mro.req_ids):
-            layout |= OUTPUT_INDEX_IN_ORDER
+            elided |= OUTPUT_INDEX_IN_ORDER
             index = {}
-    return scheduled, layout, ids, index
+    return scheduled, elided, ids, index
 
 
 def _unpacked(step: Step[int]) -> Step[int]:
@@ -284,21 +285,21 @@ def _computed_restored(so: SchedulerOutput[int]) -> SchedulerOutput[int]:
 def _unaligned(step: AlignedStep) -> Step[int]:
     """The `Step` an `AlignedStep` was made from (handles as stored). Raises ValueError where the parts left out
     cannot have been what the batch order gives back."""
-    so, mro, layout = step.scheduler_output, step.model_runner_output, step.layout
-    if layout & COMPUTED_MINUS_OUTPUT:
+    so, mro, elided = step.scheduler_output, step.model_runner_output, step.elided
+    if elided & COMPUTED_MINUS_OUTPUT:
         so = _computed_restored(so)
     order = batch_order(so)
     if step.num_scheduled is not None:
         if len(step.num_scheduled) != len(order) or so.num_scheduled_tokens:
             raise ValueError("a step's scheduled-token counts do not line up with its batch")
         so = replace(so, num_scheduled_tokens=dict(zip(order, step.num_scheduled)))
-    if layout & (OUTPUT_IDS_IN_BATCH_ORDER | OUTPUT_INDEX_IN_ORDER):
-        if mro is None or (layout & OUTPUT_IDS_IN_BATCH_ORDER and mro.req_ids) or \
-                (layout & OUTPUT_INDEX_IN_ORDER and mro.req_id_to_index):
+    if elided & (OUTPUT_IDS_IN_BATCH_ORDER | OUTPUT_INDEX_IN_ORDER):
+        if mro is None or (elided & OUTPUT_IDS_IN_BATCH_ORDER and mro.req_ids) or \
+                (elided & OUTPUT_INDEX_IN_ORDER and mro.req_id_to_index):
             raise ValueError("a step's output request ids are both stored and left out")
-        ids = order if layout & OUTPUT_IDS_IN_BATCH_ORDER else mro.req_ids
+        ids = order if elided & OUTPUT_IDS_IN_BATCH_ORDER else mro.req_ids
         mro = replace(mro, req_ids=ids, req_id_to_index=dict(zip(ids, range(len(ids))))
-                      if layout & OUTPUT_INDEX_IN_ORDER else mro.req_id_to_index)
+                      if elided & OUTPUT_INDEX_IN_ORDER else mro.req_id_to_index)
     return Step(step.index, so, mro, *(getattr(step, f) for f in _STEP_FIELDS[3:]))
 
 
@@ -321,13 +322,13 @@ def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: Pyt
     so, mro = step.scheduler_output, step.model_runner_output
     # the pure passes first, then what interns
     tokens, generated = p.tokens(mro.sampled_token_ids) if mro is not None else (None, 0)
-    scheduled, layout, out_ids, out_index = _slim(so, mro, p)
+    scheduled, elided, out_ids, out_index = _slim(so, mro, p)
     cr = so.scheduled_cached_reqs
     done, out = cr.num_computed_tokens, cr.num_output_tokens
     counts = None
     if done and len(done) == len(out):  # stored against the output-token counts (`PackedStep`)
         counts = (p.minus(done, out), p.ints(out))
-        layout |= COMPUTED_MINUS_OUTPUT
+        elided |= COMPUTED_MINUS_OUTPUT
     if columns is None:
         pack = _pack_lp
     else:
@@ -338,9 +339,9 @@ def _to_wire(step: Step[str], table: IdTable, columns: ColumnSink | None, p: Pyt
     wso = _map_so(so, f, lambda ids: p.handles(ids, f, table.interning), scheduled is not None, counts)
     wmro = None if mro is None else _map_mro(mro, f, pack, _pack_plp, out_ids, out_index, tokens)
     rest = _map_rest(step, f)
-    if scheduled is None and not layout:
+    if scheduled is None and not elided:
         return Step(step.index, wso, wmro, *rest), generated
-    return AlignedStep(step.index, wso, wmro, *rest, scheduled, layout), generated
+    return AlignedStep(step.index, wso, wmro, *rest, scheduled, elided), generated
 
 
 def step_from_wire(step: Step[int], table: IdTable, columns: ColumnSource | None = None) -> Step[str]:

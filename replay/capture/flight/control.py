@@ -1,6 +1,6 @@
 """Asking a ring for a snapshot from another process (`replay snapshot PATH`), and answering in the writer process.
 
-The ring's writer process listens on an abstract Unix socket named after the ring's directory (`RingLayout`): a
+The ring's writer process listens on an abstract Unix socket named after the ring's directory (`RingDirectory`): a
 request is one JSON line, `{"after": N}`, and so is the answer, `{"path": ...}` or `{"error": ...}`, sent once the
 snapshot is sealed. The same thread looks at the ring twice a second while the engine is idle (`SegmentRing.poll`),
 so a trigger the last steps raised is not left waiting for the next step. When nothing answers (the engine is gone),
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from replay.capture.flight.layout import RingLayout, keep_snapshots
+from replay.capture.flight.directory import RingDirectory, keep_snapshots
 from replay.capture.flight.segments import SegmentRing
 from replay.capture.flight.snapshot import SnapshotInfo, prune_snapshots, seal_snapshot
 from replay.errors import CaptureError, UsageError
@@ -29,7 +29,7 @@ POLL_S = 0.5
 def start_control(ring: SegmentRing, lock: AbstractContextManager) -> threading.Thread:
     """Answer snapshot requests for `ring` on a daemon thread (the writer process's lock held while it acts)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(ring.layout.control_address())
+    sock.bind(ring.files.control_address())
     sock.listen(8)
     sock.settimeout(POLL_S)
     ring.on_finish.append(sock.close)
@@ -38,7 +38,7 @@ def start_control(ring: SegmentRing, lock: AbstractContextManager) -> threading.
         while not ring.finished:
             try:
                 conn, _ = sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 with lock:
                     if not ring.finished:
                         ring.poll()
@@ -84,41 +84,41 @@ def request_snapshot(directory: str | Path, after: int = 0, timeout: float = 600
     """Ask the ring at `directory` for a snapshot `after` steps from now (`replay snapshot`). Without a running
     recorder, the closed segments on disk are sealed here. Raises UsageError when `directory` is no ring,
     CaptureError when the snapshot fails."""
-    layout = RingLayout(directory)
-    if not layout.dir.is_dir() or not (layout.writer_info.exists() or layout.segments()):
+    ring_dir = RingDirectory(directory)
+    if not ring_dir.dir.is_dir() or not (ring_dir.writer_info.exists() or ring_dir.segments()):
         raise UsageError(f"{directory}: not a ring (record with REPLAY_CAPTURE_RING=SIZE, or `replay record --ring`)")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(layout.control_address())
+        sock.connect(ring_dir.control_address())
     except OSError:
         sock.close()
         if after:
             raise UsageError(f"{directory}: no recorder is running there, so --after {after} cannot wait for steps; "
                              "without --after the segments on disk are sealed") from None
-        return SnapshotResult(str(_offline(layout)), str(directory), False)
+        return SnapshotResult(str(_offline(ring_dir)), str(directory), False)
     with sock:
         sock.settimeout(timeout + 5)
         try:
             sock.sendall((json.dumps({"after": after, "timeout": timeout}) + "\n").encode())
             line = sock.makefile("r").readline()
-        except socket.timeout:
+        except TimeoutError:
             raise CaptureError(directory, f"no snapshot within {timeout:g} s") from None
         except OSError:  # the recorder was closing as we asked
             line = ""
     if not line and not after:
-        return SnapshotResult(str(_offline(layout)), str(directory), False)
+        return SnapshotResult(str(_offline(ring_dir)), str(directory), False)
     answer = json.loads(line or '{"error": "the recorder went away before answering"}')
     if "error" in answer:
         raise CaptureError(directory, f"snapshot failed: {answer['error']}")
     return SnapshotResult(answer["path"], str(directory), True)
 
 
-def _offline(layout: RingLayout) -> Path:
+def _offline(ring_dir: RingDirectory) -> Path:
     """A snapshot of the closed segments a stopped recorder left."""
-    segments = layout.segments()
-    layout.snapshots.mkdir(exist_ok=True)
-    info = SnapshotInfo("on demand, after the recorder stopped", time.time(), str(layout.dir),
+    segments = ring_dir.segments()
+    ring_dir.snapshots.mkdir(exist_ok=True)
+    info = SnapshotInfo("on demand, after the recorder stopped", time.time(), str(ring_dir.dir),
                         [p.name for p in segments])
-    out = seal_snapshot(segments, layout.snapshot("on demand"), info)
-    prune_snapshots(layout.snapshots, keep_snapshots())
+    out = seal_snapshot(segments, ring_dir.snapshot("on demand"), info)
+    prune_snapshots(ring_dir.snapshots, keep_snapshots())
     return out

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import msgspec
 
-from replay.capture.flight.layout import RingLayout
-from replay.capture.reading.keyframes import keyframe_steps
+from replay.capture.flight.directory import RingDirectory
+from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.capture.reading.reader import CaptureReader
 from replay.errors import CaptureError
 
@@ -41,15 +41,15 @@ class RingInfo(msgspec.Struct):
 
 def is_ring(path: str | os.PathLike) -> bool:
     """Whether `path` is a ring's directory (what a recorder in ring mode writes)."""
-    layout = RingLayout(path)
-    return layout.dir.is_dir() and (layout.writer_info.exists() or bool(layout.segments()))
+    ring_dir = RingDirectory(path)
+    return ring_dir.dir.is_dir() and (ring_dir.writer_info.exists() or bool(ring_dir.segments()))
 
 
 def ring_info(path: str | os.PathLike) -> RingInfo:
     """Summarise the ring at `path` from its segments' indexes (none is decompressed)."""
-    layout = RingLayout(path)
+    ring_dir = RingDirectory(path)
     segments = []
-    for p in layout.segments():
+    for p in ring_dir.segments():
         try:
             with CaptureReader(p) as r:
                 span = r.step_span()
@@ -59,20 +59,20 @@ def ring_info(path: str | os.PathLike) -> RingInfo:
         if span is not None:
             segments.append(SegmentInfo(p.name, span[0], span[1], p.stat().st_size, kfs[0] if kfs else None))
     try:
-        size = int(json.loads(layout.writer_info.read_text()).get("size", 0))
+        size = int(json.loads(ring_dir.writer_info.read_text()).get("size", 0))
     except (OSError, ValueError):
         size = 0
-    on_disk = sum(p.stat().st_size for p in layout.dir.glob("segment-*") if p.exists())
-    snaps = sorted(str(p) for p in layout.snapshots.glob("snapshot-*.capture")) if layout.snapshots.is_dir() else []
-    return RingInfo(str(path), size, _answers(layout), segments, on_disk,
+    on_disk = sum(p.stat().st_size for p in ring_dir.dir.glob("segment-*") if p.exists())
+    snaps = sorted(str(p) for p in ring_dir.snapshots.glob("snapshot-*.capture")) if ring_dir.snapshots.is_dir() else []
+    return RingInfo(str(path), size, _answers(ring_dir), segments, on_disk,
                     segments[0].first_step if segments else None, segments[-1].last_step if segments else None,
                     sorted(snaps, key=lambda s: Path(s).stat().st_mtime))
 
 
-def _answers(layout: RingLayout) -> bool:
+def _answers(ring_dir: RingDirectory) -> bool:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(layout.control_address())
+        sock.connect(ring_dir.control_address())
         return True
     except OSError:
         return False

@@ -1,4 +1,4 @@
-"""`SegmentRing`: the `CaptureWriter` API over a ring of segment files, in the writer process (DESIGN §9).
+"""`SegmentRing`: the `CaptureWriter` API over a ring of segment files, in the writer process.
 
 Each segment is a whole capture. When one passes its share of the ring (SIZE / SEGMENTS bytes on disk) it is closed
 and the next opens with a keyframe: the writers share one `KeyframeMaker`, whose shadow of the request table goes on
@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replay.capture.flight.layout import (
+from replay.capture.flight.directory import (
     MIN_SEGMENT_BYTES,
     SEGMENTS,
-    RingLayout,
+    RingDirectory,
     keep_snapshots,
 )
 from replay.capture.flight.snapshot import SnapshotInfo, prune_snapshots, seal_snapshot
 from replay.capture.format import records as fmt
-from replay.capture.writing.keyframes import KeyframeMaker
+from replay.capture.writing.keyframe_maker import KeyframeMaker
 from replay.capture.writing.writer import CaptureWriter
 from replay.contracts import EngineCoreRequest
 
@@ -63,11 +63,12 @@ class _Request:
 class SegmentRing:
     """Writes a ring of segments under `directory`, `size` bytes on disk at most (plus the open segment)."""
 
-    def __init__(self, directory: str | Path, header: fmt.Header, *, size: int, chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
+    def __init__(self, directory: str | Path, header: fmt.Header, *, size: int,
+                 chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES,
                  flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL, level: int = fmt.DEFAULT_LEVEL,
                  keep: int | None = None) -> None:
-        self.layout = RingLayout(directory)
-        self.layout.create()
+        self.files = RingDirectory(directory)
+        self.files.create()
         self.header = header
         self.size = size
         self.segment_bytes = max(size // SEGMENTS, MIN_SEGMENT_BYTES)
@@ -86,7 +87,7 @@ class SegmentRing:
         self._crash: fmt.Crash | None = None
         self._seq = 0
         self._seen_nonfinite = 0
-        self.layout.writer_info.write_text(json.dumps({"pid": os.getpid(), "size": size, "keep": self.keep,
+        self.files.writer_info.write_text(json.dumps({"pid": os.getpid(), "size": size, "keep": self.keep,
                                                        "segment_bytes": self.segment_bytes, "started": time.time()}))
         self.finished = False  # closed or abandoned: the control thread leaves it alone
         self.on_finish: list = []  # called once it is (the control socket closes: a request then seals offline)
@@ -165,7 +166,7 @@ class SegmentRing:
         for r in self.requests:
             r.error = r.error or "the engine stopped before the snapshot's step"
             r.done.set()
-        return self.layout.dir
+        return self.files.dir
 
     def abandon(self) -> None:
         """Stop without a footer in the open segment."""
@@ -223,11 +224,11 @@ class SegmentRing:
         if self._first_step >= 0:
             self._rotate()
         segments = [s.path for s in self.closed if s.seq >= first_seq]
-        info = SnapshotInfo(trigger, time.time(), str(self.layout.dir), [p.name for p in segments],
+        info = SnapshotInfo(trigger, time.time(), str(self.files.dir), [p.name for p in segments],
                             dropped_before=self.dropped_before)
-        out = seal_snapshot(segments, self.layout.snapshot(trigger), info, status)
+        out = seal_snapshot(segments, self.files.snapshot(trigger), info, status)
         self.snapshots.append(str(out))
-        prune_snapshots(self.layout.snapshots, self.keep)
+        prune_snapshots(self.files.snapshots, self.keep)
         return out
 
     # -- segments ----------------------------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ class SegmentRing:
     def _open(self) -> None:
         self._seq += 1
         self.maker.forced = self._seq > 1  # every segment but the first (at step 0) opens with a keyframe
-        self.current = CaptureWriter(self.layout.segment(self._seq), self.header, overwrite=True,
+        self.current = CaptureWriter(self.files.segment(self._seq), self.header, overwrite=True,
                                      chunk_bytes=self.chunk_bytes, flush_interval=self.flush_interval,
                                      level=self.level, keyframes=0, keyframe_maker=self.maker)
         self.current.image_decoder = self._decoder

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
-Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]  # what frames are parsed from
+Buffer = bytes | bytearray | memoryview | mmap.mmap  # what frames are parsed from
 
 ZSTD_MAGIC = 0xFD2FB528
 ZSTD_MAGIC_BYTES = struct.pack("<I", ZSTD_MAGIC)

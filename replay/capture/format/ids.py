@@ -74,7 +74,7 @@ class _Live(dict):
 
     __slots__ = ("table",)
 
-    def __init__(self, table: "LiveIdTable"):
+    def __init__(self, table: LiveIdTable):
         super().__init__()
         self.table = table
 

@@ -1,4 +1,5 @@
-"""The keyframe record (format 1.6, DESIGN §9): the state a runner needs to start at step K, and nothing else.
+"""The keyframe record (format 1.6; docs/design.md, "The flight recorder"): the state a runner needs to start at step K,
+and nothing else.
 
 A `SchedulerOutput` is a diff against the runner's cached per-request state, so a replay has to start where that
 state is known. Step 0 is one such place (nothing cached). A keyframe makes step K another: it lists every request

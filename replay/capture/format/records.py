@@ -1,6 +1,6 @@
-"""The capture file format: records, limits, version, and the byte layout (DESIGN §3).
+"""The capture file format: records, limits, version, and where the bytes go (docs/capture-format.md).
 
-Layout of a capture file, every piece a zstd frame so that `zstd -dc FILE` prints the records:
+The parts of a capture file, every piece a zstd frame so that `zstd -dc FILE` prints the records:
 
     [skippable frame  magic 0x184D2A5E]  b"RPLYCAP\\0" + u16 major + u16 minor (little-endian)
     [zstd frame: chunk 0]  a msgpack array of records: the Header first
@@ -200,7 +200,7 @@ class PackedStep(Step[int], tag="packed_step"):
     instead of reading the differences as counts. Written only when both lists have one entry per request."""
 
 
-# `AlignedStep.layout` bits: what the stored step leaves out because the batch order gives it back.
+# `AlignedStep.elided` bits: what the stored step leaves out because the batch order gives it back.
 COMPUTED_MINUS_OUTPUT = 1  # num_computed_tokens[i] holds num_computed_tokens[i] - num_output_tokens[i] (PackedStep's)
 OUTPUT_IDS_IN_BATCH_ORDER = 2  # model_runner_output.req_ids (stored empty) is the batch order
 OUTPUT_INDEX_IN_ORDER = 4  # model_runner_output.req_id_to_index (stored empty) is {req_ids[i]: i}
@@ -210,14 +210,14 @@ class AlignedStep(Step[int], tag="aligned_step"):
     """Format 1.4: a stored `Step` whose per-request maps are lists in the step's *batch order*:
     `scheduled_cached_reqs.req_ids`, then the new requests' ids. Our engine and vLLM's scheduler fill
     `num_scheduled_tokens` in that order, and the runner's output follows it, so the maps' keys repeat the order the
-    step already holds. Storing them cost a 256-entry dict remap to handles per map per step on the recording
-    thread: about half of the 210 µs a step of capture_bench's 256-request decode (no logprobs) took to write.
+    step already holds. Storing them would cost a dict remap to handles per map per step on the recording thread,
+    the largest part of writing a big decode step.
 
     Each part is left out only when it is exactly what the batch order rebuilds, key order included, so reading
     restores the step bit for bit; otherwise it is stored as in `Step`."""
 
     num_scheduled: list[int] | None = None  # num_scheduled_tokens' values in batch order (the map stored empty)
-    layout: int = 0  # the bits above
+    elided: int = 0  # the bits above
 
 
 class StepImage(msgspec.Struct, tag="step_image", array_like=True, omit_defaults=True):
@@ -236,7 +236,8 @@ class StepImage(msgspec.Struct, tag="step_image", array_like=True, omit_defaults
 class ColumnGroup(msgspec.Struct, array_like=True):
     """Logprob matrices of one kind (dtypes, number of columns) of a chunk's steps, rows in step order."""
 
-    token_ids: Array  # [rows, k + 1]: column 0 the sampled token, 1.. the top-k (`replay.capture.codec.columns` filters)
+    # [rows, k + 1]: column 0 the sampled token, 1.. the top-k (`replay.capture.codec.columns` filters)
+    token_ids: Array
     logprobs: Array  # [rows, k + 1]
     ranks: Array  # [rows]: the sampled token's rank
 
@@ -265,7 +266,7 @@ class Crash(msgspec.Struct, tag="crash", array_like=True, omit_defaults=True):
         return f"crashed at step {self.step}: {self.describe()}"[:500]
 
     @classmethod
-    def from_exception(cls, step: int, error: BaseException) -> "Crash":
+    def from_exception(cls, step: int, error: BaseException) -> Crash:
         """The crash of step `step`, from the exception it raised (the traceback's last 8,000 characters)."""
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-8000:]
         return cls(step, type(error).__name__, str(error), tb)

@@ -1,11 +1,11 @@
 """`ShadowTable`: the scheduler's request table as the writer can know it, folded from the records it writes.
 
 The writer sees every arrival, abort and step, which is all a runner ever sees, so it can keep what a runner keeps
-(DESIGN §9) without asking the engine: each live request's tokens, how many of them its KV blocks hold, its block
-table, its generator's draws. `keyframe(step)` turns that into a `Keyframe`. Folding follows vLLM's
-`GPUModelRunner._update_states` (and our `ModelRunner`): finished requests go first, then new requests, then the
-cached requests' diffs (`new_block_ids` appended, or replacing the table for `resumed_req_ids`); the step's output
-then adds its sampled tokens.
+(docs/design.md, "The flight recorder") without asking the engine: each live request's tokens, how many of them its KV
+blocks hold, its block table, its generator's draws. `keyframe(step)` turns that into a `Keyframe`. Folding follows
+vLLM's `GPUModelRunner._update_states` (and our `ModelRunner`): finished requests go first, then new requests, then the
+cached requests' diffs (`new_block_ids` appended, or replacing the table for `resumed_req_ids`); the step's output then
+adds its sampled tokens.
 
 The runner is never told of a preemption (vLLM 0.32 frees the blocks on the scheduler's side only), so the shadow
 learns it from the blocks: a request whose block is handed to another request as a fresh block has lost its K/V.
@@ -99,7 +99,8 @@ class ShadowTable:
             st = self.live.pop(rid, None)
             if st is not None and not st.preempted:
                 self._leave(st.writer)
-        for rid in sorted(so.preempted_req_ids or ()):  # Model Runner V2 is told; vLLM's v1 runner and ours learn it below
+        for rid in sorted(so.preempted_req_ids
+                          or ()):  # Model Runner V2 is told; vLLM's v1 runner and ours learn it below
             st = self.live.get(rid)
             if st is not None and not st.preempted:
                 st.preempted = True

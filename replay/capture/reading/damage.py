@@ -18,7 +18,7 @@ class Damage(msgspec.Struct, omit_defaults=True):
     last_step: int | None = None
 
     @classmethod
-    def chunk_lost(cls, number: int, offset: int, info: ChunkInfo | None, reason: str) -> "Damage":
+    def chunk_lost(cls, number: int, offset: int, info: ChunkInfo | None, reason: str) -> Damage:
         """A chunk that could not be read, with the steps its index entry (when there is one) says it held."""
         steps = info is not None and info.num_steps > 0
         return cls("chunk", reason, chunk=number, offset=offset, first_step=info.first_step if steps else None,

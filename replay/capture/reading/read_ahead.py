@@ -1,20 +1,20 @@
 """Decompressing a capture's chunks ahead of the code that reads them, on worker threads.
 
-zstd releases the GIL while it decompresses, so a reader that walks every chunk (`records()`, `replay info`, the
-report) need not wait for one chunk's decompression before it starts the next: the workers decompress the next
-chunks while the caller decodes this one, or side by side when the caller only verifies them (a scan). On the
-2-core development machine a scan of 8 to 40 chunks ran 1.15-1.5x as fast as on one thread (`bench/capture_bench.py`,
-the "scan" rows). Results come back in the order of the chunks, and at most `ahead` chunks are held decompressed at
-a time, so a scan's memory stays flat however long the capture is.
+zstd releases the GIL while it decompresses, so a reader that walks every chunk (`records()`, `replay info`, the report)
+need not wait for one chunk's decompression before it starts the next: the workers decompress the next chunks while the
+caller decodes this one, or side by side when the caller only verifies them (a scan; its speed-up is in
+docs/performance.md, "Capture format"). Results come back in the order of the chunks, and at most `ahead` chunks are
+held decompressed at a time, so a scan's memory stays flat however long the capture is.
 """
 
 from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain, islice
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,8 +48,7 @@ class ReadAhead:
         what was yielded; results never yielded (the caller stopped early) are cancelled or dropped."""
         source = iter(items)
         # A short walk (one step's chunk, a small capture) runs inline: starting threads costs more than they save
-        # on a few items (starting two took ~0.35 ms here, about a third of a 1 MiB chunk's decompression; a
-        # 4-chunk scan ran at 0.8x with them)
+        # on a few items
         first = list(islice(source, MIN_AHEAD)) if self.workers else []
         if len(first) < MIN_AHEAD:  # (then `source` is exhausted, unless there are no workers)
             yield from _inline(fn, chain(first, source), catch)

@@ -12,15 +12,17 @@ import mmap
 import os
 import struct
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 import zstandard
 
-from replay.capture.format import records as fmt
 from replay.capture.codec.columns import ColumnSource
-from replay.capture.reading.damage import Damage
+from replay.capture.codec.step_image import image_as_sent, step_from_image
+from replay.capture.codec.stepcodec import step_from_wire
+from replay.capture.format import records as fmt
 from replay.capture.format.frames import (
     SKIPPABLE_BASE,
     SKIPPABLE_MASK,
@@ -29,12 +31,11 @@ from replay.capture.format.frames import (
     find_next_frame,
     parse_frame,
 )
-from replay.capture.reading.inflate import ChunkInflater, ChunkUnreadable
-from replay.capture.format.peek import is_unknown_tag, peek
-from replay.capture.reading.read_ahead import ReadAhead, default_workers
-from replay.capture.codec.step_image import image_as_sent, step_from_image
 from replay.capture.format.ids import IdTable, UnknownHandleError
-from replay.capture.codec.stepcodec import step_from_wire
+from replay.capture.format.peek import is_unknown_tag, peek
+from replay.capture.reading.damage import Damage
+from replay.capture.reading.inflate import ChunkInflater, ChunkUnreadable
+from replay.capture.reading.read_ahead import ReadAhead, default_workers
 from replay.errors import (
     CaptureDamagedError,
     CaptureError,
@@ -115,7 +116,8 @@ class CaptureReader:
             fr = None
         body = bytes(buf[8:20]) if fr is not None and fr.skippable_magic == fmt.PROLOGUE_MAGIC and fr.end >= 20 else b""
         if not body.startswith(fmt.PROLOGUE_ID):
-            what = "a plain zstd file" if len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] == ZSTD_MAGIC else "no capture signature"
+            zstd = len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] == ZSTD_MAGIC
+            what = "a plain zstd file" if zstd else "no capture signature"
             raise NotACaptureError(self.path, f"not a replay capture ({what})")
         major, minor = struct.unpack_from("<HH", body, 8)
         if major > fmt.FORMAT_MAJOR:
@@ -189,7 +191,8 @@ class CaptureReader:
                 fr = parse_frame(buf, pos)
             except FrameError as e:
                 if e.truncated:
-                    self._add_damage(Damage("truncated", f"file ends inside chunk {k} ({e.reason})", chunk=k, offset=pos))
+                    self._add_damage(Damage("truncated", f"file ends inside chunk {k} ({e.reason})", chunk=k,
+                                            offset=pos))
                     return
                 nxt = find_next_frame(buf, pos + 1)
                 self._add_damage(Damage("garbage", f"unreadable bytes ({e.reason})", chunk=k, offset=pos))
@@ -268,7 +271,8 @@ class CaptureReader:
                                          "limit", chunk=ref.number, offset=ref.offset)
             if self.index is not None:  # before 1.5 handles come from the index: skip the in-band declarations
                 tag, index = peek(raw)
-                if (tag == "ids" and self.index.ids) or (keep_step is not None and tag in fmt.STEP_TAGS and index is not None
+                if (tag == "ids" and self.index.ids) or (keep_step is not None and tag in fmt.STEP_TAGS
+                                                         and index is not None
                                     and not keep_step(index)):
                     continue
             try:
@@ -393,7 +397,7 @@ class CaptureReader:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "CaptureReader":
+    def __enter__(self) -> CaptureReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,7 +16,7 @@ class StepRange(msgspec.Struct, frozen=True):
     last: int | None
 
     @classmethod
-    def parse(cls, text: str, flag: str = "--steps") -> "StepRange":
+    def parse(cls, text: str, flag: str = "--steps") -> StepRange:
         """`57`, `10-20` or `10-` (to the end); anything else is a UsageError naming `flag`."""
         m = re.fullmatch(r"\s*(\d+)\s*(?:(-)\s*(\d+)?)?\s*", text)
         if not m:

@@ -28,7 +28,8 @@ class Chunk:
         self.columns = ColumnSink()
         self.batch = PartsBatch()  # its image steps with outputs in parts (None in `parts` until sealed)
         self.declared = False  # whether its first step's LiveIds is written (format 1.5)
-        self.folds: list = []  # its records for the keyframe shadow, in order (another engine's steps as `ImageOutline`s)
+        # its records for the keyframe shadow, in order (another engine's steps as `ImageOutline`s)
+        self.folds: list = []
 
     def seal(self, decoder: ImageDecoder | None) -> None:
         """Finish the steps set aside, then put the chunk's logprob columns first (format 1.3): a reader meets them

@@ -2,13 +2,11 @@
 sealed.
 
 Why more than one thread: zstd and file writes run without the GIL, but a thread needs it back after each, and a
-busy recording thread (capture_bench's builtin loop: a step every ~40 µs, nothing that blocks) gives it up only
-at the interpreter's switch interval (5 ms). One thread then spent ~15 ms of waits on each 1 MiB chunk that a
-recording loop sealed every ~8 ms, fell chunks behind, and left ~25 ms of them to catch up at close (a fifth of
-the run). Two threads wait for the GIL at the same time, so their waits overlap; each compresses with its own
-context (a ZstdCompressor is not thread-safe), and a frame is written once every chunk sealed before it is. (C
-threads that never take the GIL saved the vLLM writer process 15-25 % of its CPU and were removed, as was
-python-zstandard's own multi-threaded compression, which cost more: docs/performance.md.)
+busy recording thread (the builtin engine's loop, which never blocks) gives it up only at the interpreter's switch
+interval (5 ms), so one thread waits longer for the GIL than it compresses and falls chunks behind. Two threads wait
+for the GIL at the same time, so their waits overlap; each compresses with its own context (a ZstdCompressor is not
+thread-safe), and a frame is written once every chunk sealed before it is. Compiled threads and python-zstandard's
+own multi-threaded compression were weighed against this: docs/performance.md, "The compiled modules".
 """
 
 from __future__ import annotations
@@ -17,7 +15,8 @@ import os
 import queue
 import struct
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zstandard
 
@@ -27,15 +26,15 @@ _ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records
 WORKERS = 2
 DEPTH = 8  # sealed chunks waiting at most: then the recording thread waits (back-pressure, not unbounded memory)
 # Catching up, as `zstd --adapt` does: while this many sealed chunks wait behind the one a thread takes, the
-# recorder is outrunning compression, and the thread compresses at `catch_up_level` instead (level 1: 1.4x the
-# speed of level 3 on our chunks, 5-19 % larger), so that the engine is not made to wait on the writer. An engine
+# recorder is outrunning compression, and the thread compresses at `catch_up_level` instead (faster, a little
+# larger: docs/performance.md, "Capture format"), so that the engine is not made to wait on the writer. An engine
 # the writer keeps up with (vLLM's steps of milliseconds) never gets there: its capture is as small as `level` makes it.
 CATCH_UP_BACKLOG = 2
 CATCH_UP_LEVEL = 1
 
 
 def open_emitter(f: Any, *, level: int, fsync: bool, interval: float, idle: Callable[[], tuple[int, Any] | None],
-                 catch_up_level: int | None = CATCH_UP_LEVEL) -> "ChunkEmitter":
+                 catch_up_level: int | None = CATCH_UP_LEVEL) -> ChunkEmitter:
     """The writer's emitter (see `ChunkEmitter`)."""
     return ChunkEmitter(f, level=level, fsync=fsync, interval=interval, idle=idle, catch_up_level=catch_up_level)
 

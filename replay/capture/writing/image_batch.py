@@ -1,7 +1,7 @@
 """Image steps whose outputs came in parts (`OutputParts`, the vLLM tap's common step), finished per chunk.
 
-Why: the writer process's Python per step was most of the tap's CPU (vllm_bench: ~80 µs a step against ~100 µs
-for the naive tap's whole `pickle.dump`). When a step is written, only its SchedulerOutput's head is read and its
+Why: the writer process's Python per step is most of the tap's CPU (docs/performance.md, "The real vLLM tap").
+When a step is written, only its SchedulerOutput's head is read and its
 parts' lengths checked; its matrices' bytes are set aside as they are (`ColumnSink.take_bytes`: no numpy per step).
 The rest of what its record needs (whether its sampled tokens repeat the logprob rows' column 0, the markers into
 the chunk's columns, the record's bytes) is decided when the chunk is sealed, on the chunk's joined matrices. The
@@ -16,17 +16,17 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from replay.capture.format import records as fmt
 from replay.capture.codec.columns import ColumnSink, markers
 from replay.capture.codec.step_image import (
-    SCHEDULE,
     NIL,
+    SCHEDULE,
     OutputParts,
     count_tokens,
+    is_nil,
     one_token_each,
     tokens_in_column_0,
-    is_nil,
 )
+from replay.capture.format import records as fmt
 from replay.contracts.image_decoder import ImageDecoder
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -84,7 +84,7 @@ class PartsBatch:
             if _one_token_a_row(s, n, ids[s.group], each):
                 reference, count = one_token_each(n), n
             else:
-                reference, count = _other_layout(s, ids[s.group][s.row:s.row + n, 0].tolist(), decoder)
+                reference, count = _other_form(s, ids[s.group][s.row:s.row + n, 0].tolist(), decoder)
             generated += count
             lp = markers(tuple(s.parts.dtypes), tuple(s.parts.shape), s.group, s.row, s.parts.cu_num_generated_tokens)
             image = s.parts.image(bytes(reference), _ENCODER.encode(lp))
@@ -98,7 +98,7 @@ def one_token_each_images(column_0: np.ndarray) -> tuple[bytes, list[int]] | Non
     """The msgpack images of `[t]` for every token `t` of `column_0`, joined, and where each starts (one offset
     more than tokens): what a step's sampled tokens are when it sampled its logprob rows' column 0, one token a
     row, as msgspec encodes them (each int in its narrowest form). Made once per chunk, so that a step's check
-    is a comparison of bytes, not a list built and encoded (~3.4 µs a step of 64 requests). None when a token is
+    is a comparison of bytes, not a list built and encoded. None when a token is
     negative or beyond 32 bits (the step-by-step check handles those)."""
     v = column_0.astype(np.int64)
     if v.size and (v.min() < 0 or v.max() >= 1 << 32):
@@ -129,7 +129,8 @@ def _one_token_a_row(s: _Pending, n: int, ids: np.ndarray, each: dict) -> bool:
 
 
 def _array_head(n: int) -> bytes:
-    return bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+    return bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4,
+                                                                                                                    "big")
 
 
 def _repeats_column_0(tokens: bytes, each: tuple[bytes, list[int]] | None, row: int, n: int, ids: np.ndarray) -> bool:
@@ -142,7 +143,7 @@ def _repeats_column_0(tokens: bytes, each: tuple[bytes, list[int]] | None, row: 
     return len(seen) == len(head) + b - a and seen[:len(head)] == head and seen[len(head):] == memoryview(images)[a:b]
 
 
-def _other_layout(s: _Pending, column_0: list[int], decoder: ImageDecoder) -> tuple[bytes, int]:
+def _other_form(s: _Pending, column_0: list[int], decoder: ImageDecoder) -> tuple[bytes, int]:
     """A step whose sampled tokens are not one per logprob row: the reference (or its tokens as they came) and
     their count, as `store_step_image` decides them. Tokens of another shape that cannot be counted are kept as
     the engine sent them, counted as none: the seek index's count is a figure, the bytes are the record."""

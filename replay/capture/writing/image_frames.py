@@ -1,5 +1,5 @@
 """The writer process's side of image frames (`writer_process`): a step's images kept as they are until the step
-ends, then stored (`StepImage`); arrivals converted into contracts. Frame kinds and payloads: `writer_process`."""
+ends, then stored (`StepImage`); arrivals converted into contracts. Frame kinds and payloads: `frame_protocol`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from replay.capture.format import records as fmt
 from replay.capture.codec.step_image import OutputParts
+from replay.capture.format import records as fmt
+from replay.capture.writing import frame_protocol as fp
 from replay.contracts import EngineCoreRequest, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -51,24 +52,25 @@ class ImageFrames:
         """Hand what one image frame completes to `writer`."""
         self.warm()
         writer.image_decoder = self.dec
-        if kind == b"R":
+        if kind == fp.REQUEST_IMAGE:
             step, request = _R.decode(payload)
             writer.add_request(self.dec.decode(request, EngineCoreRequest), step)
             return
-        if kind == b"P":
+        if kind == fp.SCHEDULED:
             index, so, start, schedule_ns = _P.decode(payload)
             self.pending[index] = [so, None, start, schedule_ns]
             return
-        if kind == b"G":
+        if kind == fp.GRAMMAR:
             index, go = _G.decode(payload)
             if index in self.pending:
                 self.pending[index][1] = go
             return
-        if kind in (b"O", b"L", b"E"):
-            head = _O.decode(payload) if kind == b"O" else _L.decode(payload) if kind == b"L" else _E.decode(payload)
+        if kind in (fp.OUTPUT, fp.OUTPUT_PARTS, fp.STEP_FAILED):
+            head = (_O.decode(payload) if kind == fp.OUTPUT else _L.decode(payload) if kind == fp.OUTPUT_PARTS
+                    else _E.decode(payload))
             index = head[0]
             so, go, start, schedule_ns = self.pending.pop(index)
-            if kind == b"E":  # the step raised: a Crash record, then the step as scheduled, with no output
+            if kind == fp.STEP_FAILED:  # the step raised: a Crash record, then the step as scheduled, with no output
                 self.crash = fmt.Crash(*head)
                 writer.write_crash(self.crash)
                 writer.write_step_image(index, so, None, go, fmt.StepTiming(start, schedule_ns))
@@ -79,5 +81,3 @@ class ImageFrames:
         index, so, mro, go, timing = _V.decode(payload)
         writer.write_step_image(index, so, mro, go, None if timing is None else fmt.StepTiming(*timing))
 
-
-IMAGE_FRAMES = (b"V", b"R", b"P", b"G", b"O", b"L", b"E")

@@ -8,6 +8,7 @@ import struct
 import msgspec
 
 from replay.capture.codec.step_image import OutputParts
+from replay.capture.writing import frame_protocol as fp
 
 _ENCODER = msgspec.msgpack.Encoder()
 # msgpack by hand: an array's fixarray byte and its first int; then n more ints (uint64 0xcf / int64 0xd3, big-endian)
@@ -28,13 +29,14 @@ def _array_frame(kind: bytes, first: int, image: bytes, *rest: int) -> tuple[byt
 
 
 def scheduled_frame(index: int, scheduler_output: bytes, start_ns: int, schedule_ns: int) -> tuple[bytes, ...]:
-    """The frame (kind, payload parts) that says step `index` was scheduled (`P`)."""
-    return _array_frame(b"P", index, scheduler_output, start_ns, schedule_ns)
+    """The frame (kind, payload parts) that says step `index` was scheduled (`SCHEDULED`)."""
+    return _array_frame(fp.SCHEDULED, index, scheduler_output, start_ns, schedule_ns)
 
 
 def output_frame(index: int, model_runner_output: bytes | OutputParts, execute_ns: int,
                  update_ns: int) -> tuple[bytes, ...]:
-    """The frame (kind, payload parts) that ends step `index`: `O` with the output's image, `L` with its parts."""
+    """The frame (kind, payload parts) that ends step `index`: `OUTPUT` with the output's image, `OUTPUT_PARTS` with
+    its parts."""
     if isinstance(model_runner_output, OutputParts):
-        return b"L", _ENCODER.encode([index, model_runner_output, execute_ns, update_ns])
-    return _array_frame(b"O", index, model_runner_output, execute_ns, update_ns)
+        return fp.OUTPUT_PARTS, _ENCODER.encode([index, model_runner_output, execute_ns, update_ns])
+    return _array_frame(fp.OUTPUT, index, model_runner_output, execute_ns, update_ns)

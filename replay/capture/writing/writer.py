@@ -20,16 +20,16 @@ from typing import Any
 import msgspec
 import zstandard
 
-from replay.capture.writing import filemode
-from replay.capture.format import records as fmt
-from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
-from replay.capture.format.frames import skippable_frame
-from replay.capture.writing.chunk import Chunk
-from replay.capture.writing.keyframes import KeyframeMaker, keyframe_interval
 from replay.capture.codec.step_image import ImageOutline, OutputParts, is_nil, store_step_image
+from replay.capture.codec.stepcodec import stored_step
+from replay.capture.format import records as fmt
+from replay.capture.format.frames import skippable_frame
 from replay.capture.format.ids import LiveIdTable
 from replay.capture.format.keyframe import Keyframe
-from replay.capture.codec.stepcodec import stored_step
+from replay.capture.writing import filemode
+from replay.capture.writing.chunk import Chunk
+from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
+from replay.capture.writing.keyframe_maker import KeyframeMaker, keyframe_interval
 from replay.contracts import (
     DraftCounts,
     EngineCoreRequest,
@@ -61,7 +61,7 @@ class CaptureWriter(WriterContext):
     outruns compression, at `catch_up_level` (None: never; `replay.capture.writing.emitter`). The file is created with
     `mode` (default 0600, or REPLAY_CAPTURE_MODE: `replay.capture.writing.filemode`). A keyframe (format 1.6) opens a
     chunk every `keyframes` steps (default REPLAY_KEYFRAME_STEPS, else 4096; 0: none): the writer's shadow of the
-    request table (`replay.capture.writing.keyframes`).
+    request table (`replay.capture.writing.keyframe_maker`).
 
     Usage::
 
@@ -139,7 +139,8 @@ class CaptureWriter(WriterContext):
         if step.index <= self._last_step:
             raise UsageError(f"step {step.index} written after step {self._last_step}: steps must increase")
         mro = step.model_runner_output
-        drafts = draft_counts(step.scheduler_output, mro) if step.scheduler_output.scheduled_spec_decode_tokens else None
+        drafts = draft_counts(step.scheduler_output,
+                              mro) if step.scheduler_output.scheduled_spec_decode_tokens else None
         self._check()
         with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
             self._seal_if_old_locked()
@@ -180,7 +181,8 @@ class CaptureWriter(WriterContext):
                     rec, stats = store_step_image(index, scheduler_output, parts, grammar_output, timing, c.columns,
                                                   self.image_decoder)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends ({e})") from None
+                raise UsageError(f"cannot record step {index}: its image is not what an engine's tap sends "
+                                 f"({e})") from None
             if scheduled is not None:
                 size = len(scheduler_output) + len(parts.rest) + len(parts.tokens) + 64
                 self._append_locked([None], raw=size, step=index, scheduled=scheduled, fold=outline)
@@ -330,7 +332,8 @@ class CaptureWriter(WriterContext):
         if not c.parts and self._keyframes is not None and not self._closing and self._keyframes.due():
             self._put_keyframe(c, self._keyframes.make())
         if fold is not None and self._keyframes is not None:  # (an image step's stored record: the last of `parts`)
-            c.folds.append(fold._replace(part=len(c.parts) + len(parts) - 1) if isinstance(fold, ImageOutline) else fold)
+            c.folds.append(fold._replace(part=len(c.parts) + len(parts) - 1) if isinstance(fold, ImageOutline)
+                           else fold)
         c.parts.extend(parts)
         c.raw += sum(map(len, parts)) if raw is None else raw
         info = c.info
@@ -396,5 +399,6 @@ class CaptureWriter(WriterContext):
         e = self._out.error
         if e is not None:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise CaptureError(self.partial_path, f"writing failed: {why}; what was flushed before stays readable") from None
+            raise CaptureError(self.partial_path,
+                               f"writing failed: {why}; what was flushed before stays readable") from None
 

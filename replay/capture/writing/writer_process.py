@@ -1,9 +1,9 @@
 """`ProcessCaptureWriter`: the `CaptureWriter` API, with interning, compression and I/O in a child process.
 
-The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (a shared-memory ring, or a
+The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (shared memory, or a
 pipe; below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python
 process, so it can never take the engine's interpreter lock: a background *thread* doing the same Python work
-measurably slows a Python-heavy engine step (measurements §3). A bonus: if the engine process goes away without
+measurably slows a Python-heavy engine step. A bonus: if the engine process goes away without
 closing the capture (a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a
 SIGKILL; an interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the
 capture itself: footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs
@@ -11,22 +11,11 @@ in its own session, outside the engine's process tree, and ignores SIGINT, SIGTE
 nor a kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
 sealed; it exits as soon as it has.
 
-Transport: on x86-64 Linux the frames go through a shared-memory ring (`ring`: a copy, no system call on the engine
-thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
-REPLAY_WRITER_TRANSPORT=pipe) they go through the pipe itself. Either way, frames of `kind (1 byte) + length (u32
-LE) + payload`; kinds `A` request added, `X` request aborted, `S` step, `K` crash (payloads are msgpack records with
-string ids), `F` flush, `C` close (payload: the footer status), `Q` quit without a footer. Another engine's tap may
-send images instead of contracts (its objects msgpack-encoded as they are, which is all the engine thread pays for);
-the child stores a step's images as they are (`StepImage`, format 1.3: readers convert them) and converts arrivals
-into contracts (`replay.contracts.image_decoder`): `R` an arrival `[step, request]`; a step in the order the engine
-lives it, so that a step that never completes is still known: `P` scheduled `[index, scheduler_output, start_ns,
-schedule_ns]`, `G` its grammar bitmask `[index, grammar_output]`, `O` its output `[index, model_runner_output,
-execute_ns, update_ns]` (the step is written then), or `L` the same with the output in parts (`OutputParts`: its
-logprob matrices apart, which the child moves into its columns undecoded; frames built in `replay.capture.writing.wire`),
-`E` the exception that ended it `[index, error_type, message, traceback]` (a `Crash` record and the scheduled step
-are written then); `T` a trouble a ring keeps a snapshot of (text); `V` a whole step `[index, scheduler_output, model_runner_output, grammar_output, timing]`. The
-child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}` (and, through the ring, sets its
-`failed` word first, so the engine's next send stops).
+Transport: on x86-64 Linux the frames go through shared memory (`shm_channel`: a copy, no system call on the
+engine thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
+REPLAY_WRITER_TRANSPORT=pipe) they go through the pipe itself. The frames, their kinds and payloads are
+`frame_protocol`'s. The child answers on stdout with one JSON line: `{"ok": ...}` or `{"error": "..."}` (and,
+through the channel, sets its `failed` word first, so the engine's next send stops).
 """
 
 from __future__ import annotations
@@ -34,28 +23,72 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
-from replay.capture.format import records as fmt
-from replay.capture.writing import ring
-from replay.capture.writing.image_frames import IMAGE_FRAMES, ImageFrames
-from replay.capture.writing.process import FRAME_HEAD, FrameReader, cpu_s, detach, grow_pipe, stopped_status
 from replay.capture.codec.step_image import OutputParts
+from replay.capture.format import records as fmt
+from replay.capture.writing import frame_protocol as fp
+from replay.capture.writing import shm_channel
+from replay.capture.writing.image_frames import ImageFrames
 from replay.capture.writing.wire import output_frame, scheduled_frame
 from replay.capture.writing.writer import WriterContext
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 
 _ENCODER = msgspec.msgpack.Encoder()
-TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "ring" or "pipe"; unset: the ring where `ring.available()`
-_NOW = frozenset((b"H", b"F", b"C", b"Q"))  # frames the child is woken for (the others wait for its next poll)
+TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "shm" or "pipe"; unset: shared memory where `shm_channel.available()`
 CHILD = "replay.capture.writing.writer_process"  # the writer process's module (a ring's: replay.capture.flight)
+
+
+def grow_pipe(fd: int) -> None:
+    """A deeper pipe (Linux: up to pipe-max-size, 1 MiB by default) so that a burst of steps never makes the engine
+    wait for the writer process; the writer only has to keep up on average."""
+    try:
+        import fcntl
+
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = min(int(f.read()), 1 << 20)
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (OSError, ValueError, ImportError):
+        pass  # another OS, or a lower limit: the default pipe works, it only waits sooner
+
+
+def cpu_s() -> float:
+    """This process's CPU time so far (user + system), at microsecond resolution where the OS gives it."""
+    try:
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    except ImportError:
+        t = os.times()
+        return t.user + t.system
+
+
+def detach() -> float:
+    """Outlive the engine long enough to seal. vLLM's shutdown SIGKILLs every descendant of the EngineCore it finds
+    (psutil's children, recursively), so the writer must not be one: it forks once more and the engine's own child
+    exits at once, leaving the writer to init. Then a session of its own (a Ctrl-C or a kill of the engine's process
+    group does not reach it) and no default handlers for the stop signals. The end of the pipe is what ends it.
+    Returns the CPU time spent before the fork (imports), which the forked process's own count starts without."""
+    before = cpu_s()
+    if hasattr(os, "fork") and os.fork() > 0:
+        os._exit(0)
+    try:
+        os.setsid()
+    except OSError:  # already a session leader
+        pass
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    return before if hasattr(os, "fork") else 0.0
 
 
 class ProcessCaptureWriter(WriterContext):
@@ -64,7 +97,7 @@ class ProcessCaptureWriter(WriterContext):
     def __init__(self, path: str | os.PathLike, header: fmt.Header, *, overwrite: bool = False,
                  chunk_bytes: int = fmt.DEFAULT_CHUNK_BYTES, flush_interval: float = fmt.DEFAULT_FLUSH_INTERVAL,
                  level: int = fmt.DEFAULT_LEVEL, nice: int = 0, images: bool = False, transport: str | None = None,
-                 ring_bytes: int = ring.DEFAULT_RING_BYTES, keyframes: int | None = None,
+                 channel_bytes: int = shm_channel.DEFAULT_CHANNEL_BYTES, keyframes: int | None = None,
                  child: str = CHILD, child_options: dict | None = None):
         self.path = Path(path)
         self.partial_path = self.path.with_name(self.path.name + ".partial")
@@ -74,32 +107,34 @@ class ProcessCaptureWriter(WriterContext):
                    "flush_interval": flush_interval, "level": level, "nice": nice, "images": images,
                    "keyframes": keyframes, **(child_options or {})}
         asked = transport or os.environ.get(TRANSPORT_ENV)
-        transport = asked or ("ring" if ring.available() else "pipe")
-        if transport not in ("ring", "pipe") or (transport == "ring" and not ring.available()):
-            raise UsageError(f"writer transport {transport!r}: 'pipe'" + (" or 'ring'" if ring.available() else ""))
+        transport = asked or ("shm" if shm_channel.available() else "pipe")
+        if transport not in ("shm", "pipe") or (transport == "shm" and not shm_channel.available()):
+            raise UsageError(f"writer transport {transport!r}: 'pipe'" + (" or 'shm'" if shm_channel.available()
+                                                                          else ""))
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[3])  # the child must import this very package
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
         read_end, self._fd = os.pipe()
-        self._ring = None
-        if transport == "ring":
+        self._channel = None
+        if transport == "shm":
             try:
-                self._ring = ring.RingSender(self._fd, ring_bytes)
-            except OSError as e:  # no memfd here (a sandbox's seccomp, no memory): the pipe, unless the ring was asked
+                self._channel = shm_channel.ChannelSender(self._fd, channel_bytes)
+            except OSError as e:  # no memfd here (a sandbox's seccomp, no memory): the pipe, unless shm was asked
                 if asked:
                     os.close(read_end)
                     os.close(self._fd)
-                    raise CaptureError(self.partial_path, f"cannot make the writer's shared-memory ring: {e}") from None
+                    raise CaptureError(self.partial_path,
+                                       f"cannot make the writer's shared-memory channel: {e}") from None
                 transport = "pipe"
-        if self._ring is not None:
-            options.update(ring_fd=self._ring.fd, ring_bytes=ring_bytes)
+        if self._channel is not None:
+            options.update(channel_fd=self._channel.fd, channel_bytes=channel_bytes)
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", child, json.dumps(options)],
                                           stdin=read_end, stdout=subprocess.PIPE, env=env,
-                                          pass_fds=(self._ring.fd,) if self._ring else ())
+                                          pass_fds=(self._channel.fd,) if self._channel else ())
         finally:
             os.close(read_end)
-        if self._ring is None:
+        if self._channel is None:
             grow_pipe(self._fd)
         self.transport = transport
         self._num_steps = 0
@@ -107,7 +142,7 @@ class ProcessCaptureWriter(WriterContext):
         self._closed = False
         self.cpu_s = 0.0  # the writer process's CPU time (user + system), known once it closed the capture
         self.startup_cpu_s = 0.0  # of which its start-up, before the first record
-        self._send(b"H", _ENCODER.encode(header))
+        self._send(fp.HEADER, _ENCODER.encode(header))
         # the child reports whether it could create the file before we go on
         try:
             ready = self._answer()
@@ -121,23 +156,23 @@ class ProcessCaptureWriter(WriterContext):
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if self._ring is not None:
-            self._ring.populate()
+        if self._channel is not None:
+            self._channel.populate()
 
     # -- the CaptureWriter API ------------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest, step: int) -> None:
         """Record a request arrival before step `step`."""
-        self._send(b"A", _ENCODER.encode(fmt.RequestAdded(step, request)))
+        self._send(fp.REQUEST_ADDED, _ENCODER.encode(fmt.RequestAdded(step, request)))
 
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
-        self._send(b"X", _ENCODER.encode(fmt.RequestAborted(step, request_id)))
+        self._send(fp.REQUEST_ABORTED, _ENCODER.encode(fmt.RequestAborted(step, request_id)))
 
     def trigger(self, why: str) -> None:
         """Something went wrong that a ring keeps a snapshot of (a request finished with an error); a plain capture
         has every step already, and ignores it."""
-        self._send(b"T", why.encode())
+        self._send(fp.TROUBLE, why.encode())
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput,
                    model_runner_output: ModelRunnerOutput | None, **extra: Any) -> int:
@@ -151,13 +186,13 @@ class ProcessCaptureWriter(WriterContext):
             data = _ENCODER.encode(step)
         except (TypeError, OverflowError, msgspec.EncodeError) as e:
             raise UsageError(f"cannot record a Step: {e}") from None
-        self._send(b"S", data)
+        self._send(fp.STEP, data)
         self._sent_step(step.index)
         return len(data)
 
     def write_crash(self, crash: fmt.Crash) -> None:
         """Record that the engine raised while executing step `crash.step` (then write that step, with no output)."""
-        self._send(b"K", _ENCODER.encode(crash))
+        self._send(fp.CRASH, _ENCODER.encode(crash))
 
     def scheduled_image(self, index: int, scheduler_output: bytes, start_ns: int, schedule_ns: int) -> None:
         """Step `index` was scheduled: its SchedulerOutput image, kept by the writer process until the step ends."""
@@ -165,9 +200,10 @@ class ProcessCaptureWriter(WriterContext):
 
     def grammar_image(self, index: int, grammar_output: bytes) -> None:
         """Step `index`'s structured-output bitmask (GrammarOutput image), built before the model runs."""
-        self._send(b"G", _ENCODER.encode([index, msgspec.Raw(grammar_output)]))
+        self._send(fp.GRAMMAR, _ENCODER.encode([index, msgspec.Raw(grammar_output)]))
 
-    def output_image(self, index: int, model_runner_output: bytes | OutputParts, execute_ns: int, update_ns: int) -> None:
+    def output_image(self, index: int, model_runner_output: bytes | OutputParts, execute_ns: int,
+                     update_ns: int) -> None:
         """Step `index` ended with this ModelRunnerOutput image (or the image in parts, logprob matrices apart):
         the writer process writes the step now."""
         self._check_order(index)
@@ -176,21 +212,22 @@ class ProcessCaptureWriter(WriterContext):
 
     def crash_image(self, index: int, error_type: str, message: str, traceback: str) -> None:
         """Step `index` raised while executing: the writer process writes a Crash record and the scheduled step."""
-        self._send(b"E", _ENCODER.encode([index, error_type, message, traceback]))
+        self._send(fp.STEP_FAILED, _ENCODER.encode([index, error_type, message, traceback]))
         self._last_step = max(self._last_step, index)
 
     def add_request_image(self, request_image: bytes, step: int) -> None:
         """Record an arrival given as another engine's msgpack-encoded request (converted in the child)."""
-        self._send(b"R", _ENCODER.encode([step, msgspec.Raw(request_image)]))
+        self._send(fp.REQUEST_IMAGE, _ENCODER.encode([step, msgspec.Raw(request_image)]))
 
     def write_step_image(self, index: int, scheduler_output: bytes, model_runner_output: bytes | None,
                          grammar_output: bytes | None = None, timing: list[int] | None = None) -> int:
         """Record one step given as another engine's msgpack-encoded objects (converted in the child);
         `timing`: [start, schedule, execute, update] ns as `StepTiming`."""
         self._check_order(index)
-        raw = [msgspec.Raw(b) if b is not None else None for b in (scheduler_output, model_runner_output, grammar_output)]
+        raw = [msgspec.Raw(b) if b is not None else None
+               for b in (scheduler_output, model_runner_output, grammar_output)]
         data = _ENCODER.encode([index, *raw, timing])
-        self._send(b"V", data)
+        self._send(fp.STEP_IMAGE, data)
         self._sent_step(index)
         return len(data)
 
@@ -205,7 +242,7 @@ class ProcessCaptureWriter(WriterContext):
 
     def flush(self) -> None:
         """Ask the writer process to close its open chunk now."""
-        self._send(b"F", b"")
+        self._send(fp.FLUSH, b"")
 
     def close(self, status: str = "ok") -> Path:
         """Footer, seek index, rename; waits for the writer process. Returns the final path."""
@@ -213,7 +250,7 @@ class ProcessCaptureWriter(WriterContext):
             return self.path
         self._closed = True
         try:
-            self._send(b"C", status.encode())
+            self._send(fp.CLOSE, status.encode())
         finally:
             self._end_pipe()
         answer = self._answer()
@@ -228,7 +265,7 @@ class ProcessCaptureWriter(WriterContext):
             return
         self._closed = True
         try:
-            self._send(b"Q", b"")
+            self._send(fp.QUIT, b"")
         except CaptureError:
             pass
         self._end_pipe()
@@ -250,28 +287,28 @@ class ProcessCaptureWriter(WriterContext):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._ring is not None:
-            self._ring.release()
-            if self._ring.fd >= 0:
-                os.close(self._ring.fd)
-                self._ring.fd = -1
+        if self._channel is not None:
+            self._channel.release()
+            if self._channel.fd >= 0:
+                os.close(self._channel.fd)
+                self._channel.fd = -1
 
     def _send(self, kind: bytes, *parts: bytes) -> None:
         try:
-            if self._ring is not None:
-                self._ring.send(kind, parts, sum(map(len, parts)))
-                if kind in _NOW:
-                    self._ring.wake()
+            if self._channel is not None:
+                self._channel.send(kind, parts, sum(map(len, parts)))
+                if kind in fp.WAKE_AT_ONCE:
+                    self._channel.wake()
                 return
             # one unbuffered write per record: nothing waits in our buffer if the engine crashes
             size = sum(map(len, parts))
-            frame = [FRAME_HEAD.pack(kind, size), *parts]
+            frame = [fp.FRAME_HEAD.pack(kind, size), *parts]
             done = os.writev(self._fd, frame) if hasattr(os, "writev") else 0
-            if done < size + FRAME_HEAD.size:  # (rare: a write cut short by a signal; or no writev)
+            if done < size + fp.FRAME_HEAD.size:  # (rare: a write cut short by a signal; or no writev)
                 view = memoryview(b"".join(frame))[done:]
                 while view:
                     view = view[os.write(self._fd, view):]
-        except (OSError, ValueError, ring.WriterGone):  # (BrokenPipeError is an OSError)
+        except (OSError, ValueError, shm_channel.WriterGone):  # (BrokenPipeError is an OSError)
             answer = self._answer()
             raise CaptureError(self.partial_path, answer.get("error", "capture writer process died")) from None
 
@@ -285,6 +322,23 @@ class ProcessCaptureWriter(WriterContext):
             self._closed = True
             raise CaptureError(self.partial_path, answer["error"])
         return answer
+
+
+def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
+    """The footer status of a capture the engine left without closing it: how a server stops (SIGINT or SIGTERM,
+    after which vLLM force-kills its EngineCore), so a normal stop that lost nothing reads as one."""
+    where = f"after step {last_step}" if last_step >= 0 else "before its first step"
+    unfinished = ""
+    if pending:
+        steps = sorted(pending)
+        unfinished = (f"; step {steps[0]} was running when it stopped (scheduled, never finished: not recorded)"
+                      if len(steps) == 1 else
+                      f"; steps {steps[0]}-{steps[-1]} were running when it stopped (scheduled, never finished: "
+                      "not recorded)")
+    whole = ("every whole record it sent is here; the one it was sending as it stopped was cut short and dropped"
+             if cut else "complete: every record it sent is here")
+    return (f"engine stopped: with the engine {where} (its process exited, or was stopped with SIGINT/SIGTERM); "
+            f"{whole}{unfinished}")
 
 
 def _capture_writer(options: dict, header: fmt.Header) -> Any:
@@ -307,11 +361,11 @@ def serve(options: dict, make_writer: Callable[[dict, fmt.Header], Any] = _captu
         os.nice(options["nice"])  # the engine's threads come first; the deep pipe absorbs what waits
     out = sys.stdout
     # never read through sys.stdin: frames would hide in its buffer
-    frames = (ring.RingReader(options["ring_fd"], options["ring_bytes"], sys.stdin.fileno()) if "ring_fd" in options
-              else FrameReader(sys.stdin.fileno()))
+    frames = (shm_channel.ChannelReader(options["channel_fd"], options["channel_bytes"], sys.stdin.fileno())
+              if "channel_fd" in options else fp.FrameReader(sys.stdin.fileno()))
 
     def say(obj: dict) -> None:
-        if "error" in obj and isinstance(frames, ring.RingReader):
+        if "error" in obj and isinstance(frames, shm_channel.ChannelReader):
             frames.fail()  # the engine's next send stops, as a write into a closed pipe does
         out.write(json.dumps(obj) + "\n")
         out.flush()
@@ -345,8 +399,9 @@ def serve(options: dict, make_writer: Callable[[dict, fmt.Header], Any] = _captu
         return 1
 
 
-_DECODERS = {b"A": msgspec.msgpack.Decoder(fmt.RequestAdded), b"X": msgspec.msgpack.Decoder(fmt.RequestAborted),
-             b"S": msgspec.msgpack.Decoder(fmt.Step[str])}
+_DECODERS = {fp.REQUEST_ADDED: msgspec.msgpack.Decoder(fmt.RequestAdded),
+             fp.REQUEST_ABORTED: msgspec.msgpack.Decoder(fmt.RequestAborted),
+             fp.STEP: msgspec.msgpack.Decoder(fmt.Step[str])}
 
 
 def _handle(writer: Any, images: ImageFrames, kind: bytes | None, payload: Any, say: Callable[[dict], None],
@@ -356,23 +411,23 @@ def _handle(writer: Any, images: ImageFrames, kind: bytes | None, payload: Any, 
         writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
                                                                      cut=payload is None))
         return True
-    if kind == b"Q":  # the engine gave up on the capture: keep what we have, no footer
+    if kind == fp.QUIT:  # the engine gave up on the capture: keep what we have, no footer
         writer.abandon()
         return True
-    if kind == b"C":
+    if kind == fp.CLOSE:
         status = bytes(payload).decode()
         writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
-        # its CPU (it is no child of the engine's, see `process.detach`: the engine's rusage never counts it)
+        # its CPU (it is no child of the engine's, see `detach`: the engine's rusage never counts it)
         say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})
         return True
-    if kind == b"F":
+    if kind == fp.FLUSH:
         writer.flush()
-    elif kind in IMAGE_FRAMES:
+    elif kind in fp.IMAGE_FRAMES:
         images.write(writer, kind, payload)
-    elif kind == b"T":  # a trouble the engine saw: a ring seals a snapshot (`SegmentRing.trigger`)
+    elif kind == fp.TROUBLE:  # a trouble the engine saw: a ring seals a snapshot (`SegmentRing.trigger`)
         if hasattr(writer, "trigger"):
             writer.trigger(bytes(payload).decode())
-    elif kind == b"K":
+    elif kind == fp.CRASH:
         images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
         writer.write_crash(images.crash)
     else:

@@ -2,8 +2,8 @@
 
 Two routes, one set of rules (`replay.contracts.tolerant`):
 - on the engine thread, the tap only msgspec-encodes vLLM's objects (`ENCODER`: dataclasses and Structs natively,
-  tensors and ndarrays as our `Array`, anything else as an `Opaque` summary; about 10 µs for a 64-request
-  SchedulerOutput); the writer process converts that image into contracts, field by field;
+  tensors and ndarrays as our `Array`, anything else as an `Opaque` summary); the writer process converts that image
+  into contracts, field by field;
 - at replay, `Converter` walks live vLLM objects (the ModelRunnerOutput of vLLM's runner) directly.
 Nothing is pickled.
 """
@@ -42,14 +42,14 @@ def _enc_hook(x: Any) -> Any:
 ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _REQUEST_FIELDS = EngineCoreRequest.__struct_fields__
 
-# The fields an output image leaves to `OutputParts`, and the LogprobsLists layout it takes them from
+# The fields an output image leaves to `OutputParts`, and the LogprobsLists form it takes them from
 _APART = ("sampled_token_ids", "logprobs")
 _LOGPROB_FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks", "cu_num_generated_tokens")
 _field_names: dict[type, tuple[str, ...] | None] = {}
 
 
 def output_image(mro: Any) -> bytes | OutputParts:
-    """What the tap sends of a ModelRunnerOutput: `OutputParts` when it has logprob matrices in the layout the
+    """What the tap sends of a ModelRunnerOutput: `OutputParts` when it has logprob matrices in the form the
     writer's columns take, else its whole image. Bytes are copied now: update_from_output may reuse buffers."""
     encode = ENCODER.encode
     lp = getattr(mro, "logprobs", None)
@@ -68,7 +68,8 @@ def output_image(mro: Any) -> bytes | OutputParts:
         return encode(mro)
     rest = encode({f: getattr(mro, f) for f in names})
     cu = lp.cu_num_generated_tokens
-    return OutputParts(rest, encode(mro.sampled_token_ids), dtypes, ids.shape, None if cu is None else list(map(int, cu)),
+    return OutputParts(rest, encode(mro.sampled_token_ids), dtypes, ids.shape,
+                       None if cu is None else list(map(int, cu)),
                        (_le_bytes(ids), _le_bytes(vals), _le_bytes(ranks)))
 
 

@@ -38,7 +38,7 @@ class VllmLog:
         self._streams = (sys.stdout, sys.stderr)
         self._offset = 0  # where this run's part of the log starts
 
-    def start(self) -> "VllmLog":
+    def start(self) -> VllmLog:
         """Send fds 1 and 2 to the log (unless verbose) and start keeping numerics warnings."""
         if self.verbose or self._saved is not None:
             return self
@@ -77,7 +77,7 @@ class VllmLog:
         self.console.close()
         self.console = sys.stderr
 
-    def __enter__(self) -> "VllmLog":
+    def __enter__(self) -> VllmLog:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

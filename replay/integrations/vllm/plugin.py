@@ -224,8 +224,8 @@ class _Tap:
         self.unkept = UnkeptFields(header)
         ring = os.environ.get(RING_ENV)
         if ring:  # a flight recorder: a ring of segments in the directory `path` (replay.capture.flight)
-            from replay.capture.flight.layout import parse_size
-            from replay.capture.flight.process import ring_writer
+            from replay.capture.flight.directory import parse_size
+            from replay.capture.flight.ring_process import ring_writer
 
             self.writer = ring_writer(path, header, parse_size(ring), overwrite=True, nice=19, level=level,
                                       images=True)

@@ -6,7 +6,7 @@ worker processes under tensor parallelism). A hook keeps the rows of the watched
 (`query_start_loc` of its row in the persistent batch) in a per-token output, its logits rows (one, plus one per
 draft it verifies) in the logits processor's. Outputs are kept as each rank computed them; `gather_ranks` then
 tells a whole output (the same on every rank: after an all-reduce, or replicated) from a sharded one (a column-
-parallel projection, the attention heads), and puts a sharded one back together in the unsharded layout, so that a
+parallel projection, the attention heads), and puts a sharded one back together in the unsharded order, so that a
 TP=2 run compares with a TP=1 run module by module.
 """
 
@@ -94,7 +94,8 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
 
     for name, m in named:
         if modules or name == LOGITS or (plant is not None and name == plant[0]):
-            state["handles"].append(m.register_forward_hook(lambda mod, args, out, name=name: hook(name, mod, args, out)))
+            on_output = lambda mod, args, out, name=name: hook(name, mod, args, out)  # noqa: E731
+            state["handles"].append(m.register_forward_hook(on_output))
     return [n for n, _ in named]
 
 

@@ -8,13 +8,13 @@ import pytest
 import zstandard
 
 from replay.capture import CaptureReader, CaptureWriter
-from replay.capture.format import records as fmt
 from replay.capture.codec.columns import (
     FILTER_COL0_REF,
     FILTER_ROW_DELTA,
     ColumnSink,
     ColumnSource,
 )
+from replay.capture.format import records as fmt
 from replay.capture.format.frames import skippable_frame
 from replay.contracts import (
     Array,
@@ -36,7 +36,8 @@ def _lp(rng, n: int, k: int, *, greedy: bool, dtype=np.float32, vocab: int = 50_
     if n > 2:
         vals[1, -1] = -np.inf  # a masked token
     ranks = rng.integers(1, 9, size=n).astype(np.int64)
-    return LogprobsLists(Array.from_numpy(ids), Array.from_numpy(vals), Array.from_numpy(ranks)), [[int(t)] for t in ids[:, 0]]
+    return LogprobsLists(Array.from_numpy(ids), Array.from_numpy(vals),
+                         Array.from_numpy(ranks)), [[int(t)] for t in ids[:, 0]]
 
 
 def _step(index: int, lp: LogprobsLists, sampled: list) -> fmt.Step:
@@ -63,7 +64,8 @@ def test_steps_of_every_kind_read_back_bit_for_bit_in_order_and_one_by_one(tmp_p
             w.write_step_record(s)
     with CaptureReader(path) as r:
         got = list(r.steps())
-        assert [_bits(s.model_runner_output.logprobs) for s in got] == [_bits(s.model_runner_output.logprobs) for s in steps]
+        assert [_bits(s.model_runner_output.logprobs) for s in got] == [_bits(s.model_runner_output.logprobs)
+                                                                        for s in steps]
         assert got == steps
         for k in (0, 17, 39):  # random access: one chunk, one step decoded
             assert r.step(k) == steps[k]
@@ -116,10 +118,12 @@ def test_a_marker_outside_its_columns_is_damage_of_that_step_not_a_crash(tmp_pat
             lp = rec.model_runner_output.logprobs
             bad = msgspec.structs.replace(lp.logprob_token_ids, filters=("chunk-column:0:999",))
             rec.model_runner_output.logprobs = msgspec.structs.replace(lp, logprob_token_ids=bad)
-    body = msgspec.msgpack.encode([msgspec.Raw(fmt.WIRE_ENCODER.encode(x)) for x in recs if not isinstance(x, fmt.Footer)])
+    body = msgspec.msgpack.encode([msgspec.Raw(fmt.WIRE_ENCODER.encode(x)) for x in recs
+                                   if not isinstance(x, fmt.Footer)])
     prologue = skippable_frame(fmt.PROLOGUE_MAGIC, fmt.PROLOGUE_ID + bytes([fmt.FORMAT_MAJOR, 0, fmt.FORMAT_MINOR, 0]))
     damaged = tmp_path / "d.capture"
-    damaged.write_bytes(prologue + zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(body))
+    damaged.write_bytes(prologue + zstandard.ZstdCompressor(write_checksum=True,
+                                                            write_content_size=True).compress(body))
     with CaptureReader(damaged) as r:
         got = [s.index for s in r.steps()]
         assert got == [0, 2]

@@ -13,7 +13,7 @@ from replay.errors import UsageError
 from replay.inspect import capture_info
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
-from replay.report.run import run_facts
+from replay.report.run_facts import run_facts
 from tests.images import as_map, as_parts
 
 WL = SynthShape(steps=40, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=4)
@@ -27,8 +27,10 @@ def _write(path, *, images: bool | str, chunk_bytes: int = 3000):
             if ev.request is not None:
                 w.add_request(ev.request, ev.step)
             elif images:
-                mro = as_parts(ev.model_runner_output) if images == "parts" else ENC.encode(as_map(ev.model_runner_output))
-                w.write_step_image(ev.step, ENC.encode(as_map(ev.scheduler_output)), mro, None, fmt.StepTiming(1, 2, 3, 4))
+                mro = (as_parts(ev.model_runner_output) if images == "parts"
+                       else ENC.encode(as_map(ev.model_runner_output)))
+                w.write_step_image(ev.step, ENC.encode(as_map(ev.scheduler_output)), mro, None,
+                                   fmt.StepTiming(1, 2, 3, 4))
             else:
                 w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output, timing=fmt.StepTiming(1, 2, 3, 4))
 
@@ -83,7 +85,8 @@ def test_sampled_tokens_are_read_from_the_logprob_rows_only_when_those_hold_them
                        Array.from_numpy(np.ones(3, np.int64)))
     image = ENC.encode({"req_ids": ["a", "b", "c"], "sampled_token_ids": sampled, "logprobs": lp})
     if parts:  # as the vLLM tap sends it: the matrices apart
-        image = OutputParts(ENC.encode({"req_ids": ["a", "b", "c"]}), ENC.encode(sampled), ("int32", "float32", "int64"),
+        image = OutputParts(ENC.encode({"req_ids": ["a", "b", "c"]}), ENC.encode(sampled),
+                            ("int32", "float32", "int64"),
                             (3, 3), None, (lp.logprob_token_ids.data, lp.logprobs.data, lp.sampled_token_ranks.data))
     sink = ColumnSink()
     rec, stats = _store(image, sink)
@@ -99,7 +102,8 @@ def _store(mro_image: bytes, sink):
     from replay.capture.codec.step_image import store_step_image
     from replay.contracts.image_decoder import ImageDecoder
 
-    return store_step_image(0, ENC.encode({"total_num_scheduled_tokens": 3}), mro_image, None, None, sink, ImageDecoder())
+    return store_step_image(0, ENC.encode({"total_num_scheduled_tokens": 3}), mro_image, None, None, sink,
+                            ImageDecoder())
 
 
 def test_output_parts_that_do_not_fit_their_shape_are_refused_by_name(tmp_path):

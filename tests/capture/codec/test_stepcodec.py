@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from msgspec.structs import replace
 
-from replay.capture.format import records as fmt
-from replay.capture.format.records import AlignedStep, PackedStep, Step
-from replay.capture.format.ids import IdTable, UnknownHandleError
 from replay.capture.codec.stepcodec import (
     FILTER_COL0,
     FILTER_COL0_XOR,
     step_from_wire,
     step_to_wire,
 )
+from replay.capture.format import records as fmt
+from replay.capture.format.ids import IdTable, UnknownHandleError
+from replay.capture.format.records import AlignedStep, PackedStep, Step
 from replay.contracts import (
     Array,
     CachedRequestData,
@@ -27,13 +27,15 @@ from replay.contracts import (
 def _decode_step(ids: list[str], sampled: list[list[int]], lp_ids: np.ndarray, lp_vals: np.ndarray) -> Step:
     so = SchedulerOutput([], CachedRequestData(ids, set(), [], {}, [None] * len(ids), [5] * len(ids), [1] * len(ids)),
                          {r: 1 for r in ids}, len(ids), {}, {}, {"done"}, [])
-    lp = LogprobsLists(Array.from_numpy(lp_ids), Array.from_numpy(lp_vals), Array.from_numpy(np.ones(len(lp_ids), np.int64)))
+    lp = LogprobsLists(Array.from_numpy(lp_ids), Array.from_numpy(lp_vals),
+                       Array.from_numpy(np.ones(len(lp_ids), np.int64)))
     return Step(0, so, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, lp))
 
 
 def test_ids_are_stored_once_as_handles_and_restored():
     table = IdTable()
-    step = _decode_step(["a", "b"], [[7], [8]], np.array([[7, 7, 1], [8, 2, 8]], np.int32), np.zeros((2, 3), np.float32))
+    step = _decode_step(["a", "b"], [[7], [8]], np.array([[7, 7, 1], [8, 2, 8]], np.int32),
+                        np.zeros((2, 3), np.float32))
     wire = step_to_wire(step, table)
     assert wire.scheduler_output.scheduled_cached_reqs.req_ids == [0, 1]
     assert wire.scheduler_output.finished_req_ids == {2}
@@ -46,7 +48,8 @@ def test_ids_are_stored_once_as_handles_and_restored():
 
 
 def test_unknown_handle_is_an_error_not_a_wrong_id():
-    wire = step_to_wire(_decode_step(["a"], [[1]], np.array([[1, 1]], np.int32), np.zeros((1, 2), np.float32)), IdTable())
+    wire = step_to_wire(_decode_step(["a"], [[1]], np.array([[1, 1]], np.int32), np.zeros((1, 2), np.float32)),
+                        IdTable())
     with pytest.raises(UnknownHandleError):
         step_from_wire(wire, IdTable())
 
@@ -123,7 +126,7 @@ def test_maps_in_batch_order_are_stored_as_lists_and_come_back_in_their_order():
         _new_req("r3"), _new_req("r4")], num_scheduled_tokens={"r0": 1, "r1": 1, "r2": 1, "r3": 7, "r4": 9}))
     wire = _round_trip(step)
     assert isinstance(wire, AlignedStep) and wire.num_scheduled == [1, 1, 1, 7, 9]
-    assert wire.layout == fmt.COMPUTED_MINUS_OUTPUT | fmt.OUTPUT_IDS_IN_BATCH_ORDER | fmt.OUTPUT_INDEX_IN_ORDER
+    assert wire.elided == fmt.COMPUTED_MINUS_OUTPUT | fmt.OUTPUT_IDS_IN_BATCH_ORDER | fmt.OUTPUT_INDEX_IN_ORDER
     assert wire.scheduler_output.num_scheduled_tokens == {} and wire.model_runner_output.req_ids == []
     assert wire.model_runner_output.req_id_to_index == {}
 
@@ -136,13 +139,13 @@ def test_maps_in_another_order_are_stored_whole():
     odd = replace(step, scheduler_output=replace(so, num_scheduled_tokens={"b": 1, "a": 1, "c": 1}),
                   model_runner_output=replace(mro, req_ids=["c", "a", "b"], req_id_to_index={"c": 0, "a": 2, "b": 1}))
     wire = _round_trip(odd)
-    assert wire.num_scheduled is None and wire.layout == fmt.COMPUTED_MINUS_OUTPUT
+    assert wire.num_scheduled is None and wire.elided == fmt.COMPUTED_MINUS_OUTPUT
     assert list(wire.scheduler_output.num_scheduled_tokens.values()) == [1, 1, 1]
     assert wire.model_runner_output.req_ids == [2, 0, 1]
     # only the index line up: the ids are stored, the index is left out
     wire = _round_trip(replace(odd, model_runner_output=replace(mro, req_ids=["c", "a", "b"],
                                                                 req_id_to_index={"c": 0, "a": 1, "b": 2})))
-    assert wire.layout == fmt.COMPUTED_MINUS_OUTPUT | fmt.OUTPUT_INDEX_IN_ORDER
+    assert wire.elided == fmt.COMPUTED_MINUS_OUTPUT | fmt.OUTPUT_INDEX_IN_ORDER
     # a step with nothing to align or pack is a plain Step
     bare = replace(step, scheduler_output=replace(so, num_scheduled_tokens={"b": 1, "a": 1, "c": 1},
                    scheduled_cached_reqs=replace(so.scheduled_cached_reqs, num_computed_tokens=[])),
@@ -151,7 +154,8 @@ def test_maps_in_another_order_are_stored_whole():
 
 
 def test_a_format_1_3_packed_step_still_reads():
-    step = _decode_step(["a", "b"], [[7], [8]], np.array([[7, 7, 1], [8, 2, 8]], np.int32), np.zeros((2, 3), np.float32))
+    step = _decode_step(["a", "b"], [[7], [8]], np.array([[7, 7, 1], [8, 2, 8]], np.int32),
+                        np.zeros((2, 3), np.float32))
     table, reader = IdTable(), IdTable()
     wire = step_to_wire(replace(step, model_runner_output=None), table)  # handles, as a 1.3 writer gave them
     cr = wire.scheduler_output.scheduled_cached_reqs

@@ -18,7 +18,7 @@ from replay.capture import CaptureReader
 from replay.capture.flight.control import request_snapshot
 from replay.diff import Tolerance
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
-from replay.engine.runner import ModelRunner
+from replay.engine.model_runner import ModelRunner
 from replay.errors import CaptureError, UsageError
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 from replay.replayer import ReplayOptions, replay_capture

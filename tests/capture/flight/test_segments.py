@@ -21,7 +21,7 @@ from replay.capture import (
     Step,
 )
 from replay.capture.flight.segments import MARK, SegmentRing
-from replay.capture.reading.keyframes import keyframe_steps
+from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.contracts import Array
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
@@ -60,7 +60,7 @@ def test_the_ring_stays_within_its_size_and_every_segment_starts_at_a_keyframe(t
     seen = []
 
     def check(step: int) -> None:
-        on_disk = sum(p.stat().st_size for p in ring.layout.dir.glob("segment-*"))
+        on_disk = sum(p.stat().st_size for p in ring.files.dir.glob("segment-*"))
         seen.append(on_disk)
         assert on_disk <= SIZE + 2 * ring.segment_bytes, step  # SIZE + the open segment (its chunk in flight)
 
@@ -68,7 +68,7 @@ def test_the_ring_stays_within_its_size_and_every_segment_starts_at_a_keyframe(t
     _feed(ring, _events(1500), ref, check)
     ring.close()
     ref.close()
-    segments = ring.layout.segments()
+    segments = ring.files.segments()
     assert ring.dropped_before > 0 and len(segments) >= 2  # it wrapped
     want = _steps(tmp_path / "ref.capture")
     for p in segments:
@@ -130,7 +130,8 @@ def test_a_request_the_client_marked_leaves_the_window_from_its_arrival_to_its_f
         assert "marked by the client" in r.header.extra["snapshot"]["trigger"]
         recs = list(r.records())
     added = [x.request.request_id for x in recs if isinstance(x, RequestAdded)]
-    finished = [s.index for s in recs if isinstance(s, Step) and marked.request_id in s.scheduler_output.finished_req_ids]
+    finished = [s.index for s in recs if isinstance(s, Step)
+                and marked.request_id in s.scheduler_output.finished_req_ids]
     assert marked.request_id in added and finished  # its arrival and its finish are both inside
 
 
@@ -173,13 +174,13 @@ def test_only_the_last_snapshots_are_kept(tmp_path, monkeypatch, keep):
         _feed(ring, events[part * len(events) // 4:(part + 1) * len(events) // 4])
         ring.snapshot("on demand")
     ring.close()
-    left = sorted(map(str, ring.layout.snapshots.glob("*.capture")))
+    left = sorted(map(str, ring.files.snapshots.glob("*.capture")))
     # the newest `keep`, as sealed (names sort otherwise: "...-on-demand-2.capture" before "...-on-demand.capture")
     assert len(ring.snapshots) == 4 and left == sorted(ring.snapshots[-keep:])
 
 
 def test_a_request_finished_with_an_error_seals_a_snapshot_through_the_writer_process(tmp_path):
-    from replay.capture.flight.process import ring_writer
+    from replay.capture.flight.ring_process import ring_writer
 
     w = ring_writer(tmp_path / "ring", make_header("synthetic"), SIZE)
     events = _events(120)

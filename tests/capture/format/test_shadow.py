@@ -62,7 +62,8 @@ def _check_against_scheduler(shadow: ShadowTable, sched) -> None:
 def test_a_runner_primed_from_any_keyframe_reads_back_every_context_the_run_goes_on_to_read(seed):
     rng = np.random.default_rng(seed)
     # a small pool (preemption), a small budget (chunked prefill), shared prefixes (prefix-cache hits)
-    cfg = config(block_size=4, num_gpu_blocks=int(rng.integers(16, 28)), max_num_batched_tokens=int(rng.integers(8, 40)),
+    cfg = config(block_size=4, num_gpu_blocks=int(rng.integers(16, 28)),
+                 max_num_batched_tokens=int(rng.integers(8, 40)),
                  max_num_seqs=6, enable_prefix_caching=True)
     sched, runner = make(cfg, exclusive_writes=False)
     shadow = ShadowTable(cfg.block_size, cfg.enable_prefix_caching)

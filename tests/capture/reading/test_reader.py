@@ -175,7 +175,8 @@ def test_oversize_record_is_refused(tmp_path):
     path = tmp_path / "big.capture"
     with CaptureWriter(path, make_header("test")) as w:
         big = NewRequestData("r", list(range(5000)), [], None, None, ([0],), 0, None)
-        w.write_step(0, SchedulerOutput([big], CachedRequestData.make_empty(), {"r": 5000}, 5000, {}, {}, set(), []), None)
+        w.write_step(0, SchedulerOutput([big], CachedRequestData.make_empty(), {"r": 5000}, 5000, {}, {}, set(), []),
+                     None)
         w.write_step(1, SchedulerOutput.make_empty(), None)
     with CaptureReader(path, max_record_bytes=4096) as r:
         steps = [rec.index for rec in r.records() if isinstance(rec, Step)]

@@ -84,14 +84,15 @@ def test_image_steps_are_recovered_as_images_with_every_field_the_engine_sent(tm
     an unfinished one keeps them images, those fields and the logprob matrices in the new chunks' columns."""
     import msgspec
 
-    from replay.capture.format import records as fmt
     from replay.capture.codec.step_image import OutputParts
+    from replay.capture.format import records as fmt
     from tests.images import as_map, as_parts
 
     enc = msgspec.msgpack.Encoder()
     path = tmp_path / "img.capture"
     w = CaptureWriter(path, make_header("test"), chunk_bytes=3000)
-    for ev in synth_events(SynthShape(steps=12, running=4, prompt_len=(4, 30), output_len=(3, 9), num_logprobs=3, seed=5)):
+    for ev in synth_events(SynthShape(steps=12, running=4, prompt_len=(4, 30), output_len=(3, 9), num_logprobs=3,
+                                      seed=5)):
         if ev.request is not None:
             w.add_request(ev.request, ev.step)
             continue
@@ -105,7 +106,8 @@ def test_image_steps_are_recovered_as_images_with_every_field_the_engine_sent(tm
     res = recover(path.with_name(path.name + ".partial"))
     assert res.num_steps == 12 and [d.kind for d in res.damage] == ["unfinished"]  # every step was flushed
     with CaptureReader(res.output) as r:
-        stored = [fmt.WIRE_DECODER.decode(x) for ref in r.iter_chunks() for x in fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))]
+        stored = [fmt.WIRE_DECODER.decode(x) for ref in r.iter_chunks()
+                  for x in fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))]
         steps = list(r.steps())
     images = [x for x in stored if isinstance(x, fmt.StepImage)]
     assert len(images) == 12 and sum(isinstance(x, fmt.LogprobColumns) for x in stored) >= 1

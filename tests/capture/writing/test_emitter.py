@@ -15,7 +15,6 @@ from replay.capture.writing import emitter
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
 
-
 _ZSTD = zstandard.ZstdCompressor
 
 

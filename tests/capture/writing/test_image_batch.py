@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from replay.capture import CaptureReader, CaptureWriter
-from replay.capture.writing import image_batch
-from replay.capture.format import records as fmt
 from replay.capture.codec.step_image import OutputParts
+from replay.capture.format import records as fmt
+from replay.capture.writing import image_batch
 from replay.errors import UsageError
 from replay.inspect import capture_info
 from replay.provenance import make_header
@@ -86,7 +86,8 @@ def test_batched_steps_are_stored_byte_for_byte_as_step_by_step(tmp_path, monkey
 
 
 def test_a_synthetic_run_sent_in_parts_reads_back_as_its_steps(tmp_path, monkeypatch):
-    wl = SynthShape(steps=30, running=20, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=4, vocab_size=300, seed=8)
+    wl = SynthShape(steps=30, running=20, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=4, vocab_size=300,
+                    seed=8)
     events = [ev for ev in synth_events(wl) if ev.request is None]
     steps = [(ENC.encode(as_map(ev.scheduler_output)), as_parts(ev.model_runner_output)) for ev in events]
     a = _write(tmp_path / "a.capture", steps, batched=True, monkeypatch=monkeypatch, chunk_bytes=20_000)
@@ -118,7 +119,8 @@ def test_tokens_of_another_shape_are_kept_as_sent(tmp_path, monkeypatch, tokens)
     b = _write(tmp_path / "b.capture", steps, batched=False, monkeypatch=monkeypatch)
     assert _bodies(a) == _bodies(b) and _figures(a) == _figures(b)  # counted by the tolerant reading, as ever
     with CaptureReader(a) as r:
-        stored = [fmt.WIRE_DECODER.decode(x) for ref in r.iter_chunks() for x in fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))]
+        stored = [fmt.WIRE_DECODER.decode(x) for ref in r.iter_chunks()
+                  for x in fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(ref))]
     images = [msgspec.msgpack.decode(x.model_runner_output) for x in stored if isinstance(x, fmt.StepImage)]
     assert isinstance(images[0]["sampled_token_ids"], dict)  # the reference to column 0
     assert images[1]["sampled_token_ids"] == msgspec.msgpack.decode(tokens)

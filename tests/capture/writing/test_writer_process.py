@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from replay.capture import CaptureReader, CaptureWriter, Step
-from replay.capture.writing import ring
+from replay.capture.writing import shm_channel
 from replay.capture.writing.writer_process import ProcessCaptureWriter
 from replay.errors import CaptureError, UsageError
 from replay.provenance import make_header
@@ -24,12 +24,12 @@ from tests.images import as_map, as_parts
 WL = SynthShape(steps=30, running=6, prompt_len=(4, 40), output_len=(3, 20), num_logprobs=3, vocab_size=1000, seed=9)
 
 
-# the transports between the engine and the writer process: the shared-memory ring (x86-64 Linux), one so small that
+# the transports between the engine and the writer process: the shared-memory channel (x86-64 Linux), one so small that
 # it fills, wraps and splits steps into pieces all the time, and the pipe (every other machine)
-TRANSPORTS = [pytest.param({"transport": "ring"}, id="ring"),
-              pytest.param({"transport": "ring", "ring_bytes": 4096}, id="small-ring"),
+TRANSPORTS = [pytest.param({"transport": "shm"}, id="shm"),
+              pytest.param({"transport": "shm", "channel_bytes": 4096}, id="small-shm"),
               pytest.param({"transport": "pipe"}, id="pipe")]
-if not ring.available():
+if not shm_channel.available():
     TRANSPORTS = TRANSPORTS[2:]
 
 
@@ -73,7 +73,7 @@ def test_errors_surface_in_the_engine_process(tmp_path, small_capture):
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_a_killed_writer_process_stops_the_engine_with_one_error(tmp_path, options):
     """The writer process dies under the engine (SIGKILL): the engine's sends raise CaptureError soon after (the
-    pipe: at once; the ring: within its liveness period), never silently into nowhere."""
+    pipe: at once; shared memory: within its liveness period), never silently into nowhere."""
     events = [ev for ev in synth_events(WL) if ev.request is None]
     w = ProcessCaptureWriter(tmp_path / "k.capture", make_header("test"), **options)
     os.kill(w.writer_pid, signal.SIGKILL)
@@ -84,7 +84,7 @@ def test_a_killed_writer_process_stops_the_engine_with_one_error(tmp_path, optio
             for ev in events:
                 w.write_step(sent, ev.scheduler_output, ev.model_runner_output)
                 sent += 1
-    assert sent <= ring.RingSender.LIVENESS_EVERY
+    assert sent <= shm_channel.ChannelSender.LIVENESS_EVERY
     w.abandon()
 
 

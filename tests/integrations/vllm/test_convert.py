@@ -81,9 +81,11 @@ def test_moe_routing_from_the_aux_output_connector_is_kept_as_sent():
     # a replay whose worker emitted from token 14 on (the rest was read back from cached blocks by the recording)
     moved = rows["a"][2:].copy()
     moved[1, 1] = [7, 6] if moved[1, 1].tolist() != [7, 6] else [5, 4]
-    from replay.contracts import AuxRequestOutput as Kept, Array
+    from replay.contracts import Array
+    from replay.contracts import AuxRequestOutput as Kept
 
     replayed = replace(kept, aux_output_connector_output={"a": Kept(14, Array.from_numpy(moved)),
                                                           "c": kept.aux_output_connector_output["c"]})
     summary, (d,) = compare_step(0, kept, replayed, {}, {}, Tolerance(), so=so)
-    assert (d.kind, d.request_id, d.token_index, d.moe_layer, summary.tokens_routed) == ("routed_experts", "a", 15, 1, 3)
+    assert (d.kind, d.request_id, d.token_index, d.moe_layer, summary.tokens_routed) == ("routed_experts", "a", 15, 1,
+                                                                                         3)

@@ -35,7 +35,7 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from tests.vllm_checkpoints import (  # noqa: E402
+from testbed.checkpoints import (  # noqa: E402
     add_tokenizer,
     lora_adapter,
     tiny_eagle_head,
@@ -325,13 +325,14 @@ def test_the_cli_recording_keeps_the_engine_config_vllms_field_lists_and_every_s
     with CaptureReader(captures["sampling"].path) as r:
         steps = [s for s in r.records() if isinstance(s, Step)]
     assert steps and all(s.timing is not None and s.timing.execute_ns > 0 and s.timing.schedule_ns > 0 for s in steps)
-    assert any(v is not None for s in steps if s.model_runner_output for v in s.model_runner_output.prompt_logprobs_dict.values())
+    assert any(v is not None for s in steps if s.model_runner_output
+               for v in s.model_runner_output.prompt_logprobs_dict.values())
 
 
 def test_vllm_runs_quietly_its_log_beside_the_capture_and_v_shows_it(captures, tmp_path):
     """`replay run --runner vllm` prints no vLLM line: the first line is ours, vLLM's output is in a log beside the
-    capture, and its start-up warnings are provenance (`-v`, the report), not notes. `replay -v` shows vLLM's output live. (The two runs go
-    side by side, on two copies of the capture, each with its own log.)"""
+    capture, and its start-up warnings are provenance (`-v`, the report), not notes. `replay -v` shows vLLM's output
+    live. (The two runs go side by side, on two copies of the capture, each with its own log.)"""
     capture, copy = captures["sampling"].path, tmp_path / "sampling.capture"
     shutil.copyfile(capture, copy)
     runs = {"quiet": REPLAY + ["run", str(capture), "--diff", "--runner", "vllm"],
@@ -353,7 +354,7 @@ def test_the_builtin_runner_applies_the_recorded_grammar_bitmask(captures, repla
     rep = replays["sampling", "builtin"]
     # greedy tokens (structured ones included) and every logprob agree; vLLM's random draws are not ours to repeat
     assert not rep.diverged and rep.foreign_draws_differ > 0, rep.first_divergence
-    import replay.engine.runner as runner_module
+    import replay.engine.model_runner as runner_module
 
     monkeypatch.setattr(runner_module, "apply_grammar_bitmask", lambda *a: None)  # control: ignore the mask
     rep = replay_capture(captures["sampling"].path, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL)))
@@ -409,7 +410,8 @@ def test_a_speculative_decoding_capture_replays_free_and_a_planted_draft_change_
     assert where is not None, "no step of the ngram capture accepted two drafts"
     step, _, emitted = where
     for runner in ("vllm", "builtin"):
-        rep = replay_capture(planted, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL), overrides={"runner": runner}))
+        rep = replay_capture(planted,
+                             ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL), overrides={"runner": runner}))
         d = rep.first_divergence
         assert rep.diverged and d.step == step and d.kind in ("drafts", "token"), d
         assert d.rejected_draft == 999 and d.actual_accepted == 1 and d.expected_accepted == len(emitted) - 1

@@ -30,9 +30,9 @@ from replay.capture import (  # noqa: E402
     StepRange,
 )
 from replay.capture.format.shadow import ShadowTable  # noqa: E402
-from replay.capture.reading.keyframes import keyframe_steps  # noqa: E402
+from replay.capture.reading.keyframe_seek import keyframe_steps  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+from testbed.checkpoints import tiny_llama  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys

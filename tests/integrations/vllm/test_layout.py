@@ -61,7 +61,8 @@ def test_cpu_workers_get_a_thread_binding_of_this_machines_cpus(monkeypatch):
     else:
         first, second = bind.split("|")
         assert first.split("-")[0] == str(cpus[0]) and second.split("-")[-1] == str(cpus[2 * (len(cpus) // 2) - 1])
-    assert omp_threads_bind(layout, {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[0]}"}, "cpu") == f"{cpus[0]}|{cpus[0]}"
+    assert omp_threads_bind(layout, {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[0]}"},
+                            "cpu") == f"{cpus[0]}|{cpus[0]}"
     assert omp_threads_bind(layout, {"VLLM_CPU_OMP_THREADS_BIND": "9990|9991"}, "cpu") != "9990|9991"  # not ours
     assert omp_threads_bind({"tensor_parallel_size": "1"}, {}, "cpu") is None
     assert omp_threads_bind(layout, {}, "cuda") is None

@@ -22,7 +22,7 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.provenance import current_hardware  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from tests.vllm_checkpoints import tiny_llama  # noqa: E402
+from testbed.checkpoints import tiny_llama  # noqa: E402
 from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 RUN = textwrap.dedent("""
@@ -91,7 +91,8 @@ def test_plugin_records_every_step_of_a_real_vllm_engine(vllm_capture):
     assert info.header.model.architecture == "LlamaForCausalLM" and len(info.header.model.fingerprint) == 64
     assert info.num_requests_added == 8 and info.num_generated_tokens == 8 * 16
     layout = info.header.engine_config.layout  # by vLLM's names, from the engine's own vllm_config
-    assert layout["tensor_parallel_size"] == layout["pipeline_parallel_size"] == "1" and layout["enforce_eager"] == "True"
+    assert layout["tensor_parallel_size"] == layout["pipeline_parallel_size"] == "1"
+    assert layout["enforce_eager"] == "True"
     assert layout["compilation_mode"] == "NONE" and layout["kv_cache_dtype"] == "auto"
     assert info.header.environment.hardware == current_hardware()  # the processor it computed on
     got: dict[str, list[int]] = {}
@@ -272,7 +273,7 @@ SEEDED = textwrap.dedent("""
 def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(recorded, monkeypatch):
     """With the ported draw, a vLLM CPU capture's seeded samples are compared token for token on the builtin runner
     (not set aside as vLLM's own); without it (the control) they differ."""
-    from replay.engine.runner import ModelRunner
+    from replay.engine.model_runner import ModelRunner
 
     capture = succeeded(recorded, "seeded")
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
@@ -286,7 +287,8 @@ def test_seeded_vllm_cpu_draws_replay_on_the_builtin_runner(recorded, monkeypatc
     monkeypatch.undo()
     from replay.engine import vllm_cpu_draw
 
-    monkeypatch.setattr(vllm_cpu_draw, "seeded_sampler", lambda version, fp64_gumbel=False: "")  # as for a version not ported
+    # as for a version not ported
+    monkeypatch.setattr(vllm_cpu_draw, "seeded_sampler", lambda version, fp64_gumbel=False: "")
     unported = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-5)))
     assert not unported.diverged and unported.foreign_draws_differ > 0  # not compared, and not a flip
     assert unported.foreign_draws_why.startswith("vLLM 0.32.0's seeded sampler is not ported to the builtin runner")

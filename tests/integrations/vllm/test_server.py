@@ -31,11 +31,11 @@ pytest.importorskip("transformers")
 
 from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded  # noqa: E402
 from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
+from replay.cli.render_replay import render_replay  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from replay.cli.render_replay import render_replay  # noqa: E402
-from tests.vllm_checkpoints import add_tokenizer, real_vocab_qwen2, tiny_llama  # noqa: E402
+from testbed.checkpoints import add_tokenizer, real_vocab_qwen2, tiny_llama  # noqa: E402
 
 ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
 GREEDY = 4  # greedy requests with top-3 logprobs
@@ -339,7 +339,7 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     keyframe named as rebuilt); bf16 diverges. A request the client marked (vllm_xargs) leaves its window; a real vLLM
     crash (a seeded prefill in chunks) leaves one that reproduces it."""
     from replay.capture.flight import parse_size
-    from replay.capture.flight.layout import MIN_SEGMENT_BYTES, SEGMENTS
+    from replay.capture.flight.directory import MIN_SEGMENT_BYTES, SEGMENTS
 
     server = started["ring"]
     ring, port = server.capture, server.up()

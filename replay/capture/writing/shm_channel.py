@@ -1,25 +1,25 @@
-"""A shared-memory ring for the engine thread's frames to the writer process, in place of writing them into its pipe.
+"""A shared-memory channel for the engine thread's frames to the writer process, in place of writing them into its pipe.
 
 A frame written into a pipe costs the engine thread a system call and, when the writer process sleeps in `read`, a
-wake-up of it: 8-9 µs per frame on vllm_bench's steps here, 4-5 µs of which a write to /dev/null costs as well.
-Copying the same bytes into shared memory costs about 1 µs. The pipe stays, for what shared memory cannot say: the
-engine writes a byte into it to wake the writer process (a full ring, a flush, the close), and its end (the engine
+wake-up of it; copying the same bytes into shared memory costs a fraction of that (docs/performance.md, "The real
+vLLM tap"). The pipe stays, for what shared memory cannot say: the
+engine writes a byte into it to wake the writer process (a full buffer, a flush, the close), and its end (the engine
 went away, however) is what tells the writer process to seal.
 
-Layout of the shared file (a memfd: nothing to clean up, whoever dies): a control page of CONTROL bytes, then the
-ring (a power of two of bytes). In the control page:
+The shared file (a memfd: nothing to clean up, whoever dies): a control page of CONTROL bytes, then the
+circular buffer (a power of two of bytes). In the control page:
   0    written   u64  bytes the engine has finished writing, counted from the start (never wraps)
   64   reserved  u64  where the frame the engine is copying now ends (> written while it copies)
   128  consumed  u64  bytes the writer process has taken out (the engine may reuse them)
   192  failed    u64  non-zero once the writer process stopped with an error (its stdout says which)
 Each counter has a cache line of its own, so neither side's stores evict the other's. Frames are the pipe's,
-`kind (1 byte) + length (u32 LE) + payload`, each padded to 8 bytes; a frame never wraps: where the ring's tail is
-too short for it, a wrap frame (kind 0) fills the tail. A frame longer than a quarter of the ring goes in pieces
+`kind (1 byte) + length (u32 LE) + payload`, each padded to 8 bytes; a frame never wraps: where the buffer's tail is
+too short for it, a wrap frame (kind 0) fills the tail. A frame longer than a quarter of the buffer goes in pieces
 (kind 1) that the reader joins. A frame counts once `written` passes it, so a frame the engine was copying when it
 died is dropped, and said to be (`reserved` > `written`), as a frame cut short in the pipe is.
 
 The cursors are plain 8-byte aligned stores and loads (ctypes): ordered on x86-64 (total store order, a load is never
-reordered with an older load), not on weaker memory models without fences Python cannot issue, so the ring is used
+reordered with an older load), not on weaker memory models without fences Python cannot issue, so the channel is used
 on x86-64 only and the pipe elsewhere (`available`).
 """
 
@@ -33,18 +33,17 @@ import select
 import time
 from collections.abc import Sequence
 
-from replay.capture.writing.process import FRAME_HEAD
+from replay.capture.writing.frame_protocol import FRAME_HEAD, PIECE, WRAP
 
 HEAD = FRAME_HEAD
 CONTROL = 4096
-DEFAULT_RING_BYTES = 8 << 20  # 8 MiB: ~700 of vllm_bench's 64-request steps (11-12 KB each), 2.3x the pipe it replaces
+DEFAULT_CHANNEL_BYTES = 8 << 20  # hundreds of 64-request vLLM steps: a burst never makes the engine wait
 _WRITTEN, _RESERVED, _CONSUMED, _FAILED = 0, 64, 128, 192
 _WAKE = b"\0"
-_WRAP, _PIECE = b"\0", b"\1"  # the ring's own frame kinds (the writer's are letters)
 
 
 def available() -> bool:
-    """Whether this machine can use the ring (Linux memfd, x86-64's store ordering)."""
+    """Whether this machine can use the channel (Linux memfd, x86-64's store ordering)."""
     return hasattr(os, "memfd_create") and platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -58,7 +57,7 @@ class WriterGone(Exception):
 
 def _check_size(size: int) -> None:
     if size & (size - 1) or size < 4096:
-        raise ValueError(f"ring size {size}: a power of two of at least 4096 bytes")
+        raise ValueError(f"channel size {size}: a power of two of at least 4096 bytes")
 
 
 class _Shared:
@@ -86,26 +85,26 @@ class _Shared:
             pass  # a view still held somewhere: the mapping goes with the process
 
 
-class RingSender(_Shared):
-    """The engine side: copies frames into the ring; one thread sends (vLLM's engine core loop)."""
+class ChannelSender(_Shared):
+    """The engine side: copies frames into the buffer; one thread sends (vLLM's engine core loop)."""
 
     LIVENESS_EVERY = 256  # sends between two checks that the writer process still reads (a byte into its pipe)
 
-    def __init__(self, wake_fd: int, size: int = DEFAULT_RING_BYTES):
+    def __init__(self, wake_fd: int, size: int = DEFAULT_CHANNEL_BYTES):
         _check_size(size)
-        self.fd = os.memfd_create("replay-capture-ring", getattr(os, "MFD_CLOEXEC", 1))
+        self.fd = os.memfd_create("replay-capture-channel", getattr(os, "MFD_CLOEXEC", 1))
         os.ftruncate(self.fd, CONTROL + size)
         super().__init__(self.fd, size)
         self.wake_fd = wake_fd
         os.set_blocking(wake_fd, False)  # a pipe already full of wake-ups needs no more (and must not block us)
         self.w = 0  # our copy of `written`
         self.sends = 0
-        self.waits = 0  # times the ring was full and the engine waited for room
+        self.waits = 0  # times the buffer was full and the engine waited for room
 
     def populate(self) -> None:
-        """Map the ring again, every page in: called once the writer process (which maps it populated, zeroing
-        the pages on its own CPU) is ready, so that the engine thread takes no page fault on the ring's first lap
-        (2.3 µs more per 2.6 KB frame here). Then our copy of the memfd goes (the mapping stays)."""
+        """Map the buffer again, every page in: called once the writer process (which maps it populated, zeroing
+        the pages on its own CPU) is ready, so that the engine thread takes no page fault on the buffer's first lap.
+        Then our copy of the memfd goes (the mapping stays)."""
         old = self.mm
         self._map(self.fd, populate=True)  # (the old views are dropped with the names rebound)
         old.close()
@@ -113,7 +112,7 @@ class RingSender(_Shared):
         self.fd = -1
 
     def send(self, kind: bytes, parts: Sequence[bytes], n: int) -> None:
-        """Copy one frame (`n` payload bytes in `parts`) into the ring, waiting for room if it is full."""
+        """Copy one frame (`n` payload bytes in `parts`) into the buffer, waiting for room if it is full."""
         need = _padded(n)
         if need > self.size >> 2:
             return self._pieces(HEAD.pack(kind, n) + b"".join(parts))
@@ -122,7 +121,7 @@ class RingSender(_Shared):
         if need > self.size - off:  # no frame wraps: fill the tail, go on at the start
             tail = self.size - off
             self._room(w, tail)
-            HEAD.pack_into(self.mm, CONTROL + off, _WRAP, tail - HEAD.size)
+            HEAD.pack_into(self.mm, CONTROL + off, WRAP, tail - HEAD.size)
             w += tail
             self.written.value = w
             off = 0
@@ -147,7 +146,7 @@ class RingSender(_Shared):
         step = self.size >> 3
         for i in range(0, len(frame), step):
             piece = frame[i:i + step]
-            self.send(_PIECE, (piece,), len(piece))
+            self.send(PIECE, (piece,), len(piece))
 
     def _room(self, w: int, need: int) -> None:
         """Wait until the writer process has taken out enough to fit `need` bytes at `w`."""
@@ -172,9 +171,9 @@ class RingSender(_Shared):
             raise WriterGone("the writer process is gone") from None
 
 
-class RingReader(_Shared):
-    """The writer process's side: `next()` as `FrameReader`'s, frames copied out of the ring (bytes of their own,
-    so the ring's room is given back at once). Between polls it waits on the pipe, which the engine writes a byte
+class ChannelReader(_Shared):
+    """The writer process's side: `next()` as `FrameReader`'s, frames copied out of the buffer (bytes of their own,
+    so the buffer's room is given back at once). Between polls it waits on the pipe, which the engine writes a byte
     into when it wants it now, and which ends when the engine goes away. While frames keep coming it polls every
     `gulp_s` (one wake-up per `gulp_s`, as `FrameReader`); an idle engine lets it back off to `idle_s`."""
 
@@ -211,12 +210,12 @@ class RingReader(_Shared):
             off = CONTROL + (r & self.mask)
             kind, n = HEAD.unpack_from(mm, off)
             self.r = r + _padded(n)
-            if kind == _WRAP:
+            if kind == WRAP:
                 self.consumed.value = self.r
                 continue
             payload = mm[off + HEAD.size:off + HEAD.size + n]  # a copy: the room is free once `consumed` says so
             self.consumed.value = self.r
-            if kind != _PIECE:
+            if kind != PIECE:
                 return kind, payload
             self._pieces.append(payload)
             total = sum(map(len, self._pieces))

@@ -20,6 +20,7 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 
+
 def test_a_tp2_capture_records_its_layout_and_the_attention_backend_its_workers_run(tp2_capture):
     info = capture_info(tp2_capture)
     assert info.complete and info.num_generated_tokens == 60

@@ -70,7 +70,8 @@ class KeyframeMaker:
                     sh.abort_request(f.request_id)
             except Exception as e:  # noqa: BLE001 - the recording goes on; only its keyframes stop
                 what = f"step {f.index}" if isinstance(f, fmt.Step) else type(f).__name__
-                self.broken = f"no keyframes after step {sh.next_step}: {what} could not be folded ({type(e).__name__}: {e})"[:300]
+                self.broken = (f"no keyframes after step {sh.next_step}: {what} could not be folded "
+                               f"({type(e).__name__}: {e})")[:300]
 
     def due(self) -> bool:
         """Whether the chunk starting now opens with a keyframe."""

@@ -1,6 +1,6 @@
 """The runner a capture is replayed on: the `Runner` protocol both runners implement, and `build_runner`, which
 builds one from the capture's header plus `--set KNOB=VALUE` overrides and names every difference between the
-recording and the replay (`replay.provenance.header_differences`, DESIGN §2.5)."""
+recording and the replay (`replay.provenance.header_differences`; docs/design.md, "Replay")."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING, Protocol
 from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
+from replay.integrations.vllm.layout import engine_args
+from replay.processes.environment import applied
 from replay.provenance import (
     HeaderDifference,
     header_differences,
     pin_threading,
     set_torch_threads,
 )
-from replay.replayer.environment import applied
-from replay.integrations.vllm.layout import engine_args
 from replay.replayer.knobs import BOOLEANS, env_knobs
 
 if TYPE_CHECKING:
-    from replay.engine.runner import ModelRunner
+    from replay.engine.model_runner import ModelRunner
 
 
 
@@ -80,7 +80,7 @@ class BuiltRunner:
         report's provenance, not on every replay."""
         return [d.as_note() for d in self.differences if d.affects == "host"] + self.engine_notes
 
-    def builtin(self, what: str) -> "ModelRunner":
+    def builtin(self, what: str) -> ModelRunner:
         """The builtin runner, for what needs its internals (snapshots, module hooks); UsageError otherwise."""
         if self.kind != "builtin":
             raise UsageError(f"{what} needs the builtin runner (it re-executes steps with hooks and snapshots); "
@@ -96,12 +96,12 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     env = env_knobs(overrides)
     if env and not applied(env):  # too late here: the caller runs this in a process started with them
         raise UsageError(f"--set env.{next(iter(env))}: environment knobs apply to a fresh process; this runner "
-                         "would start in one that has torch loaded already (replay.replayer.environment)")
+                         "would start in one that has torch loaded already (replay.processes.environment)")
     if header.model is None or header.engine == "synthetic":
         raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
                          "(record one with `replay record`)")
     if kind == "vllm":
-        from replay.integrations.vllm.runner import VllmRunner
+        from replay.integrations.vllm.vllm_runner import VllmRunner
 
         runner = VllmRunner(header, overrides, capture)
         replay_header = runner.describe()
@@ -153,11 +153,11 @@ def knob_differences(recorded: Header, replay: Header, overrides: dict[str, str]
     return out
 
 
-def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int) -> tuple["ModelRunner", Header]:
+def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int) -> tuple[ModelRunner, Header]:
     """The builtin runner configured as the recording was (unless overridden), and its header."""
     from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
     from replay.engine.engine import builtin_header
-    from replay.engine.runner import ModelRunner
+    from replay.engine.model_runner import ModelRunner
     from replay.engine.vllm_cpu_draw import fp64_gumbel, seeded_sampler
     from replay.engine.weights import load_model
 

@@ -1,16 +1,15 @@
 """`ModelRunner.execute_model(SchedulerOutput) -> ModelRunnerOutput`, with vLLM v1's runner semantics.
 
-A SchedulerOutput is a diff against the runner's cached per-request state (DESIGN §4), applied in vLLM's order
-(`GPUModelRunner._update_states`): drop finished requests; requests cached but not scheduled leave the batch and
-keep their state; create new requests (a per-request generator: the request's seed, or one the engine draws and
-the capture records); update cached requests (`new_block_ids` appended, or replacing the table for
-`resumed_req_ids`); then run every scheduled token, writing K/V to the slots the block tables name, and sample for
-the requests whose scheduled tokens reach the end of their known tokens (a partial prefill chunk yields `[]`).
-The runner caches the tokens it sampled and feeds them back as the next step's input, as vLLM's does.
+A SchedulerOutput is a diff against the runner's cached per-request state (docs/design.md, "Runner semantics"), applied
+in vLLM's order (`GPUModelRunner._update_states`): drop finished requests; requests cached but not scheduled leave the
+batch and keep their state; create new requests (a per-request generator: the request's seed, or one the engine draws
+and the capture records); update cached requests (`new_block_ids` appended, or replacing the table for
+`resumed_req_ids`); then run every scheduled token, writing K/V to the slots the block tables name, and sample for the
+requests whose scheduled tokens reach the end of their known tokens (a partial prefill chunk yields `[]`). The runner
+caches the tokens it sampled and feeds them back as the next step's input, as vLLM's does.
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 import torch
@@ -32,9 +31,9 @@ from replay.contracts.lora import lora_fields
 from replay.engine.attention import KVCache, PagedAttention, SeqSpan
 from replay.engine.grammar import apply_grammar_bitmask
 from replay.engine.lora import LoRAHooks
+from replay.engine.runner_state import CachedRequestState, RunnerSnapshot, StepSnapshot
 from replay.engine.sampler import SampleRow, advance, margins, sample
 from replay.engine.spec_decode import verify_drafts
-from replay.engine.runner_state import CachedRequestState, RunnerSnapshot, StepSnapshot
 from replay.errors import UsageError
 
 
@@ -46,7 +45,8 @@ class ModelRunner:
         from replay.engine.config import ATTENTION_IMPLS
 
         if attention_impl not in ATTENTION_IMPLS:
-            raise UsageError(f"attention implementation {attention_impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
+            raise UsageError(f"attention implementation {attention_impl!r}: expected one of "
+                             f"{', '.join(ATTENTION_IMPLS)}")
         self.model = model
         self.batch_invariant = batch_invariant
         # replaying a vLLM CPU capture: how its version drew seeded requests (engine/vllm_cpu_draw.seeded_sampler):
@@ -214,7 +214,7 @@ class ModelRunner:
         for rid in rows:
             st = self.requests[rid]
             n = so.num_scheduled_tokens[rid]
-            k = len(drafts[rid])  # the last k scheduled tokens are drafts, after the known ones (vLLM's layout)
+            k = len(drafts[rid])  # the last k scheduled tokens are drafts, after the known ones (vLLM's order)
             a, b = st.num_computed_tokens, st.num_computed_tokens + n
             if b - k > st.num_tokens or k > n:
                 raise UsageError(f"step schedules {n} tokens of request {rid} past its {st.num_tokens} known tokens"
@@ -327,7 +327,8 @@ class ModelRunner:
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests.get(rid)
             if st is not None and n:
-                slots.append(self.kv.slots(st.block_ids, st.num_computed_tokens, st.num_computed_tokens + n, self.device))
+                slots.append(self.kv.slots(st.block_ids, st.num_computed_tokens, st.num_computed_tokens + n,
+                                           self.device))
         flat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long, device=self.device)
         kv = [(k.view(-1, *k.shape[2:])[flat].clone(), v.view(-1, *v.shape[2:])[flat].clone())
               for k, v in zip(self.kv.k, self.kv.v)]

@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable
+from typing import Any
 
 from replay.errors import ReplayError, UsageError
 

@@ -20,8 +20,8 @@ import msgspec
 import numpy as np
 
 from replay.capture import CaptureReader, Damage, Header
-from replay.capture.format import records as fmt
 from replay.capture.codec.columns import ColumnSource
+from replay.capture.format import records as fmt
 from replay.capture.format.peek import is_unknown_tag
 from replay.contracts import SamplingParams
 from replay.contracts.image_decoder import ImageDecoder

@@ -5,8 +5,8 @@ logprob sequences, and show where they first fork and what the batches looked li
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 import numpy as np
@@ -14,8 +14,8 @@ import numpy as np
 from replay.contracts import SamplingParams
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
-from replay.replayer.environment import applied, in_environment
-from replay.replayer.fanout import FanOut, fan_out
+from replay.processes.environment import applied, in_environment
+from replay.processes.fanout import FanOut, fan_out
 
 
 class Fork(msgspec.Struct):
@@ -167,9 +167,11 @@ def _first_fork(runs: list[_Watch]) -> Fork | None:
     for i, a in enumerate(runs[1:], 1):
         b = runs[0]
         for pos in range(min(len(a.tokens), len(b.tokens))):
-            kind = "token" if a.tokens[pos] != b.tokens[pos] else "logprob" if a.logprobs[pos] != b.logprobs[pos] else None
+            kind = ("token" if a.tokens[pos] != b.tokens[pos]
+                    else "logprob" if a.logprobs[pos] != b.logprobs[pos] else None)
             if kind:
                 if best is None or pos < best.position:
-                    best = Fork(pos, kind, [0, i], [b.batch[pos][0], a.batch[pos][0]], [b.batch[pos][1], a.batch[pos][1]])
+                    best = Fork(pos, kind, [0, i], [b.batch[pos][0], a.batch[pos][0]],
+                                [b.batch[pos][1], a.batch[pos][1]])
                 break
     return best

@@ -32,7 +32,8 @@ def tiny_qwen3(path: Path) -> Path:
     torch.manual_seed(1)
     cfg = transformers.Qwen3Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=256, vocab_size=1024, head_dim=32, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, max_position_embeddings=512)
+                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                                   max_position_embeddings=512)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
     return path
 

@@ -117,7 +117,7 @@ def test_repeat_reports_run_to_run_determinism(rich_capture):
 
 
 def test_repeats_fanned_out_to_other_processes_give_the_serial_answer(rich_capture):
-    from replay.replayer.fanout import FanOut
+    from replay.processes.fanout import FanOut
 
     serial = replay_capture(rich_capture, ReplayOptions(repeat=3, steps=StepRange(0, 8)))
     fanned = replay_capture(rich_capture, ReplayOptions(repeat=3, steps=StepRange(0, 8), fan_out=FanOut(jobs=2)))
@@ -185,7 +185,8 @@ def test_different_model_is_refused_unless_forced(rich_capture, tmp_path):
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=32, vocab_size=512)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "other")
-    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", f"model={tmp_path / 'other'}", "--steps", "0-2"])
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", f"model={tmp_path / 'other'}", "--steps",
+                           "0-2"])
     assert res.exit_code == 2 and "--force" in res.stderr
     res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", f"model={tmp_path / 'other'}", "--steps", "0-2",
                            "--force"])

@@ -7,16 +7,17 @@ import dataclasses
 import hashlib
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 
 from replay.capture import CaptureReader, Header, StepRange
 from replay.capture.format import records as fmt
-from replay.capture.reading.keyframes import chunks_from, keyframe_steps
+from replay.capture.reading.keyframe_seek import chunks_from, keyframe_steps
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
 from replay.diff import (
+    DEFAULT_TIE_MARGIN,
     BatchComposition,
     Divergence,
     StepSummary,
@@ -25,14 +26,14 @@ from replay.diff import (
     compare_step,
 )
 from replay.errors import CaptureDamagedError, UsageError
-from replay.replayer.fanout import FanOut, fan_out
-from replay.replayer.environment import applied, in_environment
+from replay.processes.environment import applied, in_environment
+from replay.processes.fanout import FanOut, fan_out
+from replay.replayer.build import BuiltRunner, build_runner
 from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
 from replay.replayer.knobs import env_knobs
 from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
 from replay.replayer.plant import Plant, run_planted
 from replay.replayer.prime import MIN_PRIME_BUDGET, rebuild_tolerance
-from replay.replayer.runner import BuiltRunner, build_runner
 from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 
@@ -54,6 +55,17 @@ class ReplayOptions:
     max_divergences: int = 1000  # kept in the report (all are counted)
     fan_out: FanOut = field(default_factory=FanOut)  # --jobs / --ray: where the 2nd..Nth --repeat replays run
     from_keyframe: bool = False  # start at the keyframe nearest before `steps` (its requests rebuilt), not step 0
+
+    @staticmethod
+    def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,
+                       tie_margin: float = DEFAULT_TIE_MARGIN) -> tuple[Tolerance, bool]:
+        """(`tolerance`, `auto_tolerance`) from a tolerance by name (None; "bitwise"; "auto": bitwise on the
+        recording's hardware, else the cross-hardware one) and numbers, which "auto" decides itself."""
+        if name not in (None, "auto", "bitwise"):
+            raise UsageError(f"--tolerance {name}: use auto or bitwise (or --atol/--rtol for numbers)")
+        if name is not None and (atol or rtol):
+            raise UsageError(f"--tolerance {name} decides the tolerance itself: drop --atol/--rtol, or it")
+        return Tolerance(atol, rtol, tie_margin), name == "auto"
 
 
 class ReplayReport(msgspec.Struct):
@@ -242,7 +254,8 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     run = (lambda step: run_planted(built, loop, step, opts.plant)) if opts.plant is not None else None
     records = r.records(chunks=chunks_from(r, out.keyframe)) if out.keyframe is not None else r.records()
     rebuilt_tol = out.rebuild_tolerance = rebuild_tolerance(
-        out.tolerance, (r.header.model.dtype if r.header.model else "") or "float32") if out.keyframe is not None else None
+        out.tolerance,
+        (r.header.model.dtype if r.header.model else "") or "float32") if out.keyframe is not None else None
 
     # from a keyframe, vLLM's unseeded draws cannot repeat: they come from its global generator, whose state there
     # no capture holds (from step 0 the replay makes the same draws in the same order)

@@ -18,7 +18,7 @@ from replay.capture.flight.segments import SegmentRing
 from replay.capture.format import records as fmt
 from replay.capture.writing.writer_process import ProcessCaptureWriter, serve
 
-CHILD = "replay.capture.flight.process"
+CHILD = "replay.capture.flight.ring_process"
 
 
 def ring_writer(path: str | os.PathLike, header: fmt.Header, size: int, **kw: Any) -> ProcessCaptureWriter:

@@ -12,7 +12,7 @@ from replay.contracts import (
     SchedulerOutput,
 )
 from replay.engine.model import ContiguousAttention
-from replay.engine.runner import ModelRunner
+from replay.engine.model_runner import ModelRunner
 from replay.engine.weights import tiny_model
 from replay.errors import UsageError
 from replay.provenance import set_torch_threads

@@ -6,9 +6,9 @@ import pytest
 
 from replay.capture import CaptureReader, CaptureWriter, Keyframe, Step
 from replay.capture.format.shadow import ShadowTable
-from replay.capture.reading.keyframes import chunks_from, keyframe_steps
+from replay.capture.reading.keyframe_seek import chunks_from, keyframe_steps
 from replay.capture.reading.recover import recover
-from replay.capture.writing.keyframes import KEYFRAME_ENV, keyframe_interval
+from replay.capture.writing.keyframe_maker import KEYFRAME_ENV, keyframe_interval
 from replay.errors import UsageError
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events

@@ -7,7 +7,7 @@ import random
 import struct
 import threading
 
-from replay.capture.writing.process import FrameReader
+from replay.capture.writing.frame_protocol import FrameReader
 
 
 def _frames(sizes):

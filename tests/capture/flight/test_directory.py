@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from replay.capture.flight.layout import (
+from replay.capture.flight.directory import (
     KEEP_ENV,
-    RingLayout,
+    RingDirectory,
     keep_snapshots,
     parse_size,
 )
@@ -26,7 +26,7 @@ def test_what_is_no_size_or_too_small_a_ring_is_refused_by_name(text):
 
 
 def test_segments_list_oldest_first_and_snapshot_names_never_collide(tmp_path):
-    ring = RingLayout(tmp_path / "ring")
+    ring = RingDirectory(tmp_path / "ring")
     ring.create()
     for seq in (12, 3, 100):
         ring.segment(seq).write_bytes(b"x")
@@ -37,7 +37,7 @@ def test_segments_list_oldest_first_and_snapshot_names_never_collide(tmp_path):
     a.write_bytes(b"x")
     b = ring.snapshot("Crash at step 7")
     assert a != b and a.name.endswith("-crash-at-step-7.capture")
-    assert ring.control_address() == RingLayout(ring.dir / ".." / "ring").control_address()
+    assert ring.control_address() == RingDirectory(ring.dir / ".." / "ring").control_address()
     ring.create()  # a new recording: the old segments go, the snapshots stay
     assert ring.segments() == [] and a.exists()
 

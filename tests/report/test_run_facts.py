@@ -8,7 +8,7 @@ import pytest
 
 from replay.capture import CaptureReader, RequestAborted, RequestAdded, Step
 from replay.inspect.step_summary import StepSummarizer, infer_preemptions
-from replay.report.run import run_facts
+from replay.report.run_facts import run_facts
 
 
 def _expected(path):

@@ -42,7 +42,7 @@ def parse_size(text: str, what: str = RING_ENV) -> int:
     return n
 
 
-class RingLayout:
+class RingDirectory:
     """The paths of one ring directory."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
@@ -51,7 +51,8 @@ class RingLayout:
         self.writer_info = self.dir / "writer.json"
 
     def create(self) -> None:
-        """Make the directory and its snapshots folder; remove segments an earlier recording left (its snapshots stay)."""
+        """Make the directory and its snapshots folder; remove segments an earlier recording left (its snapshots
+        stay)."""
         self.snapshots.mkdir(parents=True, exist_ok=True)
         for p in self.dir.glob("segment-*.capture*"):
             p.unlink(missing_ok=True)

