@@ -19,7 +19,7 @@ import torch
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.open_session import make_session
 from replay.diff import Tolerance
-from replay.processes.environment import applied, in_environment
+from replay.processes.in_environment import applied, in_environment
 from replay.replayer.knobs import env_knobs
 
 PAD_SIZES = (1, 2, 3, 4, 8, 16, 32)

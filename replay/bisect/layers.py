@@ -17,7 +17,7 @@ from replay.bisect.module_compare import LayersBisect, compare_modules, module_v
 from replay.bisect.open_session import make_session
 from replay.bisect.session import Run
 from replay.errors import CannotTestError
-from replay.processes.environment import applied, in_environment
+from replay.processes.in_environment import applied, in_environment
 from replay.replayer import Plant, parse_overrides
 from replay.replayer.knobs import env_knobs, split_knobs
 
@@ -27,7 +27,7 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
               fresh: bool = False) -> tuple[str, list[str], list[Run]]:
     """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
     Returns R's internal id, the session's notes and the runs. With environment knobs, or `fresh`, this runs in a
-    fresh process started with them (`replay.processes.environment`)."""
+    fresh process started with them (`replay.processes.in_environment`)."""
     env = env_knobs(overrides)
     if fresh or (env and not applied(env)):
         return in_environment(env, side_runs, path, step, request, overrides, runs, force)

@@ -14,8 +14,8 @@ import numpy as np
 from replay.contracts import SamplingParams
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
-from replay.processes.environment import applied, in_environment
 from replay.processes.fanout import FanOut, fan_out
+from replay.processes.in_environment import applied, in_environment
 
 
 class Fork(msgspec.Struct):

@@ -12,7 +12,7 @@ from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import UsageError
 from replay.integrations.vllm.layout import engine_args
-from replay.processes.environment import applied
+from replay.processes.in_environment import applied
 from replay.provenance import (
     HeaderDifference,
     header_differences,
@@ -96,7 +96,7 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     env = env_knobs(overrides)
     if env and not applied(env):  # too late here: the caller runs this in a process started with them
         raise UsageError(f"--set env.{next(iter(env))}: environment knobs apply to a fresh process; this runner "
-                         "would start in one that has torch loaded already (replay.processes.environment)")
+                         "would start in one that has torch loaded already (replay.processes.in_environment)")
     if header.model is None or header.engine == "synthetic":
         raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
                          "(record one with `replay record`)")

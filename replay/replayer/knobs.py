@@ -5,7 +5,7 @@ Three kinds, by name:
   knobs (`tensor_parallel_size`, `enforce_eager`, ...: `replay.integrations.vllm.layout`);
 - `vllm.ARG=VALUE`: any vLLM engine argument (vLLM's `EngineArgs` names), for vLLM's runner;
 - `env.NAME=VALUE`: an environment variable, set before the runner starts and seen by every worker it starts (the
-  replay runs in a fresh process: `replay.processes.environment`); `env.NAME=` unsets it.
+  replay runs in a fresh process: `replay.processes.in_environment`); `env.NAME=` unsets it.
 """
 
 from __future__ import annotations

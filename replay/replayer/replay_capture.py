@@ -26,8 +26,8 @@ from replay.diff import (
     compare_step,
 )
 from replay.errors import CaptureDamagedError, UsageError
-from replay.processes.environment import applied, in_environment
 from replay.processes.fanout import FanOut, fan_out
+from replay.processes.in_environment import applied, in_environment
 from replay.replayer.build import BuiltRunner, build_runner
 from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
 from replay.replayer.knobs import env_knobs

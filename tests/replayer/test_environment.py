@@ -10,7 +10,7 @@ import pytest
 from replay.bisect.config import bisect_config
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import CaptureDamagedError, UsageError
-from replay.processes.environment import in_environment
+from replay.processes.in_environment import in_environment
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 from replay.replayer import ReplayOptions, build_runner, replay_capture
 
