@@ -19,14 +19,19 @@ RECORD = textwrap.dedent("""
     import json
     import sys
 
-    def main(): from vllm import LLM, SamplingParams tp, n, first, step, seeded = (int(x) for x in sys.argv[2:6] +
-        sys.argv[7:8]) kw = dict(distributed_executor_backend="mp") if tp > 1 else {} llm = LLM(model=sys.argv[1],
-        skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True, seed=0, max_num_seqs=16,
-        tensor_parallel_size=tp, **kw, **json.loads(sys.argv[8])) prompts = [{"prompt_token_ids": [(7 * i + 13 * j) %
-        1000 + 3 for j in range(first + step * i)]} for i in range(n)] params = [SamplingParams(temperature=0.9 if
-        seeded and i % 2 else 0.0, seed=100 + i if seeded and i % 2 else None, max_tokens=int(sys.argv[6]), logprobs=5,
-        ignore_eos=True) for i in range(n)] out = llm.generate(prompts, params, use_tqdm=False) print("tokens",
-        [list(o.outputs[0].token_ids) for o in out], flush=True)
+    def main():
+        from vllm import LLM, SamplingParams
+        tp, n, first, step, seeded = (int(x) for x in sys.argv[2:6] + sys.argv[7:8])
+        kw = dict(distributed_executor_backend="mp") if tp > 1 else {}
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
+                  seed=0, max_num_seqs=16, tensor_parallel_size=tp, **kw, **json.loads(sys.argv[8]))
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(first + step * i)]}
+                   for i in range(n)]
+        params = [SamplingParams(temperature=0.9 if seeded and i % 2 else 0.0, seed=100 + i if seeded and i % 2
+                                 else None, max_tokens=int(sys.argv[6]), logprobs=5, ignore_eos=True)
+                  for i in range(n)]
+        out = llm.generate(prompts, params, use_tqdm=False)
+        print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
 
     if __name__ == "__main__":
         main()

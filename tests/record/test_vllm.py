@@ -42,9 +42,10 @@ from replay.errors import CaptureError
 send = ProcessCaptureWriter.output_image
 
 
-def output_image(self, index, *args): if index == 3:  # a stand-in for a disk that fills up mid-run (the only thing
-    injected; vLLM and the writer are real) raise CaptureError(self.partial_path, "No space left on device") return
-    send(self, index, *args)
+def output_image(self, index, *args):
+    if index == 3:  # a stand-in for a disk that fills up mid-run (the only thing injected; vLLM, the writer are real)
+        raise CaptureError(self.partial_path, "No space left on device")
+    return send(self, index, *args)
 
 
 ProcessCaptureWriter.output_image = output_image
