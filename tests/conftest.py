@@ -28,6 +28,40 @@ def tp2_capture(tmp_path_factory):
     return record(tiny_llama(d / "tiny-llama"), d / "tp2.capture", tp=2)
 
 
+def _keyed_request(i: int, prompt: list[int], **sp):
+    from replay.contracts import SamplingParams
+    from replay.record import WorkloadRequest
+
+    return WorkloadRequest(SamplingParams(**{"max_tokens": 14, "logprobs": 3, **sp}), None, prompt, f"r{i}", 2 * i)
+
+
+@pytest.fixture(scope="session")
+def keyed_capture(tmp_path_factory):
+    """A builtin capture with a keyframe every 4 steps and everything a keyframe must carry: greedy, seeded and
+    unseeded sampling, penalties, chunked prefill, prefix-cache hits, preemption and resume."""
+    shared = list(range(20, 44))
+    reqs = [
+        _keyed_request(0, shared + [5, 6, 7], temperature=0.0),
+        _keyed_request(1, shared + [8, 9], temperature=0.9, seed=42, top_k=30),
+        _keyed_request(2, list(range(100, 130)), temperature=0.8, top_p=0.9),  # unseeded: the engine draws its seed
+        _keyed_request(3, shared + [60, 61, 62, 63], temperature=0.7, min_p=0.05, seed=3),
+        _keyed_request(4, list(range(200, 220)), temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                       presence_penalty=0.2),
+        _keyed_request(5, shared + [70, 71], temperature=0.0, max_tokens=20),
+        _keyed_request(6, list(range(400, 436)), temperature=0.6, seed=11, min_tokens=4),
+        _keyed_request(7, shared + [80], temperature=1.0, seed=7),
+    ]
+    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+    from replay.record import RecordOptions, record_builtin
+
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=30, max_num_seqs=6,
+                                                 max_num_batched_tokens=20),
+                       runner=RunnerConfig(num_threads=1, seed=5))
+    path = tmp_path_factory.mktemp("keyed") / "keyed.capture"
+    record_builtin(RecordOptions(cfg, reqs, path, keyframe_steps=4))
+    return path
+
+
 @pytest.fixture
 def small_capture_bytes(small_capture):
     """The bytes of `small_capture`."""

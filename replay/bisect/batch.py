@@ -59,17 +59,20 @@ def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
 
 def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Tolerance | None = None,
                  overrides: dict[str, str] | None = None, hooks: list[Callable[[], Any]] | None = None,
-                 log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None) -> BatchBisect:
+                 log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None,
+                 from_start: bool = False) -> BatchBisect:
     """See the module docstring. `hooks` (callables returning hook handles) are installed for every run (builtin
     runner). `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner; with environment knobs the
-    bisect runs in a fresh process started with them."""
+    bisect runs in a fresh process started with them. The replay to the step starts at the nearest keyframe unless
+    `from_start`."""
     tol = tol or Tolerance()
     env = env_knobs(overrides or {})
     if env and not applied(env):
-        return in_environment(env, bisect_batch, path, step, request, tol=tol, overrides=overrides, state=state)
+        return in_environment(env, bisect_batch, path, step, request, tol=tol, overrides=overrides, state=state,
+                              from_start=from_start)
     log = log or (lambda msg: None)
     log(f"replaying {path} to step {step}")
-    s = make_session(path, step, overrides, log=log)
+    s = make_session(path, step, overrides, log=log, from_start=from_start)
     try:
         return _bisect(s, str(path), request, tol, hooks, log, state)
     finally:

@@ -1,5 +1,5 @@
 """`StepSession`: step S of a capture re-executed many ways on the builtin runner, each time from a snapshot of the
-runner's state just before S (steps 0..S-1 replay once)."""
+runner's state just before S (the steps before S replay once, from the nearest keyframe or step 0)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from replay.bisect.session import PAD_BLOCKS, Run, Session, padded
 from replay.capture import CaptureReader
 from replay.errors import UsageError
-from replay.replayer import Plant, StepLoop, build_runner
+from replay.replayer import Plant, build_runner
 from replay.replayer.plant import install
+from replay.replayer.start import loop_from, start_at
 
 
 class StepSession(Session):
@@ -21,22 +22,24 @@ class StepSession(Session):
     from a snapshot."""
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
-                 force: bool = False, log: Callable[[str], None] | None = None) -> None:
+                 force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False) -> None:
         self.path = str(path)
         self.log = log or (lambda msg: None)
         with CaptureReader(path) as r:
             self.header = r.header
+            start = start_at(r, step, from_start=from_start)
             built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
             self.runner = built.builtin("bisecting a step")
             self.notes = built.notes
-            loop = StepLoop(path, self.runner)
-            for rec, _ in loop.replay(r.records(), until=step):
+            loop, records = loop_from(r, self.runner, start)
+            for rec, _ in loop.replay(records, until=step):
                 if rec.index % 50 == 0:
                     self.log(f"  replaying to step {step}: at {rec.index}")
         if loop.next_step is None:
             raise UsageError(f"{path}: no step {step} in this capture")
         self.step = loop.next_step
         self.ext, self.internal = loop.external, loop.internal
+        self.started(start, loop.priming.rebuilt if loop.priming else ())
         self.prev = loop.sampled
         self.snap = self.runner.snapshot()
         self.num_blocks = self.runner.kv.num_blocks

@@ -10,10 +10,12 @@ from replay.bisect.session import Session
 
 
 def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
-                 force: bool = False, log: Callable[[str], None] | None = None) -> Session:
-    """A session on the runner the `runner` knob names (builtin by default)."""
+                 force: bool = False, log: Callable[[str], None] | None = None,
+                 from_start: bool = False) -> Session:
+    """A session on the runner the `runner` knob names (builtin by default), its replay to the step started at the
+    nearest keyframe unless `from_start`."""
     if (overrides or {}).get("runner") == "vllm":
         from replay.bisect.vllm_session import VllmStepSession
 
-        return VllmStepSession(path, step, overrides, force=force, log=log)
-    return StepSession(path, step, overrides, force=force, log=log)
+        return VllmStepSession(path, step, overrides, force=force, log=log, from_start=from_start)
+    return StepSession(path, step, overrides, force=force, log=log, from_start=from_start)

@@ -14,6 +14,7 @@ from msgspec.structs import replace
 from replay.capture import Step
 from replay.contracts import GrammarOutput, NewRequestData, SamplingParams, SchedulerOutput
 from replay.errors import UsageError
+from replay.replayer.start import Start
 
 PAD_BLOCKS = 64  # spare KV blocks for padding requests (batch-size experiments)
 
@@ -50,6 +51,15 @@ class Session:
     def names(self, ids: Iterable[str]) -> list[str]:
         """External ids of internal ids."""
         return [self.ext.get(r, r) for r in ids]
+
+    def started(self, start: Start, rebuilt: Iterable[str]) -> None:
+        """Say where the replay to the step started, and which requests carry K/V rebuilt there."""
+        if start.keyframe is None:
+            return
+        names = sorted(self.names(rebuilt))
+        said = (f"K/V rebuilt there for {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} (a prefill's "
+                "numbers, the same in every run)") if names else "no request's K/V rebuilt"
+        self.notes.append(f"replayed from the keyframe at step {start.keyframe} ({start.why}); {said}")
 
     def without(self, skip: set[str]) -> tuple[SchedulerOutput, GrammarOutput | None]:
         """The step, and its structured-output bitmasks, with the requests in `skip` taken out as if never

@@ -1,10 +1,11 @@
 """`VllmStepSession`: step S re-executed many ways on vLLM's own runner, in every worker (tensor parallelism too).
 
-vLLM's runner state cannot be snapshotted and put back, so each run is a replay of steps 0..S in forced mode on one
-engine, built once: the engine forgets every request between runs (`VllmRunner.reset`). Requests left out of a run
-(`keep`) are left out of every step up to S, which forced mode makes well defined: the others' steps are the recorded
-ones, without them. Bisect layers compares module outputs, so the runs are eager (hooks do not fire inside a compiled
-graph); a compiled recording is replayed eager, and the session's notes say so.
+vLLM's runner state cannot be snapshotted and put back, so each run is a replay up to S in forced mode on one
+engine, built once, from the nearest keyframe (else step 0): the engine forgets every request between runs
+(`VllmRunner.reset`). Requests left out of a run (`keep`) are left out of every step up to S, which forced mode makes
+well defined: the others' steps are the recorded ones, without them; those live at the keyframe cannot be. Bisect
+layers compares module outputs, so the runs are eager (hooks do not fire inside a compiled graph); a compiled
+recording is replayed eager, and the session's notes say so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.layout import recorded_layout
 from replay.integrations.vllm.taps import LOGITS
 from replay.replayer import Plant, StepLoop, build_runner
+from replay.replayer.start import loop_from, start_at
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -39,13 +41,14 @@ class VllmStepSession(Session):
     runner_kind = "vllm"
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
-                 force: bool = False, log: Callable[[str], None] | None = None) -> None:
+                 force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False) -> None:
         self.path = str(path)
         self.target = step
         self.log = log or (lambda msg: None)
         overrides = {**(overrides or {}), "runner": "vllm"}
         with CaptureReader(path) as r:
             self.header = header = r.header
+            self.start = start_at(r, step, from_start=from_start)
         overrides, eager_note = eager(header.engine_config, overrides)
         self.log(f"starting vLLM's runner for {path}")
         built = build_runner(header, overrides, force=force, capture=path)
@@ -58,6 +61,8 @@ class VllmStepSession(Session):
             raise
         self.step: Step = loop.next_step
         self.ext, self.internal = loop.external, loop.internal
+        self._live = {x.request.request_id for x in loop.priming.keyframe.requests} if loop.priming else set()
+        self.started(self.start, loop.priming.rebuilt if loop.priming else ())
         self._fresh = True  # the engine stands just before step S with nobody left out
         self._neighbours: dict[str, list[str]] = {}
         # the persistent batch holds max_num_seqs rows: the watched request and its padding must fit
@@ -65,14 +70,18 @@ class VllmStepSession(Session):
                                    self.runner.num_blocks - 1 - len(self._blocks)), 0)
 
     def _replay(self, skip: set[str]) -> StepLoop:
-        """Steps 0..S-1 on a reset engine, `skip` left out of each; the loop stops before S."""
+        """The steps before S on a reset engine, from the session's start, `skip` left out of each; the loop stops
+        before S."""
         self.runner.reset()
-        loop = StepLoop(self.path, self.runner)
-        loop.skip = set(skip)
         self._blocks: set[int] = set()
         with CaptureReader(self.path) as r:
-            for rec, _ in loop.replay(r.records(), until=self.target):
+            loop, records = loop_from(r, self.runner, self.start, skip=skip)
+            for rec, _ in loop.replay(records, until=self.target):
                 self._note_blocks(rec)
+        if loop.priming is not None:  # the blocks the keyframe's requests and prefix cache hold
+            kf = loop.priming.keyframe
+            for groups in [x.block_ids for x in kf.requests] + [c.block_ids for c in kf.cached]:
+                self._blocks.update(b for group in groups for b in group)
         if loop.next_step is None:
             raise UsageError(f"{self.path}: no step {self.target} in this capture")
         self._note_blocks(loop.next_step)
@@ -91,11 +100,16 @@ class VllmStepSession(Session):
         """The requests that shared a step with `rid`, at S or before, and can be left out (`co_batched`); those
         `rid` reads KV blocks of are kept in every run, and the notes say so."""
         if rid not in self._neighbours:
-            free, kept = co_batched(self.path, self.target, rid, self.header.engine_config.block_size)
+            free, kept = co_batched(self.path, self.target, rid, self.header.engine_config.block_size,
+                                    first=self.start.keyframe or 0)
             if kept:
                 self.notes.append(f"kept in every run: {', '.join(self.names(kept))} (request {self.ext.get(rid, rid)} "
                                   "reads KV blocks they wrote, through the prefix cache)")
-            self._neighbours[rid] = free
+            live = [x for x in free if x in self._live]
+            if live:
+                self.notes.append(f"kept in every run: {', '.join(self.names(live))} (live at the keyframe of step "
+                                  f"{self.start.keyframe}, where the replay starts; --from-start can leave them out)")
+            self._neighbours[rid] = [x for x in free if x not in self._live]
         return self._neighbours[rid]
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
@@ -135,17 +149,18 @@ class VllmStepSession(Session):
         self.runner.close()
 
 
-def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int) -> tuple[list[str], list[str]]:
-    """The requests that shared a step with `rid` up to step `last`, in order of first meeting, as (those that can be
-    left out of every step, those that cannot): a request whose KV blocks `rid` hits through the prefix cache, or
-    hits through another that does, cannot be, since nothing would then write what `rid` reads."""
+def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
+               first: int = 0) -> tuple[list[str], list[str]]:
+    """The requests that shared a step with `rid` in steps `first`..`last`, in order of first meeting, as (those
+    that can be left out of every step, those that cannot): a request whose KV blocks `rid` hits through the prefix
+    cache, or hits through another that does, cannot be, since nothing would then write what `rid` reads."""
     shared: list[str] = []
     writer: dict[int, str] = {}  # KV block -> the request that last wrote it fresh
     reads: dict[str, set[str]] = {}  # request -> the requests whose blocks it hit
     bs = max(block_size, 1)
     with CaptureReader(path) as r:
         for rec in r.records():
-            if not isinstance(rec, Step) or rec.index > last:
+            if not isinstance(rec, Step) or not first <= rec.index <= last:
                 continue
             so = rec.scheduler_output
             cr = so.scheduled_cached_reqs

@@ -9,6 +9,7 @@ import typer
 from replay.cli.common import (
     AtolOpt,
     CaptureArg,
+    FromStartOpt,
     JobsOpt,
     JsonOpt,
     ModeOpt,
@@ -65,11 +66,12 @@ def bisect_batch(
     set_: list[str] | None = SetOpt,
     runner: str | None = RunnerOpt,
     state: Path | None = StateOpt,
+    from_start: bool = FromStartOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Which co-batched requests change REQUEST's numerics at STEP (ddmin), and does batch size alone? With
-    --runner vllm, on vLLM's own kernels (each test replays steps 0..STEP)."""
+    --runner vllm, on vLLM's own kernels (each test replays up to STEP, from the nearest keyframe)."""
     from replay.bisect.batch import bisect_batch as run_it
     from replay.cli.render_replay import render_bisect_batch
     from replay.diff import Tolerance
@@ -77,7 +79,7 @@ def bisect_batch(
 
     knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
     res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(knobs),
-                 log=progress_log(quiet), state=state)
+                 log=progress_log(quiet), state=state, from_start=from_start)
     emit(res, render_bisect_batch, json=json)
 
 
@@ -99,6 +101,7 @@ def bisect_layers(
                                           "before) as safetensors, with index.json."),
     dump_all: bool = typer.Option(False, "--dump-all",
                                   help="With --dump: every module's output (for `bisect dumps` across two installs)."),
+    from_start: bool = FromStartOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
@@ -110,7 +113,7 @@ def bisect_layers(
 
     overrides = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner else [])])
     res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None,
-                 overrides=overrides, dump=dump, dump_all=dump_all, log=progress_log(quiet))
+                 overrides=overrides, dump=dump, dump_all=dump_all, log=progress_log(quiet), from_start=from_start)
     emit(res, render_bisect_layers, json=json)
 
 

@@ -169,7 +169,7 @@ def step_range(text: str | None, flag: str = "--steps") -> StepRange | None:
 
 def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: float, rtol: float, tie_margin: float,
                    repeat: int, force: bool, plant: str | None, diff: bool = True,
-                   runner: str | None = None, tolerance: str | None = None) -> ReplayOptions:
+                   runner: str | None = None, tolerance: str | None = None, from_start: bool = False) -> ReplayOptions:
     """ReplayOptions from the replay commands' shared flags (`--runner R` is `--set runner=R`; `--tolerance auto`
     chooses between bitwise and a cross-hardware tolerance, and cannot be mixed with --atol/--rtol)."""
     from replay.replayer import Plant, ReplayOptions, parse_overrides
@@ -179,7 +179,7 @@ def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: f
     return ReplayOptions(mode=mode, overrides=parse_overrides(knobs), steps=step_range(steps),
                          tolerance=tol, auto_tolerance=auto,
                          repeat=repeat, force=force,
-                         plant=Plant.parse(plant) if plant else None, diff=diff,
+                         plant=Plant.parse(plant) if plant else None, diff=diff, from_start=from_start,
                          progress=step_progress if sys.stderr.isatty() else None)
 
 
@@ -218,7 +218,11 @@ RunnerOpt = typer.Option(None, "--runner",
                          help="builtin (the reference runner) | vllm (vLLM's own model runner); same as --set "
                               "runner=...")
 StepsOpt = typer.Option(None, "--steps",
-                        help="Diff only steps A-B (steps before A still run: state is rebuilt from step 0).")
+                        help="Diff only steps A-B (the steps before A still run, from the nearest keyframe at or "
+                             "before A, else from step 0).")
+FromStartOpt = typer.Option(False, "--from-start",
+                            help="Replay from step 0 (or where the capture opens) even where a keyframe stands "
+                                 "nearer: no request rebuilt.")
 AtolOpt = typer.Option(0.0, "--atol", min=0, help="Absolute logprob tolerance (default: bitwise).")
 RtolOpt = typer.Option(0.0, "--rtol", min=0, help="Relative logprob tolerance (default: bitwise).")
 ToleranceOpt = typer.Option(None, "--tolerance", help="auto: bitwise on the recording's hardware, else the "

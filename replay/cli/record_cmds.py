@@ -85,7 +85,7 @@ def record(
                                          "directory OUT: a bounded flight recorder; `replay snapshot OUT` seals its "
                                          "window."),
     keyframe_steps: int | None = typer.Option(None, "--keyframe-steps", min=0,
-                                              help="Steps between keyframes, where `run --from-keyframe` can start "
+                                              help="Steps between keyframes, where a replay or a bisect can start "
                                                    "(default 4096, or REPLAY_KEYFRAME_STEPS; 0: none)."),
     vllm_arg: list[str] | None = typer.Option(None, "--vllm-arg",
                                               help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, "

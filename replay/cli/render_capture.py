@@ -89,7 +89,7 @@ def render_info(info: CaptureInfo) -> str:
     if info.keyframes:
         k = info.keyframes
         at = ", ".join(map(str, k[:8])) + (f", ... {k[-1]}" if len(k) > 8 else "")
-        lines.append(f"keyframes {len(k)}, before steps {at} (run --steps A-B --from-keyframe starts at one)")
+        lines.append(f"keyframes {len(k)}, before steps {at} (run --steps A-B starts at the nearest)")
     bpt = f", {info.bytes_per_generated_token} B per generated token" if info.bytes_per_generated_token else ""
     lines.append(f"size      {_mb(info.file_bytes)} on disk, {_mb(info.raw_bytes)} raw, ratio "
                  f"{info.compression_ratio:.2f}x{bpt}")

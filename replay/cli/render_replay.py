@@ -157,8 +157,9 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
         lines += [f"note (cannot change numerics by itself): {d}" for d in rep.host_differences]
     for f in rep.ignored:
         lines.append(f"ignored (--force): {f}")
+    why = f"; {rep.keyframe_why}" if rep.keyframe_why else ""
     start = "" if rep.keyframe is None else (f" from the keyframe at step {rep.keyframe} ({rep.primed_tokens} tokens "
-                                              "prefilled to rebuild its K/V)")
+                                              f"prefilled to rebuild its K/V{why})")
     head = (f"replayed {rep.steps_replayed} steps of {rep.capture}{start} ({rep.mode} mode, {tol_text}; a tie flip is "
             f"a flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
             f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "

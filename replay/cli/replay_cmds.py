@@ -11,6 +11,7 @@ from replay.cli.common import (
     AtolOpt,
     CaptureSetArg,
     ForceOpt,
+    FromStartOpt,
     JobsOpt,
     JsonOpt,
     ModeOpt,
@@ -30,7 +31,7 @@ from replay.cli.common import (
     replay_options,
 )
 from replay.diff.rules import DEFAULT_TIE_MARGIN
-from replay.errors import EXIT_DAMAGED, ReplayError
+from replay.errors import EXIT_DAMAGED, ReplayError, UsageError
 
 
 @command
@@ -49,7 +50,8 @@ def run(
                                help="Replay N times and report whether the runner is run-to-run deterministic."),
     from_keyframe: bool = typer.Option(False, "--from-keyframe",
                                        help="With --steps A-B: start at the keyframe nearest before A (its live "
-                                            "requests rebuilt, and compared as such), not at step 0."),
+                                            "requests rebuilt, and compared as such); the default with --steps."),
+    from_start: bool = FromStartOpt,
     force: bool = ForceOpt,
     plant: str | None = PlantOpt,
     jobs: int = JobsOpt,
@@ -69,7 +71,10 @@ def run(
     from replay.cli.render_replay import render_replay, render_run
     from replay.replayer import replay_capture
 
-    opts = replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff, runner, tolerance)
+    if from_keyframe and from_start:
+        raise UsageError("--from-keyframe and --from-start: pick one")
+    opts = replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff, runner, tolerance,
+                          from_start)
     opts = dataclasses.replace(opts, fan_out=fan_out_options(jobs, ray, ray_address), from_keyframe=from_keyframe)
     diverged = lost = False
     for i, path in enumerate(capture_paths(capture)):
@@ -91,6 +96,8 @@ def check(
     mode: str = ModeOpt,
     set_: list[str] | None = SetOpt,
     runner: str | None = RunnerOpt,
+    steps: str | None = StepsOpt,
+    from_start: bool = FromStartOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
     tolerance: str | None = ToleranceOpt,
@@ -113,8 +120,8 @@ def check(
     from replay.replayer.corpus import check_corpus, corpus_paths
 
     try:
-        opts = replay_options(mode, set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, force, None, runner=runner,
-                              tolerance=tolerance)
+        opts = replay_options(mode, set_, steps, atol, rtol, DEFAULT_TIE_MARGIN, 1, force, None, runner=runner,
+                              tolerance=tolerance, from_start=from_start)
         many = corpus_paths(capture) != [capture]  # a directory, a glob, a list file
     except Exception as e:  # noqa: BLE001 - even a bad flag must not read as "bad commit" to git bisect
         err(str(e))

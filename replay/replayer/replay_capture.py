@@ -14,7 +14,7 @@ import msgspec
 
 from replay.capture import CaptureReader, Header, StepRange
 from replay.capture.format import records as fmt
-from replay.capture.reading.keyframe_seek import chunks_from, keyframe_steps
+from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
 from replay.diff import (
     DEFAULT_TIE_MARGIN,
@@ -31,9 +31,10 @@ from replay.processes.in_environment import applied, in_environment
 from replay.replayer.build import BuiltRunner, build_runner
 from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
 from replay.replayer.knobs import env_knobs
-from replay.replayer.loop import CrashOutcome, StepLoop, check_mode
+from replay.replayer.loop import CrashOutcome, check_mode
 from replay.replayer.plant import Plant, run_planted
-from replay.replayer.prime import MIN_PRIME_BUDGET, rebuild_tolerance
+from replay.replayer.prime import rebuild_tolerance
+from replay.replayer.start import OPENING, loop_from, start_at
 from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 
@@ -54,7 +55,10 @@ class ReplayOptions:
     progress: Callable[[int | None], None] | None = None  # each replayed step's index, then None at the end
     max_divergences: int = 1000  # kept in the report (all are counted)
     fan_out: FanOut = field(default_factory=FanOut)  # --jobs / --ray: where the 2nd..Nth --repeat replays run
-    from_keyframe: bool = False  # start at the keyframe nearest before `steps` (its requests rebuilt), not step 0
+    # with `steps`, a replay starts at the nearest keyframe at or before their first (its live requests rebuilt)
+    # unless `from_start`; `from_keyframe` only insists that `steps` say where
+    from_keyframe: bool = False
+    from_start: bool = False
 
     @staticmethod
     def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,
@@ -110,9 +114,9 @@ class ReplayReport(msgspec.Struct):
     # with --force: the recorded features the runner could not honour and replayed without (LoRA adapters,
     # speculative decoding, ...; see `features`), one line each
     ignored: list[str] = []
-    # with --from-keyframe: the step of the keyframe the replay started at (None: from step 0), the requests whose
-    # K/V it rebuilt (by name: live at the keyframe, or hitting a rebuilt block), compared within
-    # `rebuild_tolerance`, and the tokens it prefilled to rebuild it
+    # from a keyframe: the step of the keyframe the replay started at (None: from step 0), the requests whose K/V it
+    # rebuilt (by name: live at the keyframe, or hitting a rebuilt block), compared within `rebuild_tolerance`, and
+    # the tokens it prefilled to rebuild it
     keyframe: int | None = None
     rebuilt: list[str] = []
     rebuild_tolerance: Tolerance | None = None
@@ -123,6 +127,7 @@ class ReplayReport(msgspec.Struct):
     tokens_routed: int = 0  # scheduled tokens whose MoE routing (routed_experts) was compared, exactly
     # the recording kept MoE routing that the replay did not return (a runner or vLLM that cannot): not compared
     routing_not_compared: int = 0  # steps
+    keyframe_why: str = ""  # why the replay started at `keyframe`
 
 
 def recorded_draws(header: Header) -> str:
@@ -139,10 +144,14 @@ def _digest(mro: ModelRunnerOutput | None) -> bytes:
     return hashlib.sha256(fmt.WIRE_ENCODER.encode(mro)).digest() if mro is not None else b""
 
 
-def _repro(path: str, step: int, opts: ReplayOptions) -> str:
-    args = ["replay", "run", path, "--diff", "--steps", f"{step}-{step}", "--mode", opts.mode]
-    if opts.from_keyframe:
-        args.append("--from-keyframe")
+def _repro(path: str, step: int, opts: ReplayOptions, p: _Pass) -> str:
+    """The command that re-runs the replay up to `step` and diffs that step, starting where this replay started:
+    a keyframe nearer the step would rebuild requests that this replay computed from their recorded steps."""
+    between = [k for k in p.keyframes if (p.keyframe or 0) < k <= step]
+    first = p.keyframe if between and p.keyframe is not None and p.keyframe_why != OPENING else step
+    args = ["replay", "run", path, "--diff", "--steps", f"{first}-{step}", "--mode", opts.mode]
+    if between and first == step:
+        args.append("--from-start")
     if opts.auto_tolerance:
         args += ["--tolerance", "auto"]
     elif not opts.tolerance.bitwise:
@@ -180,6 +189,8 @@ class _Pass:
     skip: set[str] = field(default_factory=set)  # requests --force leaves out (internal ids)
     suspect: str = ""  # the difference that leads the suspects, should the replay diverge
     keyframe: int | None = None  # the keyframe the replay started at
+    keyframe_why: str = ""
+    keyframes: list[int] = field(default_factory=list)  # the capture's
     rebuilt: list[str] = field(default_factory=list)  # requests compared as rebuilt, by name
     rebuild_tolerance: Tolerance | None = None
     primed_tokens: int = 0
@@ -225,12 +236,12 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     out.suspect = lead_suspect(built, opts.overrides) or (out.notes[0] if out.notes else "")
-    out.keyframe = _keyframe_for(r, opts)
-    # vLLM's runner sizes its buffers by its token budget; ours has none (a step as large as the engine's, at least)
-    budget = getattr(built.runner, "prime_budget", 0) or max(r.header.engine_config.max_num_batched_tokens,
-                                                             MIN_PRIME_BUDGET)
-    loop = StepLoop(path, built.runner, opts.mode, keyframe=out.keyframe, prime_budget=budget)
-    loop.skip = out.skip
+    if opts.from_keyframe and opts.steps is None:
+        raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
+    start = start_at(r, opts.steps.first if opts.steps else None, from_start=opts.from_start)
+    out.keyframe, out.keyframe_why = start.keyframe, start.why
+    out.keyframes = keyframe_steps(r) if r.index is not None else []
+    loop, records = loop_from(r, built.runner, start, opts.mode, out.skip)
     # Each engine draws random samples with its own kernels and streams: vLLM with its global generator for
     # unseeded requests and, on CPU, a fused SplitMix64 Gumbel kernel even for seeded ones; the builtin engine
     # with per-request torch generators and an exponential race. Only a runner of the recording's family
@@ -252,7 +263,6 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     speculative = bool(r.header.engine_config and r.header.engine_config.layout.get("speculative_config"))
     by_vllm = built.kind == "vllm"
     run = (lambda step: run_planted(built, loop, step, opts.plant)) if opts.plant is not None else None
-    records = r.records(chunks=chunks_from(r, out.keyframe)) if out.keyframe is not None else r.records()
     rebuilt_tol = out.rebuild_tolerance = rebuild_tolerance(
         out.tolerance,
         (r.header.model.dtype if r.header.model else "") or "float32") if out.keyframe is not None else None
@@ -300,26 +310,6 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     if loop.priming is not None:
         out.rebuilt = sorted(loop.external.get(rid, rid) for rid in loop.priming.rebuilt if rid in out.requests)
         out.primed_tokens = loop.priming.tokens
-
-
-def _keyframe_for(r: CaptureReader, opts: ReplayOptions) -> int | None:
-    """The keyframe a replay starts at (None: step 0, exact; the report's `keyframe` says which): with
-    --from-keyframe, the last one at or before the first step compared; for a capture that starts later (a ring's
-    snapshot or segment), the keyframe it opens with."""
-    span = r.step_span()
-    if span is not None and span[0] > 0:
-        if span[0] not in keyframe_steps(r):
-            raise UsageError(f"{r.path}: capture starts at step {span[0]} without a keyframe there: a SchedulerOutput "
-                             "is a diff against state the runner never saw")
-        first = [span[0]]
-    else:
-        first = []
-    if not opts.from_keyframe:
-        return first[0] if first else None
-    if opts.steps is None:
-        raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
-    before = [k for k in keyframe_steps(r) if k <= opts.steps.first]
-    return before[-1] if before else (first[0] if first else None)
 
 
 def replay_digests(task: tuple[str, ReplayOptions]) -> list[bytes]:
@@ -375,7 +365,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                                                                for d in divs):
         p.suspect = sampler_suspect(p.notes)  # every divergence is another draw from the same logprobs
     return ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
-                        _repro(str(path), first.step, opts) if first else None, p.tolerance, p.notes, p.steps,
+                        _repro(str(path), first.step, opts, p) if first else None, p.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
                         next((d for d in divs if d.kind == "token"), None),
                         sum(s.foreign_draws_differ for s in p.summaries), p.host_notes, _draws_by(p, opts), p.crash,
@@ -384,7 +374,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         sum(s.tokens_compared for s in p.summaries), p.tolerance_choice,
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
                         p.rebuild_tolerance, p.primed_tokens, p.draws_why,
-                        sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries))
+                        sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries),
+                        p.keyframe_why)
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

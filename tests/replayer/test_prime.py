@@ -10,7 +10,6 @@ chunked prefill, prefix-cache hits, preemption and resume.
 
 from __future__ import annotations
 
-import pytest
 from typer.testing import CliRunner
 
 from replay.capture import CaptureReader, Keyframe, StepRange
@@ -18,38 +17,10 @@ from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.cli import app
 from replay.contracts import SamplingParams
 from replay.diff import Tolerance
-from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
-from replay.record import RecordOptions, WorkloadRequest, record_builtin
 from replay.replayer import ReplayOptions, replay_capture
 from replay.replayer.prime import REBUILD_ATOL, plan_priming
 
 cli = CliRunner()
-
-
-def _req(i: int, prompt: list[int], **sp) -> WorkloadRequest:
-    return WorkloadRequest(SamplingParams(**{"max_tokens": 14, "logprobs": 3, **sp}), None, prompt, f"r{i}", 2 * i)
-
-
-@pytest.fixture(scope="module")
-def keyed_capture(tmp_path_factory):
-    shared = list(range(20, 44))
-    reqs = [
-        _req(0, shared + [5, 6, 7], temperature=0.0),
-        _req(1, shared + [8, 9], temperature=0.9, seed=42, top_k=30),
-        _req(2, list(range(100, 130)), temperature=0.8, top_p=0.9),  # unseeded: the engine draws its seed
-        _req(3, shared + [60, 61, 62, 63], temperature=0.7, min_p=0.05, seed=3),
-        _req(4, list(range(200, 220)), temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
-             presence_penalty=0.2),
-        _req(5, shared + [70, 71], temperature=0.0, max_tokens=20),
-        _req(6, list(range(400, 436)), temperature=0.6, seed=11, min_tokens=4),
-        _req(7, shared + [80], temperature=1.0, seed=7),
-    ]
-    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=30, max_num_seqs=6,
-                                                 max_num_batched_tokens=20),
-                       runner=RunnerConfig(num_threads=1, seed=5))
-    path = tmp_path_factory.mktemp("keyed") / "keyed.capture"
-    record_builtin(RecordOptions(cfg, reqs, path, keyframe_steps=4))
-    return path
 
 
 def _keyframes(path) -> list[Keyframe]:

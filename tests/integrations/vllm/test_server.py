@@ -422,3 +422,40 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     [crash] = (ring / "snapshots").glob("*crash*.capture")
     rep = replay_capture(crash, ReplayOptions(overrides={"runner": "vllm"}))
     assert rep.crash is not None and rep.crash.reproduced and not rep.diverged, rep.crash
+
+
+def _fresh_step(capture: Path) -> tuple[int, int, str]:
+    """(keyframe, a step just past it, a request scheduled there with neighbours that arrived after the keyframe)."""
+    with CaptureReader(capture) as r:
+        keyframes = [rec for rec in r.records() if isinstance(rec, Keyframe)]
+        steps = [rec for rec in r.records() if hasattr(rec, "scheduler_output") and rec.scheduler_output is not None]
+    for i, kf in reversed(list(enumerate(keyframes))):
+        live = {x.request.request_id for x in kf.requests}
+        end = min(kf.step + 40, keyframes[i + 1].step - 1 if i + 1 < len(keyframes) else kf.step + 40)
+        for s in steps:
+            so = s.scheduler_output
+            fresh = [n.req_id for n in so.scheduled_new_reqs if n.req_id not in live]
+            if kf.step < s.index <= end and fresh and len(so.num_scheduled_tokens) >= 2:
+                return kf.step, s.index, fresh[0]
+    pytest.skip(f"{capture}: no step past a keyframe with a request that arrived after it")
+
+
+@pytest.mark.parametrize("runner", ["vllm", "builtin"])
+def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_nearest_keyframe(started, runner):
+    """The ring the test above wrapped under a server's traffic: `bisect batch` and `bisect layers` on its snapshot
+    and on one closed segment, each starting at the keyframe nearest the step (a segment opens with one)."""
+    from replay.bisect.batch import bisect_batch
+    from replay.bisect.layers import bisect_layers
+
+    ring = started["ring"].capture
+    snapshots = sorted((ring / "snapshots").glob("*on-demand*.capture"))
+    segments = sorted(ring.glob("segment-*.capture"))
+    if not snapshots or not segments:
+        pytest.skip("the ring test above did not run")
+    for capture in (snapshots[-1], segments[0]):
+        k, step, request = _fresh_step(capture)
+        res = bisect_batch(capture, step, request, overrides={"runner": runner})
+        assert res.step == step and any(f"keyframe at step {k}" in n for n in res.notes), res.notes
+        if capture == snapshots[-1] or runner == "builtin":  # (each vLLM bisect starts an engine)
+            layers = bisect_layers(capture, step, request, "same", runner=runner)
+            assert layers.first_module is None and layers.modules, layers.verdict  # the same step twice: bitwise

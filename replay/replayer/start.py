@@ -1,0 +1,72 @@
+"""Where a replay that has to reach step S starts: at the nearest keyframe at or before S, so that a bisect deep in
+a long capture does not replay it from step 0 for every test (docs/design.md, "The flight recorder"). A capture
+that starts later than step 0 (a ring's snapshot or segment) can only start at the keyframe it opens with; one with
+no keyframe before S starts at step 0; `from_start` asks for step 0 where there is one.
+
+Requests live at the keyframe carry K/V rebuilt by priming (`replayer.prime`), so they are compared within the
+rebuild tolerance and named; the others see the recorded batches and compare as from step 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from replay.capture import CaptureReader, Header, Record
+from replay.capture.reading.keyframe_seek import chunks_from, keyframe_steps
+from replay.errors import UsageError
+from replay.replayer.build import Runner
+from replay.replayer.loop import StepLoop
+from replay.replayer.prime import MIN_PRIME_BUDGET
+
+OPENING = "where this snapshot or segment opens"
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The keyframe a replay starts at (None: step 0) and why, in words for the verdict."""
+
+    keyframe: int | None
+    why: str = ""
+
+
+def start_at(reader: CaptureReader, first: int | None, *, from_start: bool = False) -> Start:
+    """Where a replay that must reach step `first` starts (None: it replays everything, from the beginning).
+    Raises UsageError for a capture that starts past step 0 without a keyframe there."""
+    span = reader.step_span()
+    if span is not None and span[0] > 0:
+        if span[0] not in keyframe_steps(reader):
+            raise UsageError(f"{reader.path}: capture starts at step {span[0]} without a keyframe there: a "
+                             "SchedulerOutput is a diff against state the runner never saw")
+        opening = Start(span[0], OPENING)
+    else:
+        opening = Start(None)
+    if first is None or from_start:
+        return opening
+    before = [k for k in keyframe_steps(reader) if k <= first and (opening.keyframe is None or k >= opening.keyframe)]
+    if not before or before[-1] == opening.keyframe:
+        return opening
+    return Start(before[-1], f"the nearest keyframe at or before step {first}; --from-start replays from "
+                             f"{'step 0' if opening.keyframe is None else f'step {opening.keyframe}'}")
+
+
+def prime_budget(runner: Runner, header: Header) -> int:
+    """Tokens a priming step prefills at most: vLLM's runner sizes its buffers by its token budget; ours has none,
+    so a step as large as the recording engine's, at least `MIN_PRIME_BUDGET`."""
+    return getattr(runner, "prime_budget", 0) or max(header.engine_config.max_num_batched_tokens, MIN_PRIME_BUDGET)
+
+
+def records_from(reader: CaptureReader, start: Start) -> Iterator[Record]:
+    """The records a replay from `start` reads: from the chunk its keyframe opens (with the index), else all."""
+    if start.keyframe is None:
+        return reader.records()
+    return reader.records(chunks=chunks_from(reader, start.keyframe))
+
+
+def loop_from(reader: CaptureReader, runner: Runner, start: Start, mode: str = "forced",
+              skip: Iterable[str] = ()) -> tuple[StepLoop, Iterator[Record]]:
+    """A replay loop on `runner` that starts at `start` (primed from its keyframe), and the records it reads."""
+    budget = prime_budget(runner, reader.header)
+    loop = StepLoop(reader.path, runner, mode, keyframe=start.keyframe, prime_budget=budget)
+    loop.skip = set(skip)
+    return loop, records_from(reader, start)

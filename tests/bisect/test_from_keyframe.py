@@ -1,0 +1,78 @@
+"""Bisecting deep in a capture starts at the nearest keyframe, and gives the answer a bisect from step 0 gives for a
+request the keyframe did not rebuild; a ring's snapshot, and a single segment of it, can be bisected at all (builtin
+runner; vLLM's runner in tests/integrations/vllm/test_keyframes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from replay.bisect.batch import bisect_batch
+from replay.bisect.layers import bisect_layers
+from replay.capture import CaptureReader, Step, StepRange
+from replay.capture.flight.control import request_snapshot
+from replay.capture.reading.keyframe_seek import keyframe_steps
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+from replay.replayer import ReplayOptions, replay_capture
+
+
+def _deep_step(path) -> tuple[int, int, str]:
+    """(keyframe, step past it, a request scheduled there with neighbours, not rebuilt by the keyframe)."""
+    with CaptureReader(path) as r:
+        keyframes = keyframe_steps(r)
+        steps = {rec.index: rec for rec in r.records() if isinstance(rec, Step)}
+        names = {}
+        for rec in r.records():
+            if hasattr(rec, "request") and hasattr(rec.request, "name"):
+                names[rec.request.request_id] = rec.request.name
+    for k in keyframes:
+        for s in range(k + 1, k + 4):
+            if s not in steps or s in keyframes:
+                continue
+            scheduled = list(steps[s].scheduler_output.num_scheduled_tokens)
+            if len(scheduled) < 2:
+                continue
+            rebuilt = set(replay_capture(path, ReplayOptions(steps=StepRange(s, s))).rebuilt)
+            fresh = [names.get(x, x) for x in scheduled if names.get(x, x) not in rebuilt]
+            if fresh:
+                return k, s, fresh[0]
+    raise AssertionError("no step past a keyframe with a request it did not rebuild")
+
+
+def test_bisect_batch_and_layers_past_a_keyframe_start_there_and_answer_as_from_step_0(keyed_capture):
+    k, step, request = _deep_step(keyed_capture)
+    near = bisect_batch(keyed_capture, step, request)
+    whole = bisect_batch(keyed_capture, step, request, from_start=True)
+    assert any(f"replayed from the keyframe at step {k}" in n for n in near.notes)
+    assert not any("keyframe" in n for n in whole.notes)
+    assert (near.minimal_set, near.batch_invariant, near.max_abs_logit_diff, near.padding) == \
+        (whole.minimal_set, whole.batch_invariant, whole.max_abs_logit_diff, whole.padding)
+    assert near.token_alone == whole.token_alone and near.token_in_batch == whole.token_in_batch
+    lnear = bisect_layers(keyed_capture, step, request, "solo")
+    lwhole = bisect_layers(keyed_capture, step, request, "solo", from_start=True)
+    assert [(m.module, m.equal, m.max_abs) for m in lnear.modules] == \
+        [(m.module, m.equal, m.max_abs) for m in lwhole.modules]
+    assert lnear.verdict == lwhole.verdict and any(f"keyframe at step {k}" in n for n in lnear.notes)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=96, max_num_seqs=8,
+                                                 max_num_batched_tokens=64), runner=RunnerConfig(num_threads=1))
+    wl = synthetic(SyntheticWorkload(num_requests=300, arrival_rate=1.0, output_len=(8, 40),
+                                     defaults={"logprobs": 3}), 512)
+    path = tmp_path_factory.mktemp("ring") / "ring"
+    record_builtin(RecordOptions(cfg, wl, path, ring=128 << 10, flush_interval=0.05))
+    return path
+
+
+@pytest.mark.parametrize("which", ["snapshot", "segment"])
+def test_a_rings_snapshot_and_a_single_segment_can_be_bisected(ring, which):
+    capture = request_snapshot(ring).path if which == "snapshot" else sorted(ring.glob("segment-*.capture"))[-2]
+    k, step, request = _deep_step(capture)
+    with CaptureReader(capture) as r:
+        assert r.step_span()[0] == keyframe_steps(r)[0] > 0  # it opens past step 0, at a keyframe
+    res = bisect_batch(capture, step, request)
+    assert res.step == step and any("keyframe" in n for n in res.notes)
+    layers = bisect_layers(capture, step, request, "solo")
+    assert layers.modules and layers.step == step
