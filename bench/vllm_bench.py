@@ -200,12 +200,12 @@ def sizes(ours: list[Path], ours17: list[Path], naive: Path, generated: int) -> 
 def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
     """CPU cost per step of each tap, measured on the very objects of a run (unpickled from the naive stream), so
     engine noise does not enter. CPU time, not wall time: a stall of this shared machine does not count. The engine
-    thread's share (ours: the plugin's path, a msgspec encode and a copy into the ring at schedule() and again at
+    thread's share (ours: the plugin's path, a msgspec encode and a copy into shared memory at schedule() and again at
     update_from_output(), to a live writer process; naive: one pickle.dump), and ours' background share (what the
     writer process does with those frames: store the images, move logprobs into columns, compress, write), timed
     in-process as process CPU (its compression thread included) over the run's steps played 10 times, as a longer
     recording sees it; its close (last chunk, index, fsync) is reported apart, as open/close is for wall time.
-    Beside them, the engine thread's sends alone (the same images sent again, through the shared-memory ring and
+    Beside them, the engine thread's sends alone (the same images sent again, through the shared-memory channel and
     through the pipe), which tell what the transport costs the engine thread. Min, median and max over `repeats`."""
     from replay.capture.writing.image_frames import ImageFrames
     from replay.capture.writing.wire import output_frame, scheduled_frame
@@ -238,8 +238,8 @@ def tap_costs(naive_stream: Path, tmp: Path, repeats: int = 9) -> dict:
             ours.append((time.thread_time_ns() - t) / len(steps) / 1e3)
             sends.append(timed_sends(w, images, len(steps)))
         transport.append(w.transport)
-        # the same frames by the same code through the writer's pipe (the transport where the ring is not
-        # available): what the shared-memory ring takes off the engine thread
+        # the same frames by the same code through the writer's pipe (the transport where shared memory is not
+        # available): what the shared-memory channel takes off the engine thread
         with ProcessCaptureWriter(tmp / f"cost-pipe-{r}.capture", make_header("bench"), overwrite=True, nice=19,
                                   images=True, transport="pipe") as w:
             pipe_sends.append(timed_sends(w, images, 0))

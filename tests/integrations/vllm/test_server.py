@@ -425,19 +425,24 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
 
 
 def _fresh_step(capture: Path) -> tuple[int, int, str]:
-    """(keyframe, a step just past it, a request scheduled there with neighbours that arrived after the keyframe)."""
+    """(keyframe, a step past it, a request scheduled there that arrived after the keyframe): one with neighbours
+    where there is one (a ring's last segment, written as the traffic ended, may hold requests one at a time)."""
     with CaptureReader(capture) as r:
         keyframes = [rec for rec in r.records() if isinstance(rec, Keyframe)]
         steps = [rec for rec in r.records() if hasattr(rec, "scheduler_output") and rec.scheduler_output is not None]
-    for i, kf in reversed(list(enumerate(keyframes))):
+    found = []
+    for i, kf in enumerate(keyframes):
         live = {x.request.request_id for x in kf.requests}
-        end = min(kf.step + 40, keyframes[i + 1].step - 1 if i + 1 < len(keyframes) else kf.step + 40)
+        end = keyframes[i + 1].step - 1 if i + 1 < len(keyframes) else steps[-1].index
         for s in steps:
             so = s.scheduler_output
             fresh = [n.req_id for n in so.scheduled_new_reqs if n.req_id not in live]
-            if kf.step < s.index <= end and fresh and len(so.num_scheduled_tokens) >= 2:
-                return kf.step, s.index, fresh[0]
-    pytest.skip(f"{capture}: no step past a keyframe with a request that arrived after it")
+            if kf.step < s.index <= end and fresh:
+                found.append((len(so.num_scheduled_tokens) >= 2, -s.index, kf.step, s.index, fresh[0]))
+    if not found:
+        pytest.skip(f"{capture}: no step past a keyframe with a request that arrived after it")
+    *_, k, step, request = max(found)  # with neighbours first, then the earliest
+    return k, step, request
 
 
 @pytest.mark.parametrize("runner", ["vllm", "builtin"])
