@@ -76,3 +76,19 @@ def test_a_rings_snapshot_and_a_single_segment_can_be_bisected(ring, which):
     assert res.step == step and any("keyframe" in n for n in res.notes)
     layers = bisect_layers(capture, step, request, "solo")
     assert layers.modules and layers.step == step
+
+
+@pytest.mark.parametrize("which", ["snapshot", "segment"])
+def test_bisect_steps_and_config_and_check_run_on_a_rings_snapshot_and_segment(ring, which):
+    from replay.bisect.config import bisect_config
+    from replay.bisect.steps import bisect_steps
+    from replay.replayer import check_capture
+
+    capture = request_snapshot(ring).path if which == "snapshot" else sorted(ring.glob("segment-*.capture"))[-2]
+    assert check_capture(capture).code == 0
+    assert bisect_steps(capture).step is None  # it replays within tolerance from where it opens
+    planted = bisect_steps(capture, opts=ReplayOptions(overrides={"dtype": "bfloat16"}))
+    with CaptureReader(capture) as r:
+        assert planted.step is not None and planted.step >= r.step_span()[0]
+    res = bisect_config(capture, "", "dtype=bfloat16,threads=1")
+    assert res.minimal_change == {"dtype": "bfloat16"}
