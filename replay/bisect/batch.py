@@ -19,6 +19,7 @@ import torch
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.open_session import make_session
 from replay.diff import Tolerance
+from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.replayer.knobs import env_knobs
 
@@ -60,11 +61,11 @@ def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
 def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Tolerance | None = None,
                  overrides: dict[str, str] | None = None, hooks: list[Callable[[], Any]] | None = None,
                  log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None,
-                 from_start: bool = False) -> BatchBisect:
+                 from_start: bool = False, engines: Engines | None = None) -> BatchBisect:
     """See the module docstring. `hooks` (callables returning hook handles) are installed for every run (builtin
     runner). `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner; with environment knobs the
     bisect runs in a fresh process started with them. The replay to the step starts at the nearest keyframe unless
-    `from_start`."""
+    `from_start`. `engines`: started vLLM engines to run on (`replay.integrations.vllm.engines`)."""
     tol = tol or Tolerance()
     env = env_knobs(overrides or {})
     if env and not applied(env):
@@ -72,7 +73,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
                               from_start=from_start)
     log = log or (lambda msg: None)
     log(f"replaying {path} to step {step}")
-    s = make_session(path, step, overrides, log=log, from_start=from_start)
+    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
     try:
         return _bisect(s, str(path), request, tol, hooks, log, state)
     finally:

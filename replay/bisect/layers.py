@@ -17,6 +17,7 @@ from replay.bisect.module_compare import LayersBisect, compare_modules, module_v
 from replay.bisect.open_session import make_session
 from replay.bisect.session import Run
 from replay.errors import CannotTestError
+from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.replayer import Plant, parse_overrides
 from replay.replayer.knobs import env_knobs, split_knobs
@@ -24,14 +25,15 @@ from replay.replayer.knobs import env_knobs, split_knobs
 
 def side_runs(path: str, step: int, request: str, overrides: dict[str, str], runs: list[tuple[bool, Plant | None]],
               force: bool = False, log: Callable[[str], None] | None = None,
-              fresh: bool = False, from_start: bool = False) -> tuple[str, list[str], list[Run]]:
+              fresh: bool = False, from_start: bool = False,
+              engines: Engines | None = None) -> tuple[str, list[str], list[Run]]:
     """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
     Returns R's internal id, the session's notes and the runs. With environment knobs, or `fresh`, this runs in a
     fresh process started with them (`replay.processes.in_environment`)."""
     env = env_knobs(overrides)
     if fresh or (env and not applied(env)):
         return in_environment(env, side_runs, path, step, request, overrides, runs, force, from_start=from_start)
-    session = make_session(path, step, overrides, force=force, log=log, from_start=from_start)
+    session = make_session(path, step, overrides, force=force, log=log, from_start=from_start, engines=engines)
     try:
         rid = session.request_id(request)
         out = [session.run(rid, {rid} if alone else None, modules=True, plant=plant) for alone, plant in runs]
@@ -43,13 +45,14 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
                   plant: Plant | None = None, runner: str | None = None, overrides: dict[str, str] | None = None,
                   dump: str | os.PathLike | None = None, dump_all: bool = False,
-                  log: Callable[[str], None] | None = None, from_start: bool = False) -> LayersBisect:
+                  log: Callable[[str], None] | None = None, from_start: bool = False,
+                  engines: Engines | None = None) -> LayersBisect:
     """Side A: step `step` as recorded (with `overrides`). Side B: R alone (`against="solo"`), the same step under
     other knobs (`"dtype=bfloat16,attention=reference"`, `"tensor_parallel_size=1"`), and/or with a planted fault
     (`plant`). `runner`: "builtin" or "vllm" (default: the `runner` knob, else builtin). `dump`: a directory for
     both sides' outputs of the first differing modules, or of every module (`dump_all`: for `compare_dumps` across
     installs; `replay.bisect.dump`). Each side's replay to the step starts at the nearest keyframe unless
-    `from_start`."""
+    `from_start`. `engines`: started vLLM engines to run on (`replay.integrations.vllm.engines`)."""
     log = log or (lambda msg: None)
     path = str(path)
     runner = runner or (overrides or {}).get("runner", "builtin")
@@ -57,16 +60,16 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     if against in ("solo", "", "same", "none"):
         log(f"replaying {path} to step {step}, twice ({'R alone' if against == 'solo' else 'as recorded'})")
         _, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)], log=log,
-                                     from_start=from_start)
+                                     from_start=from_start, engines=engines)
     else:
         knobs = parse_overrides(split_knobs(against) + ([f"runner={runner}"] if runner == "vllm" else []))
         fresh = bool(env_knobs(knobs))  # then side A runs in a fresh process too: the variables are the difference
         log(f"replaying {path} to step {step} (side A)")
         _, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log, fresh=fresh,
-                                   from_start=from_start)
+                                   from_start=from_start, engines=None if fresh else engines)
         log(f"replaying {path} to step {step} with {against} (side B)")
         _, notes_b, (b,) = side_runs(path, step, request, {**base, **knobs}, [(False, plant)], force=True, log=log,
-                                     from_start=from_start)
+                                     from_start=from_start, engines=engines)
         notes = list(dict.fromkeys(notes + notes_b))
     diffs = compare_modules(a.modules, b.modules, a.gathered | b.gathered)
     if not diffs:

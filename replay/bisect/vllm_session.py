@@ -17,6 +17,7 @@ from typing import Any
 from replay.bisect.session import Run, Session, padded
 from replay.capture import CaptureReader, EngineConfig, Step
 from replay.errors import CannotTestError, UsageError
+from replay.integrations.vllm.engines import Engines
 from replay.integrations.vllm.layout import recorded_layout
 from replay.integrations.vllm.taps import LOGITS
 from replay.replayer import Plant, StepLoop, build_runner
@@ -41,7 +42,8 @@ class VllmStepSession(Session):
     runner_kind = "vllm"
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
-                 force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False) -> None:
+                 force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False,
+                 engines: Engines | None = None) -> None:
         self.path = str(path)
         self.target = step
         self.log = log or (lambda msg: None)
@@ -51,7 +53,7 @@ class VllmStepSession(Session):
             self.start = start_at(r, step, from_start=from_start)
         overrides, eager_note = eager(header.engine_config, overrides)
         self.log(f"starting vLLM's runner for {path}")
-        built = build_runner(header, overrides, force=force, capture=path)
+        built = build_runner(header, overrides, force=force, capture=path, engines=engines)
         self.runner = built.runner
         self.notes = eager_note + built.notes
         try:

@@ -142,8 +142,9 @@ def render_corpus(res: CorpusResult) -> str:
         counts = f"{g.diverged} of {g.captures} diverge" + (f", {g.cannot_test} cannot test" if g.cannot_test else "")
         lines.append(f"{counts}: {what}")
     resumed = f", {res.resumed} resumed from the results file" if res.resumed else ""
+    started = f", {res.engine_starts} vLLM engine(s) started" if res.engine_starts else ""
     lines.append(f"{len(res.rows)} captures: {res.good} good, {res.bad} bad, {res.cannot_test} cannot test "
-                 f"({res.how}, {res.seconds:.1f} s{resumed})")
+                 f"({res.how}, {res.seconds:.1f} s{resumed}{started})")
     return "\n".join(lines)
 
 

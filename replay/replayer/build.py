@@ -23,6 +23,7 @@ from replay.replayer.knobs import BOOLEANS, env_knobs
 
 if TYPE_CHECKING:
     from replay.engine.model_runner import ModelRunner
+    from replay.integrations.vllm.engines import Engines
 
 
 
@@ -89,9 +90,10 @@ class BuiltRunner:
 
 
 def build_runner(header: Header, overrides: dict[str, str], *, force: bool = False, extra_blocks: int = 0,
-                 capture: str | os.PathLike = "replay") -> BuiltRunner:
-    """A fresh runner for `header`'s capture (`capture`: its path, beside which an engine's own log goes). Raises
-    UsageError (exit 2) for a capture no runner can replay and for different weights without `force`."""
+                 capture: str | os.PathLike = "replay", engines: Engines | None = None) -> BuiltRunner:
+    """A fresh runner for `header`'s capture (`capture`: its path, beside which an engine's own log goes; `engines`:
+    started vLLM engines to reuse, see `replay.integrations.vllm.engines`). Raises UsageError (exit 2) for a capture
+    no runner can replay and for different weights without `force`."""
     kind = overrides.get("runner", "builtin")
     env = env_knobs(overrides)
     if env and not applied(env):  # too late here: the caller runs this in a process started with them
@@ -103,9 +105,9 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
     if kind == "vllm":
         from replay.integrations.vllm.vllm_runner import VllmRunner
 
-        runner = VllmRunner(header, overrides, capture)
+        runner = VllmRunner(header, overrides, capture, engines)
         replay_header = runner.describe()
-        engine_notes = [f"vLLM: {w}" for w in runner.log.warnings]
+        engine_notes = [f"vLLM: {w}" for w in runner.warnings]
     else:
         runner, replay_header = _build_builtin(header, overrides, extra_blocks)
         engine_notes = []

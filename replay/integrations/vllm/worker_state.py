@@ -74,3 +74,29 @@ def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) 
             if hasattr(batch, "is_token_ids"):
                 batch.is_token_ids[i, start:start + len(toks)] = True
             batch.num_tokens_no_spec[i] = start + len(toks)
+
+
+def rng_state(worker: Any) -> dict:
+    """On one worker: its global random generators' state (torch's CPU one, and every CUDA device's), which draws
+    the samples of unseeded requests."""
+    import torch
+
+    cuda = [s for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    return {"rank": _rank(worker), "cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(worker: Any, states: list[dict]) -> None:
+    """On one worker: its generators put back to the state `rng_state` read on it (found by its rank)."""
+    import torch
+
+    mine = next((s for s in states if s["rank"] == _rank(worker)), None)
+    if mine is None:
+        return
+    torch.set_rng_state(mine["cpu"])
+    if mine["cuda"]:
+        torch.cuda.set_rng_state_all(mine["cuda"])
+
+
+def _rank(worker: Any) -> int:
+    inner = getattr(worker, "worker", worker)
+    return int(getattr(inner, "rank", getattr(worker, "rank", 0)) or 0)

@@ -1,0 +1,70 @@
+"""`Engines`: started vLLM engines kept for the replays of one process. Starting an engine (weights, KV cache,
+warm-up) is most of a short replay, and a corpus of one layout, or a script that replays many captures, asks for the
+same engine again and again. An engine is reused only for the very same engine arguments, layout, thread binding and
+thread count; between two replays it forgets every request (`VllmRunner.reset`) and its workers' random generators
+go back to the state they had just after the engine started, so a replay on a reused engine draws what it would have
+drawn on a fresh one.
+
+Used explicitly (`with Engines() as engines: replay_capture(path, ReplayOptions(engines=engines))`, `replay
+.open_engines()`): without one, every replay starts and stops its own engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StartedEngine:
+    """One started engine: vLLM's `LLM`, what it said while starting, and its workers' generators right after."""
+
+    llm: Any
+    warnings: list[str] = field(default_factory=list)
+    rng: list[Any] = field(default_factory=list)  # per rank, `worker_state.rng_state`
+    replays: int = 0  # replays that ran on it
+
+
+class Engines:
+    """The started engines of one process, by their arguments (see the module docstring); at most `keep` of them,
+    the least recently used shut down first (each holds a model's weights and its KV cache)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._started: OrderedDict[str, StartedEngine] = OrderedDict()
+        self.keep = max(keep, 1)
+        self.starts = 0  # engines started (a reuse does not count)
+
+    def take(self, key: str, start: Callable[[], StartedEngine]) -> tuple[StartedEngine, bool]:
+        """The engine for `key`, started with `start()` if there is none yet; and whether it was just started."""
+        engine = self._started.get(key)
+        if engine is not None:
+            self._started.move_to_end(key)
+            engine.replays += 1
+            return engine, False
+        while len(self._started) >= self.keep:
+            _shutdown(self._started.popitem(last=False)[1])
+        engine = start()
+        engine.replays = 1
+        self._started[key] = engine
+        self.starts += 1
+        return engine, True
+
+    def close(self) -> None:
+        """Shut every engine down (KV caches, weights, worker processes)."""
+        while self._started:
+            _shutdown(self._started.popitem()[1])
+
+    def __enter__(self) -> Engines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shutdown(engine: StartedEngine) -> None:
+    try:
+        engine.llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: its replays are over
+        pass

@@ -1,0 +1,50 @@
+"""One started vLLM engine serves many replays (`replay.integrations.vllm.engines`): a corpus of one layout starts
+one engine, and a replay on a reused engine is the replay on a fresh one, bit for bit, the draws of unseeded
+requests included (the engine's generators go back to where they stood when it started)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from replay.bisect.batch import bisect_batch  # noqa: E402
+from replay.integrations.vllm.engines import Engines  # noqa: E402
+from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from replay.replayer.corpus import check_corpus  # noqa: E402
+from testbed.checkpoints import tiny_llama  # noqa: E402
+from tests.vllm_captures import record  # noqa: E402
+
+VLLM = {"runner": "vllm"}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Greedy, seeded and unseeded requests in one batch, on vLLM's offline engine."""
+    d = tmp_path_factory.mktemp("engines")
+    return record(tiny_llama(d / "tiny-llama"), d / "mixed.capture", seeded=True, unseeded=True, max_tokens=8)
+
+
+def test_replays_on_a_reused_engine_are_the_replay_on_a_fresh_one(mixed):
+    fresh = replay_capture(mixed, ReplayOptions(overrides=VLLM))
+    assert not fresh.diverged and fresh.foreign_draws_differ == 0
+    with Engines() as engines:
+        runs = [replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)) for _ in range(3)]
+        res = bisect_batch(mixed, 3, "2", overrides=VLLM, engines=engines)  # a bisect on the same engine
+        again = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+        assert engines.starts == 1
+    for rep in [*runs, again]:
+        assert not rep.diverged and rep.tokens_compared == fresh.tokens_compared, rep.first_divergence
+    assert res.step == 3 and res.re_executions > 2
+
+
+def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        shutil.copy(mixed, corpus / f"run-{i}.capture")
+    res = check_corpus(corpus, ReplayOptions(overrides=VLLM))
+    assert res.good == 3 and res.bad == 0 and res.engine_starts == 1, res
