@@ -16,6 +16,7 @@ from typing import Any
 
 from replay.bisect.session import Run, Session, padded
 from replay.capture import CaptureReader, EngineConfig, Step
+from replay.capture.reading.keyframe_seek import chunks_from
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.integrations.vllm.layout import recorded_layout
@@ -161,8 +162,10 @@ def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
     reads: dict[str, set[str]] = {}  # request -> the requests whose blocks it hit
     bs = max(block_size, 1)
     with CaptureReader(path) as r:
-        for rec in r.records():
-            if not isinstance(rec, Step) or not first <= rec.index <= last:
+        for rec in r.records(chunks=chunks_from(r, first)) if first and r.index is not None else r.records():
+            if isinstance(rec, Step) and rec.index > last:
+                break
+            if not isinstance(rec, Step) or rec.index < first:
                 continue
             so = rec.scheduler_output
             cr = so.scheduled_cached_reqs
