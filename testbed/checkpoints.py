@@ -52,15 +52,15 @@ def tiny_mixtral(path: Path) -> Path:
     return path
 
 
-def real_vocab_qwen2(path: Path, heads: int = 2, kv_heads: int = 1) -> Path:
-    """A narrow 2-layer Qwen2 with Qwen2.5's real vocabulary (151,936 ids; GQA 2/1 heads of 32, hidden 64, tied
-    embeddings, 40 MB): rank ties and near-ties among the logits only show at a real vocabulary size. `heads=4,
-    kv_heads=2` (hidden 128) splits evenly over two tensor-parallel ranks."""
+def real_vocab_qwen2(path: Path, heads: int = 2, kv_heads: int = 1, layers: int = 2) -> Path:
+    """A narrow Qwen2 (`layers` layers, 2 by default) with Qwen2.5's real vocabulary (151,936 ids; GQA 2/1 heads of
+    32, hidden 64, tied embeddings, 40 MB): rank ties and near-ties among the logits only show at a real vocabulary
+    size. `heads=4, kv_heads=2` (hidden 128) splits evenly over two tensor-parallel ranks."""
     import torch
     import transformers
 
     torch.manual_seed(2)
-    cfg = transformers.Qwen2Config(hidden_size=32 * heads, num_hidden_layers=2, num_attention_heads=heads,
+    cfg = transformers.Qwen2Config(hidden_size=32 * heads, num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=kv_heads,
                                    intermediate_size=128, vocab_size=151_936, head_dim=32, bos_token_id=1,
                                    eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
