@@ -82,10 +82,17 @@ def test_the_ring_stays_within_its_size_and_every_segment_starts_at_a_keyframe(t
 
 def test_a_snapshot_joins_the_segments_into_one_capture_that_starts_at_a_keyframe(tmp_path):
     ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
-    events = _events(900)
-    _feed(ring, events[: len(events) // 2])
+    events = _events(1500)
+    # a segment closes on the bytes its compressor threads have written, so when the ring first wraps depends on
+    # the machine's pace: feed until it has, then seal
+    at = len(events) // 3
+    _feed(ring, events[:at])
+    while ring.dropped_before == 0 and at < len(events):
+        _feed(ring, events[at:at + 1])
+        at += 1
+    assert ring.dropped_before > 0, "the ring never wrapped"
     path = ring.snapshot("on demand")
-    _feed(ring, events[len(events) // 2:])
+    _feed(ring, events[at:])
     ring.close()
     with CaptureReader(path) as r:
         snap = r.header.extra["snapshot"]
