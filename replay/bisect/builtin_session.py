@@ -13,8 +13,10 @@ from replay.bisect.session import PAD_BLOCKS, Run, Session, padded
 from replay.capture import CaptureReader
 from replay.errors import UsageError
 from replay.replayer import Plant, build_runner
+from replay.replayer.loop import StepLoop
 from replay.replayer.plant import install
 from replay.replayer.start import loop_from, start_at
+from replay.replayer.swap import Swap
 
 
 class StepSession(Session):
@@ -24,43 +26,66 @@ class StepSession(Session):
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
                  force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False) -> None:
         self.path = str(path)
+        self.target = step
         self.log = log or (lambda msg: None)
         with CaptureReader(path) as r:
             self.header = r.header
-            start = start_at(r, step, from_start=from_start)
+            self.start = start_at(r, step, from_start=from_start)
             built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
             self.runner = built.builtin("bisecting a step")
             self.notes = built.notes
-            loop, records = loop_from(r, self.runner, start)
-            for rec, _ in loop.replay(records, until=step):
-                if rec.index % 50 == 0:
-                    self.log(f"  replaying to step {step}: at {rec.index}")
-        if loop.next_step is None:
-            raise UsageError(f"{path}: no step {step} in this capture")
+        self.vocab_size = self.runner.vocab_size
+        self.empty = self.runner.snapshot()  # where a replay with other content starts over
+        loop = self._replay(None)
         self.step = loop.next_step
         self.ext, self.internal = loop.external, loop.internal
-        self.started(start, loop.priming.rebuilt if loop.priming else ())
+        self.live = {x.request.request_id for x in loop.priming.keyframe.requests if x.scheduled} \
+            if loop.priming else set()  # (a request still waiting there is first scheduled after it)
+        self.started(self.start, loop.priming.rebuilt if loop.priming else ())
         self.prev = loop.sampled
         self.snap = self.runner.snapshot()
         self.num_blocks = self.runner.kv.num_blocks
+
+    def _replay(self, swap: Swap | None) -> StepLoop:
+        """The steps before S from the session's start, `swap`'s requests with other content; stops before S."""
+        with CaptureReader(self.path) as r:
+            loop, records = loop_from(r, self.runner, self.start)
+            loop.swap = swap
+            for rec, _ in loop.replay(records, until=self.target):
+                if rec.index % 50 == 0:
+                    self.log(f"  replaying to step {self.target}: at {rec.index}")
+        if loop.next_step is None:
+            raise UsageError(f"{self.path}: no step {self.target} in this capture")
+        return loop
 
     def neighbours(self, rid: str) -> list[str]:
         """The requests co-scheduled with `rid` at the step."""
         return [r for r in self.step.scheduler_output.num_scheduled_tokens if r != rid]
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
-            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None) -> Run:
+            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None,
+            swap: dict[str, str] | None = None) -> Run:
         """Re-execute the step from the snapshot with only `keep` (None: everyone) plus `pad` one-token padding
-        requests, and `plant`'s fault; return `watch`'s logits (and every module's output rows for it, with
-        `modules`)."""
-        self.runner.restore(self.snap)
+        requests, and `plant`'s fault; with `swap` (internal id -> content kind), replay to the step again with those
+        requests' tokens swapped for others of the same shapes. Return `watch`'s logits (and every module's output
+        rows for it, with `modules`)."""
+        swapper = self.swapper(swap)
+        prev = self.prev
+        if swapper:
+            self.runner.restore(self.empty)
+            prev = self._replay(swapper).sampled
+        else:
+            self.runner.restore(self.snap)
         so, grammar = self.without(set() if keep is None
                                    else set(self.step.scheduler_output.num_scheduled_tokens) - keep)
+        if swapper:
+            so = swapper.step(so)
         if pad:
             so = padded(so, pad, range(self.num_blocks - PAD_BLOCKS, self.num_blocks))
         if plant is not None:
-            hooks = [lambda: install(plant, self.runner, watch), *(hooks or [])]
-        self.runner.update_states(so, self.step.drawn_seeds, self.prev)
+            resolved = plant.resolved(self.internal)
+            hooks = [lambda: install(resolved, self.runner, watch), *(hooks or [])]
+        self.runner.update_states(so, self.step.drawn_seeds, prev)
         captured: list[tuple[str, torch.Tensor]] = []
         handles = []
         model = self.runner.model
@@ -90,4 +115,4 @@ class StepSession(Session):
             for h in handles:
                 h.remove()
         logits = next((t[0].float() for n, t in captured if n == "lm_head"), None)
-        return Run(logits, mro.sampled(watch), captured if modules else [])
+        return Run(logits, mro.sampled(watch), captured if modules else [], output=mro)

@@ -5,16 +5,19 @@ with requests left out) and `padded` (the step with one-token requests added). T
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from msgspec.structs import replace
 
-from replay.capture import Step
-from replay.contracts import GrammarOutput, NewRequestData, SamplingParams, SchedulerOutput
+from replay.capture import CaptureReader, Header, Step
+from replay.capture.reading.keyframe_seek import chunks_from
+from replay.contracts import GrammarOutput, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from replay.errors import UsageError
 from replay.replayer.start import Start
+from replay.replayer.swap import Swap
 
 PAD_BLOCKS = 64  # spare KV blocks for padding requests (batch-size experiments)
 
@@ -27,16 +30,22 @@ class Run:
     token: list[int]
     modules: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (module name, output rows), in order
     gathered: set[str] = field(default_factory=set)  # modules put together from tensor-parallel shards
+    output: ModelRunnerOutput | None = None  # the whole step's output (every request's tokens and logprobs)
 
 
 class Session:
     """What both runners' sessions share: the step, and the request ids in it."""
 
     path: str
+    header: Header
+    target: int  # the step, S
     step: Step
+    start: Start  # where the replay to S starts
+    live: set[str]  # requests live at that keyframe (none from step 0)
     ext: dict[str, str]
     internal: dict[str, str]
     notes: list[str]
+    vocab_size: int
     runner_kind = "builtin"
     max_padding = PAD_BLOCKS  # padding requests a run can add to the watched request
 
@@ -60,6 +69,35 @@ class Session:
         said = (f"K/V rebuilt there for {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} (a prefill's "
                 "numbers, the same in every run)") if names else "no request's K/V rebuilt"
         self.notes.append(f"replayed from the keyframe at step {start.keyframe} ({start.why}); {said}")
+
+    def companions(self, rid: str) -> list[str]:
+        """The requests that shared a step with `rid`, at S or before, and can be left out of every step or given
+        other content (`co_batched`): those `rid` reads KV blocks of, and those live where the replay starts, cannot;
+        the notes say so."""
+        return self._companions(rid)[0]
+
+    def kept_as_recorded(self, rid: str) -> list[str]:
+        """The requests that shared a step with `rid` and `companions` leaves out (in every run as recorded)."""
+        return self._companions(rid)[1]
+
+    def _companions(self, rid: str) -> tuple[list[str], list[str]]:
+        cache = self.__dict__.setdefault("_companion_cache", {})
+        if rid not in cache:
+            free, kept = co_batched(self.path, self.target, rid, self.header.engine_config.block_size,
+                                    first=self.start.keyframe or 0)
+            if kept:
+                self.notes.append(f"kept in every run: {', '.join(self.names(kept))} (request {self.ext.get(rid, rid)} "
+                                  "reads KV blocks they wrote, through the prefix cache)")
+            live = [x for x in free if x in self.live]
+            if live:
+                self.notes.append(f"kept in every run: {', '.join(self.names(live))} (live at the keyframe of step "
+                                  f"{self.start.keyframe}, where the replay starts; --from-start can leave them out)")
+            cache[rid] = [x for x in free if x not in self.live], kept + live
+        return cache[rid]
+
+    def swapper(self, swap: dict[str, str] | None) -> Swap | None:
+        """A `Swap` of the requests in `swap` (internal id -> content kind), None for none."""
+        return Swap(swap, self.vocab_size, seed=len(swap)) if swap else None
 
     def without(self, skip: set[str]) -> tuple[SchedulerOutput, GrammarOutput | None]:
         """The step, and its structured-output bitmasks, with the requests in `skip` taken out as if never
@@ -85,3 +123,42 @@ def padded(so: SchedulerOutput, k: int, spare: Iterable[int]) -> SchedulerOutput
     sched.update({p.req_id: 1 for p in pads})
     return replace(so, scheduled_new_reqs=list(so.scheduled_new_reqs) + pads, num_scheduled_tokens=sched,
                    total_num_scheduled_tokens=sum(sched.values()))
+
+
+def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
+               first: int = 0) -> tuple[list[str], list[str]]:
+    """The requests that shared a step with `rid` in steps `first`..`last`, in order of first meeting, as (those
+    that can be left out of every step, those that cannot): a request whose KV blocks `rid` hits through the prefix
+    cache, or hits through another that does, cannot be, since nothing would then write what `rid` reads."""
+    shared: list[str] = []
+    writer: dict[int, str] = {}  # KV block -> the request that last wrote it fresh
+    reads: dict[str, set[str]] = {}  # request -> the requests whose blocks it hit
+    bs = max(block_size, 1)
+    with CaptureReader(path) as r:
+        for rec in r.records(chunks=chunks_from(r, first)) if first and r.index is not None else r.records():
+            if isinstance(rec, Step) and rec.index > last:
+                break
+            if not isinstance(rec, Step) or rec.index < first:
+                continue
+            so = rec.scheduler_output
+            cr = so.scheduled_cached_reqs
+            # (request, block table groups, full blocks it found computed): new and resumed requests bring whole
+            # tables that start with their prefix hits; a running request's new blocks are all fresh
+            tables = [(n.req_id, n.block_ids, n.num_computed_tokens // bs) for n in so.scheduled_new_reqs]
+            tables += [(q, g, cr.num_computed_tokens[i] // bs if q in cr.resumed_req_ids else 0)
+                       for i, (q, g) in enumerate(zip(cr.req_ids, cr.new_block_ids)) if g]
+            for q, groups, hits in tables:
+                for group in groups:
+                    # a hit block with no writer in the capture was written by nobody we could leave out
+                    reads.setdefault(q, set()).update(writer[b] for b in group[:hits] if writer.get(b, q) != q)
+                    writer.update((b, q) for b in group[hits:])
+            if rid in so.num_scheduled_tokens:
+                shared += [x for x in so.num_scheduled_tokens if x != rid and x not in shared]
+    pinned: set[str] = set()
+    todo = [rid]
+    while todo:
+        for w in reads.get(todo.pop(), ()):
+            if w not in pinned:
+                pinned.add(w)
+                todo.append(w)
+    return [x for x in shared if x not in pinned], [x for x in shared if x in pinned]

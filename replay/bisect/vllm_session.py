@@ -16,13 +16,13 @@ from typing import Any
 
 from replay.bisect.session import Run, Session, padded
 from replay.capture import CaptureReader, EngineConfig, Step
-from replay.capture.reading.keyframe_seek import chunks_from
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.integrations.vllm.layout import recorded_layout
 from replay.integrations.vllm.taps import LOGITS
 from replay.replayer import Plant, StepLoop, build_runner
 from replay.replayer.start import loop_from, start_at
+from replay.replayer.swap import Swap
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -57,6 +57,7 @@ class VllmStepSession(Session):
         built = build_runner(header, overrides, force=force, capture=path, engines=engines)
         self.runner = built.runner
         self.notes = eager_note + built.notes
+        self.vocab_size = self.runner.vocab_size
         try:
             loop = self._replay(set())
         except BaseException:
@@ -64,21 +65,22 @@ class VllmStepSession(Session):
             raise
         self.step: Step = loop.next_step
         self.ext, self.internal = loop.external, loop.internal
-        self._live = {x.request.request_id for x in loop.priming.keyframe.requests} if loop.priming else set()
+        self.live = {x.request.request_id for x in loop.priming.keyframe.requests if x.scheduled} \
+            if loop.priming else set()  # (a request still waiting there is first scheduled after it)
         self.started(self.start, loop.priming.rebuilt if loop.priming else ())
         self._fresh = True  # the engine stands just before step S with nobody left out
-        self._neighbours: dict[str, list[str]] = {}
         # the persistent batch holds max_num_seqs rows: the watched request and its padding must fit
         self.max_padding = max(min(int(header.engine_config.max_num_seqs or 16) - 1,
                                    self.runner.num_blocks - 1 - len(self._blocks)), 0)
 
-    def _replay(self, skip: set[str]) -> StepLoop:
-        """The steps before S on a reset engine, from the session's start, `skip` left out of each; the loop stops
-        before S."""
+    def _replay(self, skip: set[str], swap: Swap | None = None) -> StepLoop:
+        """The steps before S on a reset engine, from the session's start, `skip` left out of each, `swap`'s requests
+        with other content; the loop stops before S."""
         self.runner.reset()
         self._blocks: set[int] = set()
         with CaptureReader(self.path) as r:
             loop, records = loop_from(r, self.runner, self.start, skip=skip)
+            loop.swap = swap
             for rec, _ in loop.replay(records, until=self.target):
                 self._note_blocks(rec)
         if loop.priming is not None:  # the blocks the keyframe's requests and prefix cache hold
@@ -100,40 +102,34 @@ class VllmStepSession(Session):
             self._blocks.update(b for group in groups or () for b in group)
 
     def neighbours(self, rid: str) -> list[str]:
-        """The requests that shared a step with `rid`, at S or before, and can be left out (`co_batched`); those
-        `rid` reads KV blocks of are kept in every run, and the notes say so."""
-        if rid not in self._neighbours:
-            free, kept = co_batched(self.path, self.target, rid, self.header.engine_config.block_size,
-                                    first=self.start.keyframe or 0)
-            if kept:
-                self.notes.append(f"kept in every run: {', '.join(self.names(kept))} (request {self.ext.get(rid, rid)} "
-                                  "reads KV blocks they wrote, through the prefix cache)")
-            live = [x for x in free if x in self._live]
-            if live:
-                self.notes.append(f"kept in every run: {', '.join(self.names(live))} (live at the keyframe of step "
-                                  f"{self.start.keyframe}, where the replay starts; --from-start can leave them out)")
-            self._neighbours[rid] = [x for x in free if x not in self._live]
-        return self._neighbours[rid]
+        """The requests that shared a step with `rid`, at S or before, and can be left out (`companions`)."""
+        return self.companions(rid)
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
-            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None) -> Run:
+            hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None,
+            swap: dict[str, str] | None = None) -> Run:
         """Replay steps 0..S with only `keep` of `watch`'s neighbours (None: everyone) in every step, plus `pad`
-        one-token padding requests at S, and `plant`'s fault at S; return `watch`'s logits (and every module's output
-        rows for it, with `modules`)."""
+        one-token padding requests at S, and `plant`'s fault at S, the requests in `swap` (internal id -> content)
+        with other tokens of the same shapes; return `watch`'s logits (and every module's output rows for it, with
+        `modules`)."""
         if hooks:
             raise UsageError("hooks are builtin-runner callables; on vLLM's runner plant a fault with --plant")
         skip = set() if keep is None else set(self.neighbours(watch)) - set(keep)
-        if not (self._fresh and not skip):
-            self.log(f"replaying steps 0-{self.target} on vLLM's runner" + (f", {len(skip)} neighbours left out"
-                                                                              if skip else ""))
-            self._replay(skip)
+        swapper = self.swapper(swap)
+        if not (self._fresh and not skip and not swapper):
+            self.log(f"replaying steps {self.start.keyframe or 0}-{self.target} on vLLM's runner"
+                     + (f", {len(skip)} neighbours left out" if skip else "")
+                     + (f", {len(swap)} with other content" if swapper else ""))
+            self._replay(skip, swapper)
         self._fresh = False
         so, grammar = self.without(skip)
+        if swapper:
+            so = swapper.step(so)
         if pad:
             spare = (b for b in range(self.runner.num_blocks - 1, 0, -1) if b not in self._blocks)
             so = padded(so, pad, spare)
         self.runner.update_states(so, self.step.drawn_seeds, self._sampled)
-        self.runner.start_taps(watch, modules, (plant.module, plant.size) if plant is not None else None)
+        self.runner.start_taps(watch, modules, plant.taps(self.internal) if plant is not None else None)
         try:
             mro = self.runner.run_step(so, grammar)
         except BaseException:
@@ -145,47 +141,8 @@ class VllmStepSession(Session):
             raise CannotTestError(f"no module hook of vLLM's model fired for the request at step {self.target}: "
                                   "its forward ran where hooks cannot see it (a compiled graph?); nothing was compared")
         return Run(logits, mro.sampled(watch), [(m.name, m.rows) for m in rows] if modules else [],
-                   {m.name for m in rows if m.gathered})
+                   {m.name for m in rows if m.gathered}, mro)
 
     def close(self) -> None:
         """Shut the engine down."""
         self.runner.close()
-
-
-def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
-               first: int = 0) -> tuple[list[str], list[str]]:
-    """The requests that shared a step with `rid` in steps `first`..`last`, in order of first meeting, as (those
-    that can be left out of every step, those that cannot): a request whose KV blocks `rid` hits through the prefix
-    cache, or hits through another that does, cannot be, since nothing would then write what `rid` reads."""
-    shared: list[str] = []
-    writer: dict[int, str] = {}  # KV block -> the request that last wrote it fresh
-    reads: dict[str, set[str]] = {}  # request -> the requests whose blocks it hit
-    bs = max(block_size, 1)
-    with CaptureReader(path) as r:
-        for rec in r.records(chunks=chunks_from(r, first)) if first and r.index is not None else r.records():
-            if isinstance(rec, Step) and rec.index > last:
-                break
-            if not isinstance(rec, Step) or rec.index < first:
-                continue
-            so = rec.scheduler_output
-            cr = so.scheduled_cached_reqs
-            # (request, block table groups, full blocks it found computed): new and resumed requests bring whole
-            # tables that start with their prefix hits; a running request's new blocks are all fresh
-            tables = [(n.req_id, n.block_ids, n.num_computed_tokens // bs) for n in so.scheduled_new_reqs]
-            tables += [(q, g, cr.num_computed_tokens[i] // bs if q in cr.resumed_req_ids else 0)
-                       for i, (q, g) in enumerate(zip(cr.req_ids, cr.new_block_ids)) if g]
-            for q, groups, hits in tables:
-                for group in groups:
-                    # a hit block with no writer in the capture was written by nobody we could leave out
-                    reads.setdefault(q, set()).update(writer[b] for b in group[:hits] if writer.get(b, q) != q)
-                    writer.update((b, q) for b in group[hits:])
-            if rid in so.num_scheduled_tokens:
-                shared += [x for x in so.num_scheduled_tokens if x != rid and x not in shared]
-    pinned: set[str] = set()
-    todo = [rid]
-    while todo:
-        for w in reads.get(todo.pop(), ()):
-            if w not in pinned:
-                pinned.add(w)
-                todo.append(w)
-    return [x for x in shared if x not in pinned], [x for x in shared if x in pinned]

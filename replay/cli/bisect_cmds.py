@@ -1,4 +1,4 @@
-"""The `replay bisect` subcommands: steps, batch, layers, config."""
+"""The `replay bisect` subcommands: steps, batch, leak, layers, config."""
 
 from __future__ import annotations
 
@@ -81,6 +81,37 @@ def bisect_batch(
     res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(knobs),
                  log=progress_log(quiet), state=state, from_start=from_start)
     emit(res, render_bisect_batch, json=json)
+
+
+@bisect_command
+def bisect_leak(
+    capture: Path = CaptureArg,
+    step: int = typer.Option(..., "--step", min=0, help="The step to re-execute."),
+    request: str = typer.Option(..., "--request", help="The request to watch (external or internal id)."),
+    contents: str = typer.Option("random,shuffled,repeated", "--contents",
+                                 help="The other contents tried, in order: random ids, each neighbour's own ids "
+                                      "shuffled, one id throughout."),
+    plant: str | None = PlantOpt,
+    set_: list[str] | None = SetOpt,
+    runner: str | None = RunnerOpt,
+    from_start: bool = FromStartOpt,
+    quiet: bool = QuietOpt,
+    json: bool = JsonOpt,
+) -> None:
+    """Does REQUEST read anything of its neighbours' content? Every neighbour replayed with other tokens of the same
+    shapes; REQUEST's logits at STEP must stay bitwise the same. Exit 1 on contamination, naming the neighbour and
+    the first module, 0 when nothing moves, 125 when it cannot test."""
+    from replay.bisect.leak import bisect_leak as run_it
+    from replay.cli.render_replay import render_bisect_leak
+    from replay.replayer import Plant, parse_overrides
+
+    knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
+    res = run_it(capture, step, request, contents=tuple(c.strip() for c in contents.split(",") if c.strip()),
+                 overrides=parse_overrides(knobs), plant=Plant.parse(plant) if plant else None,
+                 log=progress_log(quiet), from_start=from_start)
+    emit(res, render_bisect_leak, json=json)
+    if res.contaminated:
+        raise typer.Exit(1)
 
 
 @bisect_command

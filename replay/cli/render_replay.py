@@ -17,6 +17,7 @@ from replay.replayer.verdict import (
 if TYPE_CHECKING:
     from replay.bisect.batch import BatchBisect
     from replay.bisect.config import ConfigBisect
+    from replay.bisect.leak import LeakBisect
     from replay.bisect.module_compare import LayersBisect
     from replay.bisect.steps import StepsBisect
     from replay.demo import DemoResult
@@ -170,7 +171,7 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
         lines.append(f"tolerance auto: {rep.tolerance_choice}")
     if rep.plant is not None:
         p = rep.plant
-        lines.append(f"planted: {p.size:g} added to {p.module} for request {p.request} at step {p.step}")
+        lines.append(f"planted: {p.describe()} at step {p.step}")
     if rep.run_to_run:
         lines.append(f"run to run: {rep.run_to_run}")
     if rep.foreign_draws_differ:
@@ -284,6 +285,24 @@ def render_bisect_batch(res: BatchBisect) -> str:
         f"  padding: {pads}",
         f"  {res.re_executions} replays of steps 0-{res.step} on vLLM's runner" if res.runner == "vllm" else
         f"  {res.re_executions} re-executions of step {res.step}", *[f"  note: {n}" for n in res.notes]])
+
+
+def render_bisect_leak(res: LeakBisect) -> str:
+    """`bisect leak`: the verdict, each content tried, the first modules apart, and the cost."""
+    lines = [res.verdict]
+    for t in res.tests:
+        lines.append(f"  {t.content:<9} content: request {res.request} "
+                     + (f"moved (max |Δlogit| {t.max_abs_logit_diff:.3g}, token {res.token} -> {t.token})"
+                        if t.moved else "bitwise the same")
+                     + f"; {t.neighbours_changed} of {t.neighbours_sampling} swapped neighbours sampling at the "
+                       "step sampled otherwise")
+    if res.kept:
+        lines.append(f"  kept as recorded: {', '.join(res.kept)}")
+    apart = [m for m in res.modules if not m.equal][:3]
+    lines += [f"  {m.module}: max |Δ| {m.max_abs:.3g}, {m.max_ulps:.3g} ULPs" for m in apart]
+    lines.append(f"  {res.re_executions} replays of steps up to {res.step}"
+                 + (" on vLLM's runner" if res.runner == "vllm" else ""))
+    return "\n".join(lines + [f"  note: {n}" for n in res.notes])
 
 
 def render_bisect_layers(res: LayersBisect) -> str:

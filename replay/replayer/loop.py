@@ -26,6 +26,7 @@ from replay.contracts import ModelRunnerOutput
 from replay.errors import UsageError
 from replay.replayer.build import Runner
 from replay.replayer.prime import Priming, prime
+from replay.replayer.swap import Swap
 
 MODES = ("forced", "free")
 # vLLM's multiprocess executor re-raises a worker's exception as its own RuntimeError around the worker's message:
@@ -74,6 +75,7 @@ class StepLoop:
         self.stopped: str | None = None  # why the loop ended before the capture did (steps missing after a gap)
         self.crash: CrashOutcome | None = None  # the recorded crash, re-executed (when the capture has one)
         self.skip: set[str] = set()  # requests left out of every step (a --force replay of what cannot run)
+        self.swap: Swap | None = None  # requests whose tokens are rewritten in every step, shapes kept (`swap`)
         # replay from the keyframe of this step (None: from step 0): records before it are skipped, the runner is
         # primed from it (`prime`), `prime_budget` tokens a priming step
         self.keyframe = keyframe
@@ -112,7 +114,7 @@ class StepLoop:
             expected = rec.index + 1
             if self.priming is not None:
                 self.priming.note_step(rec.scheduler_output)
-            yield self._without_skipped(rec) if self.skip else rec
+            yield self._transformed(rec)
         if self.keyframe is not None and self.priming is None:
             raise UsageError(f"{self.path}: no keyframe at step {self.keyframe}")
 
@@ -123,19 +125,26 @@ class StepLoop:
             self.external[rid] = r.request.name
             self.internal[r.request.name] = rid
             self.positions[rid] = len(r.output_token_ids)
-        live = [r.request.request_id for r in kf.requests if r.request.request_id in self.skip]
+        changed = self.skip | set(self.swap.kinds if self.swap else ())
+        live = [r.request.request_id for r in kf.requests if r.scheduled and r.request.request_id in changed]
         if live:
-            raise UsageError(f"{self.path}: request {live[0]!r} is live at the keyframe of step {kf.step} and cannot "
-                             "be left out of a replay from it")
+            raise UsageError(f"{self.path}: request {live[0]!r} is live at the keyframe of step {kf.step}: a replay "
+                             "from it can neither leave it out nor swap its content")
         self.priming = prime(self.runner, kf, self.prime_budget)
 
-    def _without_skipped(self, step: Step) -> Step:
-        """`step` as the runner gets it with the requests in `skip` left out (their outputs are not compared)."""
-        so = step.scheduler_output
-        go = step.grammar_output
-        if go is not None:
-            go = go.without(self.skip, so.scheduled_spec_decode_tokens)
-        return msgspec.structs.replace(step, scheduler_output=so.without(self.skip), grammar_output=go)
+    def _transformed(self, step: Step) -> Step:
+        """`step` as the runner gets it: the requests in `skip` left out (their outputs are not compared), those in
+        `swap` with their tokens rewritten."""
+        if not self.skip and not self.swap:
+            return step
+        so, go = step.scheduler_output, step.grammar_output
+        if self.skip:
+            if go is not None:
+                go = go.without(self.skip, so.scheduled_spec_decode_tokens)
+            so = so.without(self.skip)
+        if self.swap:
+            so = self.swap.step(so)
+        return msgspec.structs.replace(step, scheduler_output=so, grammar_output=go)
 
     def execute(self, step: Step, run: Callable[[Step], ModelRunnerOutput] | None = None) -> ModelRunnerOutput:
         """Apply the step's diff (in forced mode with the last step's recorded tokens) and run it: with
@@ -166,6 +175,8 @@ class StepLoop:
         self.sampled = {rid: toks for rid, toks in zip(out.req_ids, out.sampled_token_ids) if toks}
         for rid, toks in self.sampled.items():
             self.positions[rid] = self.positions.get(rid, 0) + len(toks)
+        if self.swap:
+            self.sampled = self.swap.sampled(self.sampled)
 
     def replay(self, records: Iterable[Record], *, last: int | None = None, until: int | None = None,
                run: Callable[[Step], ModelRunnerOutput] | None = None) -> Iterator[tuple[Step, ModelRunnerOutput]]:

@@ -167,7 +167,7 @@ def _repro(path: str, step: int, opts: ReplayOptions, p: _Pass) -> str:
         args += ["--set", f"{k}={v}"]
     if opts.plant is not None:
         p = opts.plant
-        args += ["--plant", f"{p.step}:{p.request}:{p.module}:{p.size}"]
+        args += ["--plant", f"{p.step}:{p.request}:{p.module}:{p.size}" + (f"*{p.source}" if p.source else "")]
     return " ".join(shlex.quote(a) for a in args)
 
 

@@ -113,3 +113,18 @@ def test_engine_arguments_and_environment_variables_are_knobs_of_a_vllm_replay(t
         replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm", "vllm.no_such_argument": "1"}))
     with pytest.raises(UsageError, match="vllm.block_size: a replay runs the recorded steps on the recorded KV block"):
         replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm", "vllm.block_size": "16"}))
+
+
+def test_a_leak_planted_in_vllms_model_is_named_at_tp2_and_nothing_leaks_without_it(tp2_capture):
+    from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
+    from replay.integrations.vllm.engines import Engines
+
+    with Engines() as engines:
+        clean = bisect_leak(tp2_capture, 4, "2", overrides={"runner": "vllm"}, engines=engines)
+        plant = Plant(4, "2", "model.layers.1.mlp", 0.05, "4")
+        leak = bisect_leak(tp2_capture, 4, "2", overrides={"runner": "vllm"}, plant=plant, engines=engines)
+        assert engines.starts == 1  # every replay of both bisects ran on one engine
+    assert clean.found == NO_LEAK and clean.runner == "vllm", clean.verdict
+    assert all(t.neighbours_changed == t.neighbours_sampling == 5 for t in clean.tests), clean.tests
+    assert leak.found == CONTAMINATION and leak.minimal_set == ["4"], leak.verdict
+    assert leak.first_module == "model.layers.1.mlp" and "on vLLM's runner" in leak.verdict

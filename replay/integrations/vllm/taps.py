@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 _TAPS = "_replay_taps"  # the worker's attribute that holds the installed hooks and what they kept
+BATCH = "#batch"  # a plant's source that stands for the batch's size (`replay.replayer.plant`)
 LOGITS = "logits_processor"  # vLLM's module that computes the logits (`lm_head` itself is never called)
 
 
@@ -32,13 +33,15 @@ def _model_runner(worker: Any) -> Any:
     return getattr(worker, "worker", worker).model_runner  # a WorkerWrapperBase or the worker itself
 
 
-def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float] | None,
+def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float, str] | None,
                  drafts: dict[str, int]) -> list[str]:
     """On one worker: hooks on every named module (`modules`), else on the logits processor only, keeping `watch`'s
-    rows; with `plant` = (module, size), that module's output gets `size` added to the largest element of each of
-    `watch`'s rows (every rank adds to its own output: one element where the output is whole, one per shard where
-    it is sharded). `drafts`: the drafts each request verifies (its logits rows beyond the first). Returns the
-    model's module names (the caller checks the planted one)."""
+    rows; with `plant` = (module, size, source), that module's output gets `size` added to the largest element of
+    each of `watch`'s rows (every rank adds to its own output: one element where the output is whole, one per shard
+    where it is sharded), or with a `source` request, `size` times the mean of the source's rows (a leak; nothing
+    where the source is not in the batch), or with BATCH, `size` times the batch's token count (a fault of shape
+    alone). `drafts`: the drafts each request verifies (its logits rows beyond the
+    first). Returns the model's module names (the caller checks the planted one)."""
     import torch
 
     collect_taps(worker)  # hooks a failed step left behind
@@ -47,14 +50,14 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
     state: dict[str, Any] = {"rows": [], "handles": [], "calls": {}, "planted": 0}
     setattr(worker, _TAPS, state)
 
-    def span(name: str, out: torch.Tensor) -> tuple[int, int] | None:
+    def span(name: str, out: torch.Tensor, rid: str = watch) -> tuple[int, int] | None:
         batch = runner.input_batch
-        i = batch.req_id_to_index.get(watch)
+        i = batch.req_id_to_index.get(rid)
         if i is None or out.dim() == 0:
             return None
         if name == LOGITS:
             start = i + sum(drafts.get(r, 0) for r in batch.req_ids[:i])
-            return start, start + 1 + drafts.get(watch, 0)
+            return start, start + 1 + drafts.get(rid, 0)
         qsl = runner.query_start_loc.np
         if out.shape[0] < int(qsl[batch.num_reqs]):
             return None  # not one row per token (a pooled or per-request output)
@@ -75,10 +78,15 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
         if plant is not None and name == plant[0]:
             first = parts[0].clone(memory_format=torch.contiguous_format)
             flat = first.view(first.shape[0], -1)
-            cols = flat[a:b].argmax(dim=1)
-            flat[torch.arange(a, b, device=flat.device), cols] += plant[1]
+            leak = plant[2] not in ("", BATCH)
+            source = span(name, parts[0], plant[2]) if leak else None
+            if source is not None:
+                flat[a:b] += plant[1] * flat[source[0]:source[1]].mean(dim=0)
+            elif not leak:
+                cols = flat[a:b].argmax(dim=1)
+                flat[torch.arange(a, b, device=flat.device), cols] += plant[1] * (flat.shape[0] if plant[2] else 1)
             parts[0] = first
-            state["planted"] += 1
+            state["planted"] += source is not None or not leak
             if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple
                 changed = type(out)(*parts)
             else:

@@ -157,7 +157,7 @@ class VllmRunner:
         self._so = None
         self._emitted: dict[str, int] = {}  # tokens each request emitted in the last step run (several with drafts)
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
-        self._plant: tuple[str, float] | None = None  # the fault the installed taps add
+        self._plant: tuple[str, float, str] | None = None  # the fault the installed taps add
 
     @staticmethod
     def _plan(model: str, m, ec, overrides: dict[str, str], header: Header) -> tuple[dict[str, Any], str | None]:
@@ -276,6 +276,11 @@ class VllmRunner:
         return mro
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows."""
+        return int(self._scheduler.vllm_config.model_config.get_vocab_size())
+
+    @property
     def num_blocks(self) -> int:
         """KV blocks the engine has (the recorded number: it is built with it)."""
         return int(self._scheduler.cache_config.num_gpu_blocks or 0)
@@ -315,9 +320,10 @@ class VllmRunner:
             self.executor.execute_model(self._to_vllm(finish))
         self._so, self._emitted = None, {}
 
-    def start_taps(self, watch: str, modules: bool = True, plant: tuple[str, float] | None = None) -> None:
+    def start_taps(self, watch: str, modules: bool = True, plant: tuple[str, float, str] | None = None) -> None:
         """Before `run_step` (after `update_states`): hooks in every worker that keep `watch`'s output rows of every
-        module (`modules`) or of the logits only, and add a planted fault (`plant` = (module, size)). A module the
+        module (`modules`) or of the logits only, and add a planted fault (`plant` = (module, size, the internal id
+        of a leak's source or "")). A module the
         model does not have is a usage error."""
         if self._scheduler.vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise UsageError("module hooks and --plant on vLLM's runner need the whole model in every worker: with "

@@ -5,7 +5,7 @@ the blocks it found computed)."""
 
 from __future__ import annotations
 
-from replay.bisect.vllm_session import co_batched
+from replay.bisect.session import co_batched
 from replay.capture import CaptureReader, Step
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic

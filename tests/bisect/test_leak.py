@@ -1,0 +1,58 @@
+"""`bisect leak` on the builtin runner: a planted leak (R's rows take a multiple of a neighbour's) is named with its
+neighbour and module, exit 1; without it nothing moves although every swapped neighbour samples otherwise, exit 0;
+a fault of the batch's size alone is not called contamination; from a keyframe, requests live there are kept and
+a neighbour that arrived after it is found as from step 0.
+
+`keyed_capture` (tests/conftest.py): a keyframe every 4 steps; r6 decodes beside r7 in steps 21-34, and r7 is
+preempted at step 26 and resumed (recomputed) at 27, so a swap carries it through a resume.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
+from replay.cli import main
+from replay.errors import CannotTestError
+from replay.replayer import Plant
+
+
+def test_a_planted_leak_is_named_with_its_neighbour_and_module_and_exits_1(keyed_capture, capsys):
+    plant = "29:r6:layers.1.self_attn.o_proj:0.02*r7"
+    code = main(["bisect", "leak", str(keyed_capture), "--step", "29", "--request", "r6", "--from-start",
+                 "--plant", plant, "--json", "-q"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 1 and res["found"] == CONTAMINATION
+    assert res["minimal_set"] == ["r7"] and res["first_module"] == "layers.1.self_attn.o_proj", res["verdict"]
+    assert res["tests"][0]["moved"] and res["tests"][0]["neighbours_changed"] >= 1
+    earlier = [m for m in res["modules"] if m["module"] != "layers.1.self_attn.o_proj"][:5]
+    assert all(m["equal"] for m in earlier)  # the modules before it ran on R's rows alone
+
+
+def test_without_a_fault_nothing_moves_though_every_swap_took_effect(keyed_capture, capsys):
+    code = main(["bisect", "leak", str(keyed_capture), "--step", "29", "--request", "r6", "--from-start", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith(NO_LEAK), out
+    res = bisect_leak(keyed_capture, 29, "r6", from_start=True)
+    assert [t.content for t in res.tests] == ["random", "shuffled", "repeated"]
+    assert all(not t.moved and t.neighbours_changed == t.neighbours_sampling > 0 for t in res.tests), res.tests
+    assert sorted(res.neighbours) == ["r3", "r4", "r5", "r7"] and res.re_executions == 4
+
+
+def test_a_fault_of_the_batchs_size_alone_is_not_contamination(keyed_capture):
+    plant = Plant(29, "r6", "layers.0.mlp", 1e-3, "#batch")
+    res = bisect_leak(keyed_capture, 29, "r6", plant=plant, from_start=True)
+    assert res.found == NO_LEAK, res.verdict
+
+
+def test_from_a_keyframe_live_requests_are_kept_and_a_later_neighbour_is_found_as_from_step_0(keyed_capture):
+    plant = Plant(23, "r6", "layers.0.self_attn", 0.05, "r7")
+    near = bisect_leak(keyed_capture, 23, "r6", plant=plant)
+    far = bisect_leak(keyed_capture, 23, "r6", plant=plant, from_start=True)
+    assert near.minimal_set == far.minimal_set == ["r7"] and near.first_module == far.first_module
+    assert near.neighbours == ["r7"] and {"r4", "r5"} <= set(near.kept)
+    assert any("keyframe at step 20" in n for n in near.notes), near.notes
+    with pytest.raises(CannotTestError, match="--from-start can swap them"):
+        bisect_leak(keyed_capture, 29, "r6")  # at the keyframe of step 28 r7 is live, like everyone else
