@@ -46,10 +46,11 @@ class StepSession(Session):
         self.snap = self.runner.snapshot()
         self.num_blocks = self.runner.kv.num_blocks
 
-    def _replay(self, swap: Swap | None) -> StepLoop:
-        """The steps before S from the session's start, `swap`'s requests with other content; stops before S."""
+    def _replay(self, swap: Swap | None, skip: set[str] = frozenset()) -> StepLoop:
+        """The steps before S from the session's start, `swap`'s requests with other content, `skip` left out of
+        each; stops before S."""
         with CaptureReader(self.path) as r:
-            loop, records = loop_from(r, self.runner, self.start)
+            loop, records = loop_from(r, self.runner, self.start, skip=skip)
             loop.swap = swap
             for rec, _ in loop.replay(records, until=self.target):
                 if rec.index % 50 == 0:
@@ -64,16 +65,18 @@ class StepSession(Session):
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
             hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None,
-            swap: dict[str, str] | None = None) -> Run:
+            swap: dict[str, str] | None = None, throughout: bool = False) -> Run:
         """Re-execute the step from the snapshot with only `keep` (None: everyone) plus `pad` one-token padding
         requests, and `plant`'s fault; with `swap` (internal id -> content kind), replay to the step again with those
-        requests' tokens swapped for others of the same shapes. Return `watch`'s logits (and every module's output
-        rows for it, with `modules`)."""
+        requests' tokens swapped for others of the same shapes; with `throughout`, replay to it again with `keep`'s
+        complement among `watch`'s `companions` left out of every step (as vLLM's runner always does). Return
+        `watch`'s logits (and every module's output rows for it, with `modules`)."""
         swapper = self.swapper(swap)
         prev = self.prev
-        if swapper:
+        skip = set(self.companions(watch)) - keep if throughout and keep is not None else set()
+        if swapper or skip:
             self.runner.restore(self.empty)
-            prev = self._replay(swapper).sampled
+            prev = self._replay(swapper, skip).sampled
         else:
             self.runner.restore(self.snap)
         so, grammar = self.without(set() if keep is None

@@ -23,6 +23,7 @@ import torch
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.module_compare import ModuleDiff, compare_modules
 from replay.bisect.open_session import make_session
+from replay.bisect.session import Session
 from replay.contracts import ModelRunnerOutput
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -92,7 +93,7 @@ def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: t
     log(f"replaying {path} to step {step}")
     s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
     try:
-        return _bisect(s, str(path), request, contents, plant, log)
+        return leak_in_session(s, request, contents=contents, plant=plant, log=log)
     finally:
         s.close()
 
@@ -119,8 +120,11 @@ def _changed(a: ModelRunnerOutput | None, b: ModelRunnerOutput | None, ids: set[
     return sum(ra[r] != rb[r] for r in both), len(both)
 
 
-def _bisect(s, path: str, request: str, contents: tuple[str, ...], plant: Plant | None, log) -> LeakBisect:
-    step = s.step.index
+def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CONTENTS, plant: Plant | None = None,
+                    log: Callable[[str], None] | None = None) -> LeakBisect:
+    """`bisect_leak` on a session already at its step (`explain` shares one engine among its tests)."""
+    log = log or (lambda msg: None)
+    path, step = s.path, s.step.index
     rid = s.request_id(request)
     if plant is not None and plant.step != step:
         raise UsageError(f"--plant is at step {plant.step}: bisect leak re-executes step {step} only")

@@ -107,11 +107,11 @@ class VllmStepSession(Session):
 
     def run(self, watch: str, keep: set[str] | None = None, pad: int = 0,
             hooks: list[Callable[[], Any]] | None = None, modules: bool = False, plant: Plant | None = None,
-            swap: dict[str, str] | None = None) -> Run:
+            swap: dict[str, str] | None = None, throughout: bool = True) -> Run:
         """Replay steps 0..S with only `keep` of `watch`'s neighbours (None: everyone) in every step, plus `pad`
         one-token padding requests at S, and `plant`'s fault at S, the requests in `swap` (internal id -> content)
         with other tokens of the same shapes; return `watch`'s logits (and every module's output rows for it, with
-        `modules`)."""
+        `modules`). Requests left out are left out of every step (`throughout` is always so here)."""
         if hooks:
             raise UsageError("hooks are builtin-runner callables; on vLLM's runner plant a fault with --plant")
         skip = set() if keep is None else set(self.neighbours(watch)) - set(keep)

@@ -1,4 +1,4 @@
-"""The `replay bisect` subcommands: steps, batch, leak, layers, config."""
+"""The `replay bisect` subcommands (steps, batch, leak, layers, config) and `replay explain`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from replay.cli.common import (
     StateOpt,
     StepsOpt,
     bisect_command,
+    command,
     emit,
     fan_out_options,
     progress_log,
@@ -183,3 +184,43 @@ def bisect_config(
     res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state,
                  how=fan_out_options(jobs, ray, ray_address))
     emit(res, render_bisect_config, json=json)
+
+
+@command
+def explain(
+    capture: Path = CaptureArg,
+    pair: tuple[str, str] | None = typer.Option(None, "--pair", help="Two requests with the same prompt and "
+                                                "sampling that answered differently."),
+    pairs: bool = typer.Option(False, "--pairs", help="List every such group, and explain the first."),
+    plant: str | None = PlantOpt,
+    set_: list[str] | None = SetOpt,
+    runner: str | None = RunnerOpt,
+    from_start: bool = FromStartOpt,
+    quiet: bool = QuietOpt,
+    json: bool = JsonOpt,
+) -> None:
+    """Bug or noise? Why two requests with the same prompt and sampling answered differently: RUN-TO-RUN (the
+    replay does not repeat itself), CONTAMINATION (one reads a neighbour's content: exit 1) or BATCH VARIANCE (the
+    batch's shape), with the evidence."""
+    from replay.bisect.explain_pair import explain_pair, twin_groups
+    from replay.cli.render_explain import render_pair, render_twins
+    from replay.errors import UsageError
+    from replay.replayer import Plant, parse_overrides
+
+    if (pair is None) == (not pairs):
+        raise UsageError("explain: give --pair A B, or --pairs")
+    if pair is None:
+        groups = twin_groups(capture)
+        if not json:
+            print(render_twins(groups))
+        if not groups:
+            if json:
+                emit(groups, render_twins, json=True)
+            return
+        pair = (groups[0].requests[0], groups[0].requests[1])
+    knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
+    res = explain_pair(capture, *pair, overrides=parse_overrides(knobs), plant=Plant.parse(plant) if plant else None,
+                       log=progress_log(quiet), from_start=from_start)
+    emit(res, render_pair, json=json)
+    if res.bug:
+        raise typer.Exit(1)

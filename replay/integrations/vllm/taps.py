@@ -86,7 +86,7 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
                 cols = flat[a:b].argmax(dim=1)
                 flat[torch.arange(a, b, device=flat.device), cols] += plant[1] * (flat.shape[0] if plant[2] else 1)
             parts[0] = first
-            state["planted"] += source is not None or not leak
+            state["planted"] += 1  # (the hook ran on the watched rows: a leak whose source is absent adds nothing)
             if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple
                 changed = type(out)(*parts)
             else:

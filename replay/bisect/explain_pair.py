@@ -1,0 +1,288 @@
+"""`explain_pair`: two requests of one capture with the same prompt and sampling gave two answers. Bug or noise?
+
+1. The first output position p where they part, and the steps that computed it (S_A, S_B).
+2. Each re-executed alone, in every step up to its S: on a deterministic engine A alone and B alone, on the same
+   schedule, are bitwise equal. A replay that does not repeat itself is RUN-TO-RUN; two schedules of their own
+   (another chunking of the prefill, a prefix-cache hit) that part alone are the shape of their own history.
+3. Equal alone: the batches did it. B's neighbours are given other content of the same shapes (`bisect leak`): if
+   B moves, B reads something of theirs (CONTAMINATION, the neighbour and the module named); if not, the batch's
+   shape did it (BATCH VARIANCE: both batches' shapes, the margin at p, and the knob that removes it).
+
+`twin_groups` lists every group of identical requests whose outputs differ: "did my server ever answer the same
+prompt twice, differently?".
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import torch
+
+from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
+from replay.bisect.open_session import make_session
+from replay.capture import CaptureReader, RequestAdded, Step
+from replay.contracts import SAMPLING_EPS
+from replay.diff.captures import read_aligned
+from replay.diff.rules import margin
+from replay.diff.step import BatchComposition
+from replay.errors import CannotTestError, UsageError
+from replay.integrations.vllm.engines import Engines
+from replay.replayer import Plant
+
+RUN_TO_RUN = "RUN-TO-RUN"
+BATCH_VARIANCE = "BATCH VARIANCE"
+NOTHING = "NOTHING TO EXPLAIN"
+
+
+class Twins(msgspec.Struct):
+    """Requests with the same prompt and sampling whose outputs differ."""
+
+    requests: list[str]  # external ids, in arrival order
+    position: int  # the first output position where any two part
+    kind: str  # "token" | "logprobs" | "length"
+    max_abs_logprob_diff: float  # at that position, over the logprobs both hold
+
+
+class PairExplanation(msgspec.Struct):
+    """The answer of `explain --pair A B`."""
+
+    capture: str
+    a: str
+    b: str
+    found: str  # RUN-TO-RUN | CONTAMINATION | BATCH VARIANCE | NOTHING TO EXPLAIN
+    verdict: str
+    bug: bool  # exit 1: contamination, or run-to-run where the settings promise determinism
+    position: int | None = None
+    kind: str = ""
+    step_a: int | None = None
+    step_b: int | None = None
+    batch_a: BatchComposition | None = None
+    batch_b: BatchComposition | None = None
+    margin: float | None = None  # top1 - top2 raw logprob at p, as A recorded it
+    alone_equal: bool | None = None
+    alone_max_abs_logit_diff: float = 0.0
+    leak: LeakBisect | None = None
+    knob: str = ""  # what removes batch variance on this engine, where it has one
+    re_executions: int = 0
+    runner: str = "builtin"
+    notes: list[str] = []
+
+
+def _requests(path: str | os.PathLike) -> dict[str, RequestAdded]:
+    """External id -> arrival."""
+    with CaptureReader(path) as r:
+        return {rec.request.name: rec for rec in r.records() if isinstance(rec, RequestAdded)}
+
+
+def _schedules(path: str | os.PathLike, rids: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """Internal id -> its own schedule: (tokens computed before, tokens scheduled) in each step that ran it."""
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    with CaptureReader(path) as r:
+        for rec in r.records():
+            if isinstance(rec, Step):
+                so = rec.scheduler_output
+                before = so.num_computed_before()
+                for rid in rids & so.num_scheduled_tokens.keys():
+                    out[rid].append((before.get(rid, 0), so.num_scheduled_tokens[rid]))
+    return out
+
+
+def _twin_key(rec: RequestAdded) -> tuple | None:
+    """What two requests must share to be twins; None for a request whose draws differ by design (unseeded)."""
+    req = rec.request
+    sp = req.sampling_params
+    if sp is None or req.prompt_token_ids is None:
+        return None
+    if sp.temperature >= SAMPLING_EPS and sp.seed is None:
+        return None
+    return tuple(req.prompt_token_ids), msgspec.json.encode(msgspec.structs.replace(sp, extra_args=None))
+
+
+def _part(a: list, b: list) -> tuple[int, str, float] | None:
+    """The first position where two (step, token, row) lists part: (position, kind, max |Δlogprob| there)."""
+    for p, ((_, ta, ra), (_, tb, rb)) in enumerate(zip(a, b)):
+        if ta != tb:
+            return p, "token", 0.0
+        if ra is not None and rb is not None and not (np.array_equal(ra.ids, rb.ids) and
+                                                      np.array_equal(ra.values, rb.values)):
+            common = ra.ids[np.isin(ra.ids, rb.ids)]
+            va = {int(i): float(v) for i, v in zip(ra.ids, ra.values)}
+            vb = {int(i): float(v) for i, v in zip(rb.ids, rb.values)}
+            return p, "logprobs", max((abs(va[int(i)] - vb[int(i)]) for i in common), default=float("inf"))
+    if len(a) != len(b):
+        return min(len(a), len(b)), "length", 0.0
+    return None
+
+
+def twin_groups(path: str | os.PathLike) -> list[Twins]:
+    """Every group of requests with the same prompt and sampling (greedy, or the same seed) whose outputs differ,
+    those that part in a token first, then by the size of their first difference."""
+    arrivals = _requests(path)
+    side = read_aligned(path)
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name, rec in arrivals.items():
+        key = _twin_key(rec)
+        if key is not None:
+            groups[key].append(name)
+    out = []
+    for names in groups.values():
+        seqs = [side.outputs.get(side.key_of.get(arrivals[n].request.request_id, ""), []) for n in names]
+        parts = [x for i in range(1, len(names)) if (x := _part(seqs[0], seqs[i])) is not None]
+        if len(names) > 1 and parts:
+            p, kind, diff = min(parts, key=lambda x: x[0])
+            out.append(Twins(names, p, kind, diff))
+    return sorted(out, key=lambda t: (t.kind != "token", -t.max_abs_logprob_diff if t.kind == "logprobs" else 0))
+
+
+def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str, str] | None = None,
+                 plant: Plant | None = None, log: Callable[[str], None] | None = None, from_start: bool = False,
+                 engines: Engines | None = None) -> PairExplanation:
+    """See the module docstring. `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (every
+    re-execution then runs on one engine, from `engines` where given). `plant`: a fault added in every
+    re-execution of its step (a planted leak). Each replay starts at the nearest keyframe unless `from_start`."""
+    log = log or (lambda msg: None)
+    path = str(path)
+    arrivals = _requests(path)
+    for name in (a, b):
+        if name not in arrivals:
+            raise UsageError(f"{path}: no request {name!r} (requests: {', '.join(list(arrivals)[:8])}, ...)")
+    if _twin_key(arrivals[a]) is None or _twin_key(arrivals[a]) != _twin_key(arrivals[b]):
+        raise UsageError(f"requests {a} and {b} do not share their prompt and sampling (greedy, or the same seed): "
+                         "two answers are expected")
+    side = read_aligned(path)
+    seq_a, seq_b = (side.outputs.get(side.key_of[arrivals[n].request.request_id], []) for n in (a, b))
+    parted = _part(seq_a, seq_b)
+    runner = (overrides or {}).get("runner", "builtin")
+    if parted is None:
+        return PairExplanation(path, a, b, NOTHING, f"{NOTHING}: requests {a} and {b} gave the same "
+                               f"{len(seq_a)} tokens and logprobs", False, runner=runner)
+    p, kind, _ = parted
+    if kind == "length":
+        raise UsageError(f"requests {a} and {b} agree on their {p} common tokens and stop apart: nothing to "
+                         "re-execute")
+    step_a, step_b = seq_a[p][0], seq_b[p][0]
+    m = margin(seq_a[p][2])
+    log(f"{a} and {b} part at output position {p} ({kind}): steps {step_a} and {step_b}")
+    own = engines if engines is not None or runner != "vllm" else Engines(keep=1)
+    try:
+        ids = {n: arrivals[n].request.request_id for n in (a, b)}
+        return _explain(path, a, b, p, kind, step_a, step_b, m, side, ids, overrides, plant, log, from_start, own)
+    finally:
+        if own is not engines:
+            own.close()
+
+
+def _explain(path, a, b, p, kind, step_a, step_b, m, side, side_ids, overrides, plant, log, from_start,
+             engines) -> PairExplanation:
+    runs = 0
+    notes: list[str] = []
+
+    def alone(name: str, step: int):
+        nonlocal runs
+        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
+        try:
+            rid = s.request_id(name)
+            here = plant if plant is not None and plant.step == step else None
+            first = s.run(rid, keep={rid}, throughout=True, plant=here)
+            again = s.run(rid, keep={rid}, throughout=True, plant=here)
+            runs += 2
+            notes.extend(n for n in s.notes if n not in notes)
+            return first, again, s.runner_kind
+        finally:
+            s.close()
+
+    a1, a2, kind_of_runner = alone(a, step_a)
+    b1, _, _ = alone(b, step_b)
+    on = " on vLLM's runner" if kind_of_runner == "vllm" else ""
+    common = dict(position=p, kind=kind, step_a=step_a, step_b=step_b, batch_a=side.batches.get(step_a),
+                  batch_b=side.batches.get(step_b), margin=m, runner=kind_of_runner, notes=notes)
+    promised = _determinism_promised(path, overrides)
+    if not torch.equal(a1.logits, a2.logits):
+        diff = float((a1.logits - a2.logits).abs().max())
+        return PairExplanation(path, a, b, RUN_TO_RUN, f"{RUN_TO_RUN}: request {a} alone at step {step_a}{on} gives "
+                               f"two answers in two replays of the very same steps (max |Δlogit| {diff:.3g})",
+                               promised, alone_equal=False, alone_max_abs_logit_diff=diff, re_executions=runs,
+                               **common)
+    same = torch.equal(a1.logits, b1.logits)
+    diff = 0.0 if same else float((a1.logits - b1.logits).abs().max())
+    if not same:
+        ids = {side_ids[a], side_ids[b]}
+        own = _schedules(path, ids)
+        sa, sb = own[side_ids[a]], own[side_ids[b]]
+        if [x[1] for x in sa] == [x[1] for x in sb] and sa[:1] == sb[:1]:
+            verdict = (f"{RUN_TO_RUN}: requests {a} and {b}, alone{on} on the same schedule of their own, part at "
+                       f"output position {p} (max |Δlogit| {diff:.3g}): the same computation gave two answers")
+            return PairExplanation(path, a, b, RUN_TO_RUN, verdict, promised, alone_equal=False,
+                                   alone_max_abs_logit_diff=diff, re_executions=runs, **common)
+        verdict = (f"{BATCH_VARIANCE}: requests {a} and {b} part at output position {p} even alone{on} (max "
+                   f"|Δlogit| {diff:.3g}), and each repeats itself: their own schedules differ ({_own(sa)} against "
+                   f"{_own(sb)})")
+        return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, alone_equal=False,
+                               alone_max_abs_logit_diff=diff, knob=_knob(kind_of_runner), re_executions=runs,
+                               **common)
+    leaks: list[LeakBisect] = []
+    for name, step in ((b, step_b), (a, step_a)):  # a leak into either parts them: B first
+        log(f"{a} and {b} alone are bitwise equal: swapping {name}'s neighbours' content at step {step}")
+        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
+        try:
+            if s.companions(s.request_id(name)):
+                leaks.append(leak_in_session(s, name, log=log,
+                                             plant=plant if plant is not None and plant.step == step else None))
+        finally:
+            s.close()
+        if leaks and leaks[-1].contaminated:
+            break
+    if not leaks:
+        raise CannotTestError(f"requests {a} and {b} are bitwise equal alone, and neither shares a step with a "
+                              "request whose content can be swapped: nothing else to test")
+    runs += sum(x.re_executions for x in leaks)
+    leak = leaks[-1] if leaks[-1].contaminated else leaks[0]
+    swapped = sorted({n for x in leaks for n in x.neighbours})
+    if leak.contaminated:
+        verdict = (f"{CONTAMINATION}: requests {a} and {b} are bitwise equal alone, and {leak.request} at step "
+                   f"{leak.step}{on} "
+                   f"moves when {' and '.join(leak.minimal_set)} {'is' if len(leak.minimal_set) == 1 else 'are'} "
+                   "given other tokens of the same shapes" +
+                   (f"; first at {leak.first_module}" if leak.first_module else ""))
+        return PairExplanation(path, a, b, CONTAMINATION, verdict, True, alone_equal=True, leak=leak,
+                               re_executions=runs, **common)
+    ba, bb = common["batch_a"], common["batch_b"]
+    shapes = f"; batches: {_shape(ba)} at step {step_a}, {_shape(bb)} at step {step_b}" if ba and bb else ""
+    knob = _knob(kind_of_runner)
+    who = " and ".join(x.request for x in leaks)
+    verdict = (f"{BATCH_VARIANCE}: requests {a} and {b} are bitwise equal alone{on}, and {who} "
+               f"{'does' if len(leaks) == 1 else 'do'} not move when their {len(swapped)} neighbours are given other "
+               f"content of the same shapes: the batch's shape parted them at output position {p}"
+               + (f" (margin {m:.3g})" if m is not None else "") + shapes + (f"; {knob} removes it" if knob else ""))
+    return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, alone_equal=True, leak=leak, knob=knob,
+                           re_executions=runs, **common)
+
+
+def _own(schedule: list[tuple[int, int]]) -> str:
+    """A request's prefill as scheduled: its chunks, and the tokens it found computed."""
+    prefill = [n for _, n in schedule if n > 1] or [schedule[0][1]] if schedule else []
+    hit = schedule[0][0] if schedule else 0
+    return f"prefill chunks {prefill}" + (f" after a prefix-cache hit of {hit} tokens" if hit else "")
+
+
+def _shape(b: BatchComposition) -> str:
+    return (f"{b.num_requests} request{'s' * (b.num_requests != 1)}, {b.num_tokens} tokens "
+            f"({b.num_prefill} prefill)")
+
+
+def _knob(runner: str) -> str:
+    """The setting that makes this engine batch-invariant, where it has one."""
+    return "--set env.VLLM_BATCH_INVARIANT=1" if runner == "vllm" else "--set batch_invariant=true"
+
+
+def _determinism_promised(path: str, overrides: dict[str, str] | None) -> bool:
+    """The recording promised bitwise repeats: batch-invariant mode (ours, or vLLM's variable)."""
+    with CaptureReader(path) as r:
+        h = r.header
+    knob = (overrides or {}).get("batch_invariant", "")
+    return bool(getattr(h.engine_config, "batch_invariant", False)) or knob.lower() in ("1", "true") or \
+        h.environment.env.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")

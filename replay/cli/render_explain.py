@@ -1,0 +1,37 @@
+"""Rendering `replay explain`: the class and its evidence, or the groups of twins that answered differently."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replay.bisect.explain_pair import PairExplanation, Twins
+
+
+def render_twins(groups: list[Twins]) -> str:
+    """`explain --pairs` without one to explain: every group of identical requests whose outputs differ."""
+    if not groups:
+        return "no two requests with the same prompt and sampling answered differently"
+    lines = [f"{len(groups)} group(s) of requests with the same prompt and sampling answered differently:"]
+    for g in groups:
+        size = f", max |Δlogprob| {g.max_abs_logprob_diff:.3g}" if g.kind == "logprobs" else ""
+        lines.append(f"  {', '.join(g.requests)}: part at output position {g.position} ({g.kind}{size})")
+    return "\n".join(lines)
+
+
+def render_pair(res: PairExplanation) -> str:
+    """`explain --pair A B`: the verdict, then the evidence in the order it was gathered."""
+    lines = [res.verdict]
+    if res.position is not None:
+        lines.append(f"  parted at output position {res.position} ({res.kind}), computed at steps {res.step_a} "
+                     f"({res.a}) and {res.step_b} ({res.b})" +
+                     (f"; top1-top2 margin there {res.margin:.3g}" if res.margin is not None else ""))
+    if res.alone_equal is not None:
+        lines.append(f"  alone: {'bitwise equal' if res.alone_equal else 'differ'}" +
+                     (f" (max |Δlogit| {res.alone_max_abs_logit_diff:.3g})" if not res.alone_equal else ""))
+    if res.leak is not None:
+        lines.append(f"  swap: {res.leak.verdict}")
+    if res.knob:
+        lines.append(f"  the knob: {res.knob}")
+    lines.append(f"  {res.re_executions} replays" + (" on vLLM's runner, one engine" if res.runner == "vllm" else ""))
+    return "\n".join(lines + [f"  note: {n}" for n in res.notes])

@@ -1,0 +1,76 @@
+"""`explain --pair` and `--pairs` on the builtin runner. Twin greedy requests (one prompt, one sampling): `a` in a
+batch of six at step 0, `b` alone later. Without prefix caching their own schedules match: alone they are bitwise
+equal, the swap moves nobody, so the batch's shape parted them (BATCH VARIANCE, exit 0); with a leak planted, the
+swap names the neighbour and the module (CONTAMINATION, exit 1). With prefix caching `b` prefills 4 tokens after a
+hit of 16: alone they part, each repeating itself, and the verdict names the two schedules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, twin_groups
+from replay.bisect.leak import CONTAMINATION
+from replay.cli import main
+from replay.contracts import SamplingParams
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.errors import UsageError
+from replay.record import RecordOptions, WorkloadRequest, record_builtin
+
+TWIN = list(range(50, 70))
+
+
+def _request(name: str, prompt: list[int], at: int, **sp) -> WorkloadRequest:
+    return WorkloadRequest(SamplingParams(**{"max_tokens": 10, "logprobs": 3, "temperature": 0.0, **sp}), None,
+                           prompt, name, at)
+
+
+def _record(path, prefix_caching: bool):
+    reqs = [_request("a", TWIN, 0), *(_request(f"n{i}", list(range(100 + 20 * i, 112 + 20 * i)), 0) for i in range(5)),
+            _request("b", TWIN, 30), _request("c", TWIN, 30, temperature=0.8, seed=1)]
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=200, max_num_seqs=8,
+                                                 max_num_batched_tokens=128, enable_prefix_caching=prefix_caching),
+                       runner=RunnerConfig(num_threads=1))
+    record_builtin(RecordOptions(cfg, reqs, path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    d = tmp_path_factory.mktemp("twins")
+    return _record(d / "twins.capture", False), _record(d / "cached.capture", True)
+
+
+def test_pairs_lists_the_twins_that_answered_differently_and_explains_batch_variance(twins, capsys):
+    plain, _ = twins
+    [group] = twin_groups(plain)
+    assert group.requests == ["a", "b"] and group.kind == "logprobs"  # c samples: not a twin of theirs
+    code = main(["explain", str(plain), "--pairs", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0 and "a, b: part at output position" in out
+    assert f"\n{BATCH_VARIANCE}: requests a and b are bitwise equal alone" in out, out
+    assert "batches: 6 requests, 80 tokens (6 prefill) at step 0, 2 requests, 40 tokens (2 prefill) at step" in out
+
+
+def test_a_planted_leak_makes_the_pair_contamination_with_the_neighbour_and_module(twins, capsys):
+    plain, _ = twins
+    code = main(["explain", str(plain), "--pair", "a", "b", "--plant", "0:a:layers.0.mlp:0.05*n2", "--json", "-q"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 1 and res["found"] == CONTAMINATION and res["bug"]
+    assert res["alone_equal"] and res["leak"]["minimal_set"] == ["n2"]
+    assert res["leak"]["first_module"] == "layers.0.mlp", res["verdict"]
+
+
+def test_twins_on_schedules_of_their_own_part_alone_and_the_verdict_names_both(twins):
+    _, cached = twins
+    res = explain_pair(cached, "a", "b")
+    assert res.found == BATCH_VARIANCE and res.alone_equal is False and not res.bug
+    assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
+
+
+def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins):
+    plain, _ = twins
+    assert explain_pair(plain, "n0", "n0").found == NOTHING
+    with pytest.raises(UsageError, match="do not share their prompt and sampling"):
+        explain_pair(plain, "a", "c")
