@@ -22,6 +22,7 @@ from replay.cli.common import (
     SetOpt,
     StateOpt,
     StepsOpt,
+    ToleranceOpt,
     bisect_command,
     command,
     emit,
@@ -192,23 +193,40 @@ def explain(
     pair: tuple[str, str] | None = typer.Option(None, "--pair", help="Two requests with the same prompt and "
                                                 "sampling that answered differently."),
     pairs: bool = typer.Option(False, "--pairs", help="List every such group, and explain the first."),
+    step: int | None = typer.Option(None, "--step", min=0, help="The replay divergence at this step (default: the "
+                                                                "first)."),
+    request: str | None = typer.Option(None, "--request", help="... of this request."),
     plant: str | None = PlantOpt,
     set_: list[str] | None = SetOpt,
     runner: str | None = RunnerOpt,
+    tolerance: str | None = ToleranceOpt,
+    atol: float = AtolOpt,
+    rtol: float = RtolOpt,
     from_start: bool = FromStartOpt,
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
-    """Bug or noise? Why two requests with the same prompt and sampling answered differently: RUN-TO-RUN (the
-    replay does not repeat itself), CONTAMINATION (one reads a neighbour's content: exit 1) or BATCH VARIANCE (the
-    batch's shape), with the evidence."""
+    """Bug or noise? Why the replay parts from the recording (the first divergence, or --step/--request), or why two
+    requests with the same prompt and sampling answered differently (--pair, --pairs): RUN-TO-RUN, NOT-ARGMAX,
+    SAMPLER, CONFIG, CONTAMINATION, BATCH VARIANCE or RECORDING NOT REPEATABLE, with the evidence and a command.
+    Exit 1 for a bug, 0 for expected numerics or nothing to explain, 125 when it cannot test."""
+    from replay.bisect.explain_divergence import explain_divergence
     from replay.bisect.explain_pair import explain_pair, twin_groups
-    from replay.cli.render_explain import render_pair, render_twins
+    from replay.cli.render_explain import render_divergence, render_pair, render_twins
     from replay.errors import UsageError
-    from replay.replayer import Plant, parse_overrides
 
-    if (pair is None) == (not pairs):
-        raise UsageError("explain: give --pair A B, or --pairs")
+    if pair is not None and pairs:
+        raise UsageError("explain: --pair A B or --pairs, not both")
+    if (pair is not None or pairs) and (step is not None or request is not None):
+        raise UsageError("explain: --step/--request pick a replay divergence; --pair and --pairs explain twins")
+    opts = replay_options("forced", set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, False, plant, runner=runner,
+                          tolerance=tolerance, from_start=from_start)
+    if pair is None and not pairs:
+        res = explain_divergence(capture, opts, step=step, request=request, log=progress_log(quiet))
+        emit(res, render_divergence, json=json)
+        if res.bug:
+            raise typer.Exit(1)
+        return
     if pair is None:
         groups = twin_groups(capture)
         if not json:
@@ -218,9 +236,8 @@ def explain(
                 emit(groups, render_twins, json=True)
             return
         pair = (groups[0].requests[0], groups[0].requests[1])
-    knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
-    res = explain_pair(capture, *pair, overrides=parse_overrides(knobs), plant=Plant.parse(plant) if plant else None,
-                       log=progress_log(quiet), from_start=from_start)
+    res = explain_pair(capture, *pair, overrides=opts.overrides, plant=opts.plant, log=progress_log(quiet),
+                       from_start=from_start)
     emit(res, render_pair, json=json)
     if res.bug:
         raise typer.Exit(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from replay.bisect.explain_divergence import DivergenceExplanation
     from replay.bisect.explain_pair import PairExplanation, Twins
 
 
@@ -35,3 +36,12 @@ def render_pair(res: PairExplanation) -> str:
         lines.append(f"  the knob: {res.knob}")
     lines.append(f"  {res.re_executions} replays" + (" on vLLM's runner, one engine" if res.runner == "vllm" else ""))
     return "\n".join(lines + [f"  note: {n}" for n in res.notes])
+
+
+def render_divergence(res: DivergenceExplanation) -> str:
+    """`explain CAPTURE`: the class and verdict, the evidence, and the command that reproduces it."""
+    lines = [res.verdict, *[f"  evidence: {e}" for e in res.evidence if e not in res.verdict]]
+    if res.command:
+        lines.append(f"  reproduce: {res.command}")
+    lines.append(f"  {res.re_executions} replays" + (" on vLLM's runner" if res.runner == "vllm" else ""))
+    return "\n".join(lines + [f"  note: {n}" for n in res.notes if n not in res.verdict])

@@ -206,7 +206,8 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
     if rep.batch is not None:
         lines.append("  batch: " + _batch_line(rep.batch))
     if rep.suspect:
-        lines.append(f"  suspect: {rep.suspect} (the recording and the replay differ there)")
+        differ = "" if rep.suspect == rep.unknown else " (the recording and the replay differ there)"
+        lines.append(f"  suspect: {rep.suspect}{differ}")
     lines.append(f"  re-run: {rep.repro}")
     flip = rep.first_token_flip
     if flip is not None and flip is not rep.first_divergence:

@@ -6,6 +6,7 @@ from replay.provenance.differences import (
     hardware_differences,
     header_differences,
     is_suspect,
+    unknown_fields,
 )
 from replay.provenance.environment import (
     current_environment,
@@ -22,7 +23,8 @@ from replay.provenance.weights import (
     checkpoint_fingerprint,
 )
 
-__all__ = ["HeaderDifference", "hardware_differences", "header_differences", "current_hardware", "hardware_summary",
+__all__ = ["HeaderDifference", "hardware_differences", "header_differences", "unknown_fields", "current_hardware",
+           "hardware_summary",
            "is_suspect", "current_environment", "pin_threading", "relevant_env", "set_mkl_dynamic",
            "set_torch_threads",
            "make_header", "major_minor", "Fingerprint", "adapter_fingerprint", "checkpoint_fingerprint"]

@@ -176,6 +176,21 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
     return out
 
 
+def unknown_fields(a: Header, b: Header) -> str:
+    """What the replay's header `b` names and the recording's `a` does not (an older capture's header lacks hardware
+    provenance or library settings): unknown is not a difference, but it is no match either, so bitwise cannot be
+    expected. One sentence, or "" when the recording names everything the replay does."""
+    ea, eb = a.environment, b.environment
+    hardware = [LABELS.get(k, k) for k in eb.hardware if k not in ea.hardware]
+    libraries = [k for k in eb.libraries if k not in ea.libraries and k not in HOST_LIBRARY_SETTINGS]
+    if not hardware and not libraries:
+        return ""
+    what = " and ".join(x for x in (", ".join(hardware), ", ".join(libraries)) if x)
+    return (f"the recording's header does not name its {what} (format {a.format_version[0]}."
+            f"{a.format_version[1]}, written by replay {a.tool_version}): unknown, so bitwise is not expected; "
+            "--tolerance auto takes the cross-hardware tolerance")
+
+
 def hardware_differences(differences: list[HeaderDifference]) -> list[HeaderDifference]:
     """Those of `differences` that say the two runs computed on different hardware: a hardware key, or ATen's
     kernel ISA (`cpu_capability`, which ATEN_CPU_CAPABILITY can also lower on the same machine)."""

@@ -18,6 +18,7 @@ from replay.provenance import (
     header_differences,
     pin_threading,
     set_torch_threads,
+    unknown_fields,
 )
 from replay.replayer.knobs import BOOLEANS, env_knobs
 
@@ -64,6 +65,7 @@ class BuiltRunner:
     model_mismatch: str | None = None  # set when the weights differ (refused without --force)
     engine_notes: list[str] = field(default_factory=list)  # what the engine said that changes numerics
     knobs: dict[str, str] = field(default_factory=dict)  # the --set knobs it was built with
+    unknown: str = ""  # what the recording's header does not name that the replay's does (`unknown_fields`)
 
     @property
     def notes(self) -> list[str]:
@@ -72,7 +74,7 @@ class BuiltRunner:
         return [self.model_mismatch] * bool(self.model_mismatch) + [
             d.as_note() for d in self.differences
             if (d.affects in ("hardware", "layout", "numerics", "model") or set_by(d, self.knobs))
-            and d.label != "fingerprint"]
+            and d.label != "fingerprint"] + [self.unknown] * bool(self.unknown)
 
     @property
     def host_notes(self) -> list[str]:
@@ -120,7 +122,8 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
         if not force:
             runner.close()
             raise UsageError(f"{mismatch}; pass --force to replay on this model anyway")
-    return BuiltRunner(runner, kind, replay_header, differences, mismatch, engine_notes, dict(overrides))
+    return BuiltRunner(runner, kind, replay_header, differences, mismatch, engine_notes, dict(overrides),
+                       unknown_fields(header, replay_header))
 
 
 # header fields (their last name) -> the --set knob that changes them, where the two names differ

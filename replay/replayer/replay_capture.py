@@ -135,6 +135,7 @@ class ReplayReport(msgspec.Struct):
     # the recording kept MoE routing that the replay did not return (a runner or vLLM that cannot): not compared
     routing_not_compared: int = 0  # steps
     keyframe_why: str = ""  # why the replay started at `keyframe`
+    unknown: str = ""  # what the recording's header does not name and the replay's does (an older capture)
 
 
 def recorded_draws(header: Header) -> str:
@@ -197,6 +198,7 @@ class _Pass:
     suspect: str = ""  # the difference that leads the suspects, should the replay diverge
     keyframe: int | None = None  # the keyframe the replay started at
     keyframe_why: str = ""
+    unknown: str = ""
     keyframes: list[int] = field(default_factory=list)  # the capture's
     rebuilt: list[str] = field(default_factory=list)  # requests compared as rebuilt, by name
     rebuild_tolerance: Tolerance | None = None
@@ -243,6 +245,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, 
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     out.suspect = lead_suspect(built, opts.overrides) or (out.notes[0] if out.notes else "")
+    out.unknown = built.unknown
     if opts.from_keyframe and opts.steps is None:
         raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
     start = start_at(r, opts.steps.first if opts.steps else None, from_start=opts.from_start)
@@ -382,7 +385,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
                         p.rebuild_tolerance, p.primed_tokens, p.draws_why,
                         sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries),
-                        p.keyframe_why)
+                        p.keyframe_why, p.unknown)
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

@@ -132,7 +132,8 @@ def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
     notes += [f"provenance (cannot change numerics by itself): {d}" for d in rep.host_differences]
     notes += [f"ignored (--force): {what}" for what in rep.ignored]
     notes += [f"tolerance auto: {rep.tolerance_choice}"] * bool(rep.tolerance_choice)
-    notes += [f"suspect: {rep.suspect} (the recording and the replay differ there)"] * bool(rep.suspect)
+    differ = "" if rep.suspect == rep.unknown else " (the recording and the replay differ there)"
+    notes += [f"suspect: {rep.suspect}{differ}"] * bool(rep.suspect)
     notes += [f"capture damaged ({'; '.join(rep.data_lost[:3])})"] * bool(rep.data_lost)
     shown = len(rep.divergences)
     text = (f"The recording against a replay of it ({rep.mode} mode, {how}): {rep.steps_compared:,} steps, "

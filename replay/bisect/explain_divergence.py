@@ -1,0 +1,204 @@
+"""`explain_divergence`: a replay parted from its recording (the first divergence, or the one at `--step S
+--request R`). Bug or noise? The fewest tests that answer it, in this order:
+
+- NOTHING TO EXPLAIN: the replay matches (exit 0);
+- RUN-TO-RUN: the replay does not repeat itself (a bug where the settings promise determinism);
+- NOT-ARGMAX: a greedy request emitted a token that is not its side's argmax: the sampler decided it (exit 1);
+- SAMPLER: a random draw flipped and the logprobs agree: the same distribution, another draw (exit 0);
+- CONFIG: the replay runs under other settings than the recording (a `--set` knob, found by `bisect config`; a
+  header difference; or a header that does not name its hardware, as an older capture's does), exit 0;
+- CONTAMINATION: with nothing else different, R moves when its neighbours get other content of the same shapes
+  (`bisect leak`), exit 1;
+- BATCH VARIANCE: R's numbers move with the batch's size alone (padding), so a batch laid out otherwise than the
+  recording's explains them, exit 0;
+- RECORDING NOT REPEATABLE: the replay repeats itself on the recorded inputs with the recorded settings, and no
+  neighbour or shape moves R, yet the recording differs: it cannot be produced again from its own inputs (exit 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import msgspec
+import torch
+
+from replay.bisect.batch import PAD_SIZES
+from replay.bisect.config import ConfigBisect, bisect_config
+from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
+from replay.bisect.open_session import make_session
+from replay.capture import StepRange
+from replay.diff import Divergence
+from replay.errors import CannotTestError, UsageError
+from replay.replayer import ReplayOptions, replay_capture
+
+NOTHING = "NOTHING TO EXPLAIN"
+RUN_TO_RUN = "RUN-TO-RUN"
+NOT_ARGMAX = "NOT-ARGMAX"
+SAMPLER = "SAMPLER"
+CONFIG = "CONFIG"
+BATCH_VARIANCE = "BATCH VARIANCE"
+NOT_REPEATABLE = "RECORDING NOT REPEATABLE"
+BUGS = (CONTAMINATION, NOT_ARGMAX, NOT_REPEATABLE)
+
+
+class DivergenceExplanation(msgspec.Struct):
+    """The answer of `explain CAPTURE`."""
+
+    capture: str
+    found: str  # one of the classes above
+    verdict: str
+    bug: bool  # exit 1
+    command: str = ""  # what reproduces the evidence
+    divergence: Divergence | None = None
+    evidence: list[str] = []
+    config: ConfigBisect | None = None
+    leak: LeakBisect | None = None
+    re_executions: int = 0
+    runner: str = "builtin"
+    notes: list[str] = []
+
+
+def _pick(divergences: list[Divergence], step: int | None, request: str | None) -> Divergence | None:
+    for d in divergences:
+        if (step is None or d.step == step) and (request is None or request in (d.request_id, d.internal_id)):
+            return d
+    return None
+
+
+def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = None, *, step: int | None = None,
+                       request: str | None = None, log: Callable[[str], None] | None = None) -> DivergenceExplanation:
+    """See the module docstring. `opts`: how to replay (knobs, tolerance, runner); `step`/`request` pick the
+    divergence (default: the first)."""
+    log = log or (lambda msg: None)
+    path = str(path)
+    opts = opts or ReplayOptions()
+    runner = opts.overrides.get("runner", "builtin")
+    steps = StepRange(step, step) if step is not None else opts.steps
+    base = dataclasses.replace(opts, repeat=max(opts.repeat, 2), steps=steps)
+    log(f"replaying {path} twice" + (f" to step {step}" if step is not None else ""))
+    rep = replay_capture(path, base)
+    runs = 2
+    d = _pick(rep.divergences, step, request)
+    where = f" at step {step}" + (f" for request {request}" if request else "") if step is not None else ""
+    common = dict(runner=runner, notes=list(rep.environment_differences))
+    if d is None:
+        tol = rep.tolerance
+        how = "bitwise" if tol.bitwise else f"within atol {tol.atol:g}, rtol {tol.rtol:g}"
+        return DivergenceExplanation(path, NOTHING, f"{NOTHING}: the replay of {path}{where} matches its recording "
+                                     f"({how})", False, re_executions=runs, **common)
+    at = f"request {d.request_id} at step {d.step}, output position {d.position}"
+    command = rep.repro or ""
+    if rep.run_to_run and not rep.run_to_run.startswith("deterministic"):
+        promised = opts.overrides.get("batch_invariant", "").lower() in ("1", "true")
+        return DivergenceExplanation(path, RUN_TO_RUN, f"{RUN_TO_RUN}: the replay does not repeat itself "
+                                     f"({rep.run_to_run}); {at} cannot be pinned on the recording", promised,
+                                     f"{command} --repeat 2", d, re_executions=runs, **common)
+    if d.flip == "not-argmax":
+        return DivergenceExplanation(path, NOT_ARGMAX, f"{NOT_ARGMAX}: {at} is a greedy token that is not its side's "
+                                     f"argmax (recorded rank {d.expected_rank}, replayed rank {d.actual_rank}): the "
+                                     "sampler decided it, not the numerics", True, command, d, re_executions=runs,
+                                     **common)
+    if d.flip == "draw" and d.same_distribution:
+        return DivergenceExplanation(path, SAMPLER, f"{SAMPLER}: {at} drew token {d.actual_token} where the recording "
+                                     f"drew {d.expected_token}, from the same distribution (its logprobs agree within "
+                                     "the tolerance): another draw, not other numbers", False, command, d,
+                                     re_executions=runs, **common)
+    config = _config(path, rep, opts, d, at, command, runs, common, log)
+    if config is not None:
+        return config
+    return _batch_or_leak(path, opts, d, at, command, runs, common, log)
+
+
+def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExplanation | None:
+    """CONFIG, when the replay runs otherwise than the recording: the knobs given (bisected), a header difference,
+    or a recording that does not name its hardware."""
+    knobs = {k: v for k, v in opts.overrides.items() if k != "runner"}
+    if knobs:
+        log(f"bisecting the knobs {_text(knobs)}")
+        good = {k: v for k, v in opts.overrides.items() if k == "runner"}
+        try:
+            found = bisect_config(path, good=_text(good), bad=_text(opts.overrides), steps=StepRange(0, d.step),
+                                  log=log)
+        except UsageError as e:
+            found = None
+            log(f"bisect config: {e}")
+        if found is not None:
+            return DivergenceExplanation(path, CONFIG, f"{CONFIG}: {at} moves because of the settings: "
+                                         f"{found.verdict}", False, f"replay bisect config {path} --bad "
+                                         f"{_text(opts.overrides)}", d, [found.verdict], config=found,
+                                         re_executions=runs + found.re_executions, **common)
+    if rep.suspect and rep.suspect != rep.unknown:
+        return DivergenceExplanation(path, CONFIG, f"{CONFIG}: {at} parts where the replay runs otherwise than the "
+                                     f"recording: {rep.suspect}", False, command, d, list(rep.environment_differences),
+                                     re_executions=runs, **common)
+    if rep.unknown:
+        log("replaying under the cross-hardware tolerance")
+        auto = replay_capture(path, dataclasses.replace(opts, auto_tolerance=True, repeat=1,
+                                                        steps=StepRange(opts.steps.first if opts.steps else 0,
+                                                                        d.step)))
+        a = auto.first_divergence
+        cross = f"atol {auto.tolerance.atol:g}"
+        within = (f"within the cross-hardware tolerance ({cross}) it matches" if a is None
+                  else f"it parts beyond the cross-hardware tolerance too ({cross}; max |Δlogprob| "
+                       f"{a.max_abs_logprob_diff:.3g}), so what the header does not name (the processor, a thread "
+                       "setting) is the suspect")
+        return DivergenceExplanation(path, CONFIG, f"{CONFIG} (hardware unknown): {at} parts, and {rep.unknown}; "
+                                     f"{within}", False, f"replay run {path} --diff --tolerance auto", d,
+                                     [rep.unknown, within], re_executions=runs + 1, **common)
+    return None
+
+
+def _plant_text(p) -> str:
+    return f"{p.step}:{p.request}:{p.module}:{p.size:g}" + (f"*{p.source}" if p.source else "")
+
+
+def _text(knobs: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in knobs.items())
+
+
+def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceExplanation:
+    """Nothing differs in the settings and the replay repeats itself: the swap, then the padding sweep, at R's step."""
+    s = make_session(path, d.step, opts.overrides, log=log, from_start=opts.from_start, engines=opts.engines)
+    try:
+        rid = s.request_id(d.internal_id or d.request_id)
+        leak = None
+        if s.companions(rid):
+            leak = leak_in_session(s, d.request_id, log=log,
+                                   plant=opts.plant if opts.plant and opts.plant.step == d.step else None)
+            runs += leak.re_executions
+            if leak.contaminated:
+                planted = "" if opts.plant is None else f" --plant '{_plant_text(opts.plant)}'"
+                said = leak.verdict.removeprefix(CONTAMINATION + ": ")
+                return DivergenceExplanation(path, CONTAMINATION, f"{CONTAMINATION}: {at}: {said}", True,
+                                             f"replay bisect leak {path} --step {d.step} --request "
+                                             f"{d.request_id}{planted}", d, [], leak=leak, re_executions=runs,
+                                             **common)
+        alone = s.run(rid, keep={rid})
+        moved = []
+        for k in (k for k in PAD_SIZES if k <= s.max_padding):
+            r = s.run(rid, keep={rid}, pad=k)
+            runs += 1
+            if not torch.equal(r.logits, alone.logits):
+                moved.append((k, float((r.logits - alone.logits).abs().max())))
+        runs += 1
+    except CannotTestError as e:
+        log(f"cannot re-execute the step: {e}")
+        leak, moved = None, []
+    finally:
+        s.close()
+    evidence = [leak.verdict] if leak is not None else []
+    if moved:
+        k, diff = moved[0]
+        evidence.append(f"with {k} one-token padding request(s) beside it, request {d.request_id}'s logits at step "
+                        f"{d.step} move by up to {diff:.3g}")
+        return DivergenceExplanation(path, BATCH_VARIANCE, f"{BATCH_VARIANCE}: {at}: no neighbour's content moves it, "
+                                     f"but the batch's size alone does (from {k} padding request(s)): a batch laid "
+                                     "out otherwise than the recording's explains it", False,
+                                     f"replay bisect batch {path} --step {d.step} --request {d.request_id}", d,
+                                     evidence, leak=leak, re_executions=runs, **common)
+    return DivergenceExplanation(path, NOT_REPEATABLE, f"{NOT_REPEATABLE}: {at}: the replay repeats itself with the "
+                                 "recorded settings, and neither a neighbour's content nor the batch's size moves "
+                                 "it, yet the recording differs: it cannot be produced again from its own inputs",
+                                 True, command, d, evidence, leak=leak, re_executions=runs, **common)

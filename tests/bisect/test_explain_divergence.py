@@ -1,0 +1,62 @@
+"""`explain CAPTURE` on a replay divergence, builtin runner: each class it can reach here, with its exit code.
+
+- CONFIG (hardware unknown): `captures/format-1.0-loaded.capture`, written by the first release (format 1.0, no
+  processor or library settings in its header) on a loaded machine, diverges on any quiet replay; the replay's
+  verdict says the recording's hardware is unknown, and `explain` classes it CONFIG, never a bug;
+- CONFIG (a knob): `--set dtype=bfloat16` (the README demo's divergence) and `--set env.MKL_CBWR=COMPATIBLE` (an
+  environment variable, replayed in a fresh process), found by `bisect config`;
+- CONTAMINATION: a leak planted in the replay only, exit 1 with the `bisect leak` command that shows it;
+- NOTHING TO EXPLAIN: a replay that matches.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from replay.bisect.explain_divergence import CONFIG, NOTHING, explain_divergence
+from replay.bisect.leak import CONTAMINATION
+from replay.cli import main
+from replay.replayer import ReplayOptions, replay_capture
+
+OLD = Path(__file__).resolve().parents[2] / "captures" / "format-1.0-loaded.capture"
+
+
+@pytest.fixture
+def old(tmp_path):
+    return shutil.copy(OLD, tmp_path / OLD.name)
+
+
+def test_a_first_release_capture_names_its_unknown_hardware_and_is_config_not_a_bug(old, capsys):
+    rep = replay_capture(old, ReplayOptions())
+    assert rep.diverged and rep.unknown.startswith("the recording's header does not name its processor")
+    assert any("does not name its processor" in n for n in rep.environment_differences)
+    code = main(["explain", str(old), "--json", "-q"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["found"] == CONFIG and not res["bug"], res["verdict"]
+    assert res["verdict"].startswith("CONFIG (hardware unknown)") and "--tolerance auto" in res["command"]
+
+
+def test_a_knob_is_found_as_the_config_that_parts_the_replay(keyed_capture, capsys):
+    code = main(["explain", str(keyed_capture), "--set", "dtype=bfloat16", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith(f"{CONFIG}: ") and "changing dtype=bfloat16 alone" in out, out
+    res = explain_divergence(keyed_capture, ReplayOptions(overrides={"env.MKL_CBWR": "COMPATIBLE"}))
+    assert res.found == CONFIG and res.config.minimal_change == {"env.MKL_CBWR": "COMPATIBLE"}, res.verdict
+
+
+def test_a_leak_planted_in_the_replay_is_contamination_with_its_command(keyed_capture, capsys):
+    plant = "29:r6:layers.1.self_attn.o_proj:0.02*r7"
+    code = main(["explain", str(keyed_capture), "--plant", plant, "--from-start", "-q"])
+    out = capsys.readouterr().out
+    assert code == 1 and out.startswith(f"{CONTAMINATION}: request r6 at step 29"), out
+    assert f"reproduce: replay bisect leak {keyed_capture} --step 29 --request r6 --plant '{plant}'" in out
+    assert "first module whose output for it moves is layers.1.self_attn.o_proj" in out
+
+
+def test_a_replay_that_matches_has_nothing_to_explain(keyed_capture):
+    res = explain_divergence(keyed_capture)
+    assert res.found == NOTHING and not res.bug and res.re_executions == 2
