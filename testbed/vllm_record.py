@@ -27,6 +27,9 @@ RECORD = textwrap.dedent("""
                   seed=0, max_num_seqs=16, tensor_parallel_size=tp, **kw, **json.loads(sys.argv[8]))
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(first + step * i)]}
                    for i in range(n)]
+        twin = int(sys.argv[10]) if len(sys.argv) > 10 else -1  # this request repeats request 0's prompt
+        if twin >= 0:
+            prompts[twin] = prompts[0]
         unseeded = len(sys.argv) > 9 and sys.argv[9] == "1"  # every third request samples with no seed
         params = [SamplingParams(temperature=0.8 if unseeded and i % 3 == 2 else 0.9 if seeded and i % 2 else 0.0,
                                  seed=100 + i if seeded and i % 2 and not (unseeded and i % 3 == 2) else None,
@@ -42,9 +45,10 @@ RECORD = textwrap.dedent("""
 
 def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: int = 5, step: int = 3,
            max_tokens: int = 10, seeded: bool = False, unseeded: bool = False, python: str | Path = sys.executable,
-           engine_args: dict | None = None) -> Path:
+           engine_args: dict | None = None, twin: int = -1) -> Path:
     """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each; with `seeded`
-    every other one seeded at temperature 0.9; with `unseeded` every third one at temperature 0.8 with no seed) on
+    every other one seeded at temperature 0.9; with `unseeded` every third one at temperature 0.8 with no seed;
+    request `twin`, where given, with request 0's prompt) on
     vLLM's offline engine at tensor-parallel size `tp` (two CPU workers bound one CPU each), recorded to `capture` by
     the vLLM that `python` runs, with `engine_args` (vLLM's names)."""
     from replay.integrations.vllm.layout import omp_threads_bind
@@ -58,7 +62,8 @@ def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: 
     script = capture.with_suffix(".py")
     script.write_text(RECORD)
     out = subprocess.run([str(python), str(script), str(model), str(tp), str(prompts), str(first), str(step),
-                          str(max_tokens), str(int(seeded)), json.dumps(engine_args or {}), str(int(unseeded))],
+                          str(max_tokens), str(int(seeded)), json.dumps(engine_args or {}), str(int(unseeded)),
+                          str(twin)],
                          capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0 or "tokens [[" not in out.stdout:
         raise RuntimeError(f"recording {capture} failed ({out.returncode}):\n{out.stderr[-3000:]}")

@@ -35,6 +35,7 @@ from replay.engine.runner_state import CachedRequestState, RunnerSnapshot, StepS
 from replay.engine.sampler import SampleRow, advance, margins, sample
 from replay.engine.spec_decode import verify_drafts
 from replay.errors import UsageError
+from replay.faults import install_fault
 
 
 class ModelRunner:
@@ -76,6 +77,7 @@ class ModelRunner:
         self.last_emitted: dict[str, int] = {}  # tokens each request emitted in the last step (several with drafts)
         self.lora: LoRAHooks | None = None  # adapters of the requests that name one (replaying a vLLM capture)
         self.ignore_adapters: set[str] = set()  # adapters a forced replay goes without (not there any more)
+        self.fault = install_fault(model, lambda: list(self.current_spans.values()))  # tests only (replay.faults)
 
     # -- state updates (vLLM _update_states) ----------------------------------------------------------------------
 

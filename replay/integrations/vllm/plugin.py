@@ -44,9 +44,47 @@ SEEDED_CHUNK_CRASH = (
 
 
 def register() -> None:
-    """Entry point: patch vLLM's Scheduler when REPLAY_CAPTURE is set (once per process)."""
+    """Entry point: patch vLLM's Scheduler when REPLAY_CAPTURE is set (once per process); plant the test fault
+    REPLAY_TEST_FAULT names in the model as it loads (`replay.faults`: tests of the diagnosis only)."""
     if os.environ.get(ENV):
         install()
+    if os.environ.get("REPLAY_TEST_FAULT"):
+        _plant_test_fault()
+
+
+def _plant_test_fault() -> None:
+    """Wrap the model runners' `load_model` so that REPLAY_TEST_FAULT's fault is hooked onto the loaded model, with
+    each request's token rows read from the runner's batch (idempotent)."""
+    if _state.get("fault"):
+        return
+    _state["fault"] = True
+    from replay.faults import install_fault
+
+    def spans(runner: Any) -> list[tuple[int, int]]:
+        n = runner.input_batch.num_reqs
+        qsl = runner.query_start_loc.np[:n + 1]
+        return [(int(qsl[i]), int(qsl[i + 1])) for i in range(n)]
+
+    def wrap(cls: Any) -> None:
+        orig = cls.load_model
+
+        def load_model(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            model = self.get_model()
+            if getattr(model, "_replay_fault", None) is None:  # (a subclass's load_model may call its parent's)
+                model._replay_fault = install_fault(model, lambda: spans(self))
+            return out
+
+        cls.load_model = load_model
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    wrap(GPUModelRunner)
+    with contextlib.suppress(ImportError):
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        if "load_model" in CPUModelRunner.__dict__:
+            wrap(CPUModelRunner)
 
 
 def install() -> None:
