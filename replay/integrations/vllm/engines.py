@@ -25,6 +25,7 @@ class StartedEngine:
     warnings: list[str] = field(default_factory=list)
     rng: list[Any] = field(default_factory=list)  # per rank, `worker_state.rng_state`
     replays: int = 0  # replays that ran on it
+    beside: str = ""  # the capture it started for: what it prints as it shuts down goes to that capture's vLLM log
 
 
 class Engines:
@@ -64,7 +65,10 @@ class Engines:
 
 
 def _shutdown(engine: StartedEngine) -> None:
+    from replay.integrations.vllm.logs import VllmLog
+
     try:
-        engine.llm.llm_engine.engine_core.shutdown()
+        with VllmLog(engine.beside or "replay", ".vllm-replay.log"):  # (never on stdout: a --json result may follow)
+            engine.llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort: its replays are over
         pass

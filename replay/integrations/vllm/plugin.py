@@ -49,12 +49,13 @@ def register() -> None:
     if os.environ.get(ENV):
         install()
     if os.environ.get("REPLAY_TEST_FAULT"):
-        _plant_test_fault()
+        plant_test_fault()
 
 
-def _plant_test_fault() -> None:
+def plant_test_fault() -> None:
     """Wrap the model runners' `load_model` so that REPLAY_TEST_FAULT's fault is hooked onto the loaded model, with
-    each request's token rows read from the runner's batch (idempotent)."""
+    each request's token rows read from the runner's batch (idempotent; a replay in a process whose plugins loaded
+    before the variable was set calls it itself)."""
     if _state.get("fault"):
         return
     _state["fault"] = True

