@@ -276,7 +276,8 @@ def _shape(b: BatchComposition) -> str:
 
 def _knob(runner: str) -> str:
     """The setting that makes this engine batch-invariant, where it has one."""
-    return "--set env.VLLM_BATCH_INVARIANT=1" if runner == "vllm" else "--set batch_invariant=true"
+    return ("--set env.VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels need Triton: GPUs)" if runner == "vllm"
+            else "--set batch_invariant=true")
 
 
 def _determinism_promised(path: str, overrides: dict[str, str] | None) -> bool:

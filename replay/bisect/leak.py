@@ -33,6 +33,7 @@ from replay.replayer.knobs import env_knobs
 from replay.replayer.swap import CONTENTS
 
 CONTAMINATION = "CONTAMINATION"
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # config.json, by family
 NO_LEAK = "NO LEAK"
 
 
@@ -125,6 +126,12 @@ def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CON
     """`bisect_leak` on a session already at its step (`explain` shares one engine among its tests)."""
     log = log or (lambda msg: None)
     path, step = s.path, s.step.index
+    model = s.header.model
+    experts = {k: v for k, v in (model.config if model is not None else {}).items() if k in MOE_KEYS and v}
+    if experts:
+        raise CannotTestError(f"{path}: {model.architecture or model.name} is a mixture of experts ("
+                              f"{', '.join(f'{k}={v}' for k, v in experts.items())}): a token's experts follow its "
+                              "content, so other content regroups the experts' GEMMs, shapes a swap cannot keep")
     rid = s.request_id(request)
     if plant is not None and plant.step != step:
         raise UsageError(f"--plant is at step {plant.step}: bisect leak re-executes step {step} only")

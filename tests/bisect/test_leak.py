@@ -56,3 +56,21 @@ def test_from_a_keyframe_live_requests_are_kept_and_a_later_neighbour_is_found_a
     assert any("keyframe at step 20" in n for n in near.notes), near.notes
     with pytest.raises(CannotTestError, match="--from-start can swap them"):
         bisect_leak(keyed_capture, 29, "r6")  # at the keyframe of step 28 r7 is live, like everyone else
+
+
+def test_a_mixture_of_experts_is_refused_by_name(keyed_capture, tmp_path):
+    """A token's experts follow its content: other content regroups the experts' GEMMs, a shape the swap cannot
+    keep. The same capture, its header saying the model routes over 8 experts, cannot be tested (exit 125)."""
+    import msgspec
+
+    from replay.capture import CaptureReader, CaptureWriter
+
+    with CaptureReader(keyed_capture) as r:
+        header, records = r.header, list(r.records())
+    model = msgspec.structs.replace(header.model, config={**header.model.config, "num_local_experts": 8})
+    moe = tmp_path / "moe.capture"
+    with CaptureWriter(moe, msgspec.structs.replace(header, model=model), keyframes=0) as w:
+        for rec in records:
+            w.write_record(rec)
+    with pytest.raises(CannotTestError, match="is a mixture of experts .num_local_experts=8."):
+        bisect_leak(moe, 29, "r6", from_start=True)
