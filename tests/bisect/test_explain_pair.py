@@ -1,8 +1,9 @@
-"""`explain --pair` and `--pairs` on the builtin runner. Twin greedy requests (one prompt, one sampling): `a` in a
-batch of six at step 0, `b` alone later. Without prefix caching their own schedules match: alone they are bitwise
-equal, the swap moves nobody, so the batch's shape parted them (BATCH VARIANCE, exit 0); with a leak planted, the
-swap names the neighbour and the module (CONTAMINATION, exit 1). With prefix caching `b` prefills 4 tokens after a
-hit of 16: alone they part, each repeating itself, and the verdict names the two schedules."""
+"""`explain --pair` and `--pairs` on the builtin runner. Twin greedy requests (one prompt, one sampling,
+`testbed.twins`): `a` in a batch of six at step 0, `b` later beside `c`. Without prefix caching their own schedules
+match: alone they are bitwise equal, the swap moves nobody, so the batch's shape parted them (BATCH VARIANCE, exit
+0); with a leak planted, the swap names the neighbour and the module (CONTAMINATION, exit 1). With prefix caching
+`b` prefills 4 tokens after a hit of 16: alone they part, each repeating itself, and the verdict names the two
+schedules."""
 
 from __future__ import annotations
 
@@ -13,33 +14,14 @@ import pytest
 from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, twin_groups
 from replay.bisect.leak import CONTAMINATION
 from replay.cli import main
-from replay.contracts import SamplingParams
-from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import UsageError
-from replay.record import RecordOptions, WorkloadRequest, record_builtin
-
-TWIN = list(range(50, 70))
-
-
-def _request(name: str, prompt: list[int], at: int, **sp) -> WorkloadRequest:
-    return WorkloadRequest(SamplingParams(**{"max_tokens": 10, "logprobs": 3, "temperature": 0.0, **sp}), None,
-                           prompt, name, at)
-
-
-def _record(path, prefix_caching: bool):
-    reqs = [_request("a", TWIN, 0), *(_request(f"n{i}", list(range(100 + 20 * i, 112 + 20 * i)), 0) for i in range(5)),
-            _request("b", TWIN, 30), _request("c", TWIN, 30, temperature=0.8, seed=1)]
-    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=200, max_num_seqs=8,
-                                                 max_num_batched_tokens=128, enable_prefix_caching=prefix_caching),
-                       runner=RunnerConfig(num_threads=1))
-    record_builtin(RecordOptions(cfg, reqs, path))
-    return path
+from testbed.twins import record_twins
 
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
     d = tmp_path_factory.mktemp("twins")
-    return _record(d / "twins.capture", False), _record(d / "cached.capture", True)
+    return record_twins(d / "twins.capture"), record_twins(d / "cached.capture", prefix_caching=True)
 
 
 def test_pairs_lists_the_twins_that_answered_differently_and_explains_batch_variance(twins, capsys):

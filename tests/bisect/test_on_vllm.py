@@ -26,16 +26,7 @@ from tests.vllm_captures import record  # noqa: E402
 STEP = 2  # a decode step: the 8 requests of `wide` together, after their prefill
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _environment_kept():
-    """vLLM sets variables in os.environ when it starts in this process (VLLM_*, LD_PRELOAD): the tests after
-    these see the environment they would have seen without them."""
-    import os
-
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("environment_kept")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,28 @@
+"""A builtin-engine capture with twins: two greedy requests with one prompt, in batches of other shapes (the case
+`replay explain --pair` answers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def record_twins(path: Path, *, prefix_caching: bool = False, max_tokens: int = 10) -> Path:
+    """Greedy twins `a` and `b` (one 20-token prompt, 3 logprobs): `a` the sixth request of a batch of six prefills
+    at step 0, after n0..n4; `b` arriving once they are done, beside `c` (the same prompt, sampled with a seed: no
+    twin of theirs). One thread, blocks of 4 tokens; with `prefix_caching`, `b` finds 16 of its tokens cached."""
+    from replay.contracts import SamplingParams
+    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+    from replay.record import RecordOptions, WorkloadRequest, record_builtin
+
+    def request(name: str, prompt: list[int], at: int, **sp) -> WorkloadRequest:
+        params = SamplingParams(**{"max_tokens": max_tokens, "logprobs": 3, "temperature": 0.0, **sp})
+        return WorkloadRequest(params, None, prompt, name, at)
+
+    twin = list(range(50, 70))
+    reqs = [*(request(f"n{i}", list(range(100 + 20 * i, 112 + 20 * i)), 0) for i in range(5)), request("a", twin, 0),
+            request("b", twin, 30), request("c", twin, 30, temperature=0.8, seed=1)]
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=200, max_num_seqs=8,
+                                                 max_num_batched_tokens=128, enable_prefix_caching=prefix_caching),
+                       runner=RunnerConfig(num_threads=1))
+    record_builtin(RecordOptions(cfg, reqs, path))
+    return path
