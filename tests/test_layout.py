@@ -3,7 +3,7 @@ functions are annotated.
 
 Layers, bottom up (docs/design.md, "Layers"):
 
-    errors -> contracts -> jsonable, capture, processes -> provenance -> engine | integrations
+    errors -> contracts -> jsonable, capture, processes -> provenance, faults -> engine | integrations
         -> record | replayer | diff | inspect -> bisect, report, demo -> cli
 
 A module may import its own package, anything in a lower layer, and nothing above. Within one layer only the
@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "replay.capture": 2,
     "replay.processes": 2,
     "replay.provenance": 3,
+    "replay.faults": 3,  # test faults both runners plant in their models
     "replay.engine": 4,
     "replay.integrations": 4,
     "replay.record": 5,
