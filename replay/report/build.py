@@ -56,15 +56,18 @@ def default_output(capture: str | os.PathLike) -> Path:
 
 def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = None, *,
                  replay: ReplayOptions | ReplayReport | None = None, other: str | os.PathLike | None = None,
-                 tolerance: Tolerance | None = None, bisect: str | os.PathLike | None = None) -> ReportResult:
+                 tolerance: Tolerance | None = None, bisect: str | os.PathLike | None = None,
+                 explain: str | os.PathLike | None = None) -> ReportResult:
     """Write the report of `capture` to `output` (default: `default_output`). With `replay` (options to replay it
     with, every divergence kept, or a replay already made) it shows the replay's comparison; with `other` (a
     second capture of the same workload) the two runs' (`tolerance` as `replay diff` takes it); with `bisect`
-    (the JSON `replay bisect ... --json` printed) that verdict too."""
+    (the JSON `replay bisect ... --json` printed) that verdict too, and with `explain` (the JSON `replay explain
+    --json` printed) the class and its evidence."""
     start = time.perf_counter()
     if replay is not None and other is not None:
         raise UsageError("a report compares the capture with a replay (--diff) or with a second capture, not both")
     bisect_card = _bisect_card(bisect) if bisect is not None else None  # refuse a bad file before a long replay
+    explain_card = _explain_card(explain) if explain is not None else None
     out = Path(output) if output is not None else default_output(capture)
     run = run_facts(capture)
     if isinstance(replay, ReplayOptions):
@@ -79,7 +82,7 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
     else:
         page, first, lost, kind, diverged = _run_page(run), None, [], "none", False
         verdict = page.verdict
-    page.bisect = bisect_card
+    page.bisect, page.explain = bisect_card, explain_card
     lost = lost or [d.describe() for d in run.damage]
     text = render_page(page)
     tmp = out.with_name(out.name + ".partial")
@@ -243,6 +246,29 @@ def _legend(data: dict | None) -> dict:
     hm = data["heatmap"]
     return {"lo": hm["lo"], "hi": hm["hi"], "equal": data.get("equal_label", "equal"),
             "not_compared": hm["not_compared"], "atol": hm.get("atol", 0.0)}
+
+
+def _explain_card(path: str | os.PathLike) -> Card:
+    """`replay explain`'s class, verdict, evidence and command, from the JSON it printed (`--json`)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read an explanation: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("found"), str) or not isinstance(doc.get("verdict"), str):
+        raise UsageError(f"{path}: not an explanation (the JSON `replay explain --json` prints has found and verdict)")
+    facts: list[tuple[str, Any]] = [("class", doc["found"]), ("a bug", "yes" if doc.get("bug") else "no"),
+                                    ("verdict", doc["verdict"])]
+    facts += [("evidence", e) for e in doc.get("evidence") or [] if isinstance(e, str)]
+    leak = doc.get("leak")
+    if isinstance(leak, dict) and leak.get("minimal_set"):
+        facts.append(("neighbours whose content moves it", ", ".join(map(str, leak["minimal_set"]))))
+        if leak.get("first_module"):
+            facts.append(("first module", leak["first_module"]))
+    for key in ("command", "re_executions", "runner"):
+        if doc.get(key) not in (None, ""):
+            facts.append(({"command": "reproduce", "re_executions": "replays"}.get(key, key), doc[key]))
+    facts += [("note", n) for n in doc.get("notes") or [] if isinstance(n, str)]
+    return Card("explain", "Bug or noise", facts, {"found": doc["found"], "bug": int(bool(doc.get("bug")))})
 
 
 def _bisect_card(path: str | os.PathLike) -> Card:

@@ -65,6 +65,7 @@ class Page:
     comparison_text: str = ""  # what is compared with what, and how
     legend: dict = field(default_factory=dict)  # heat map: lo, hi, equal label, whether "not compared" occurs
     bisect: Card | None = None  # a bisect's verdict, under the report's own
+    explain: Card | None = None  # `replay explain`'s class and its evidence, under the report's own
 
 
 def _kv(facts: list[tuple[str, Any]]) -> str:
@@ -159,7 +160,7 @@ def render_page(p: Page) -> str:
     prov = "".join(f"<div class=\"box card\"><h3>{esc(t)}</h3>{_kv(f)}</div>" for t, f in p.provenance if f)
     only = ("<label><input type=checkbox id=req-only> only requests that diverged</label>"
             if p.data.get("comparison") else "")
-    bisect = _card(p.bisect) if p.bisect is not None else ""
+    bisect = "".join(_card(c) for c in (p.explain, p.bisect) if c is not None)
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name=viewport content="width=device-width, initial-scale=1"><title>{esc(p.title)}</title>

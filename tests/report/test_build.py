@@ -116,6 +116,19 @@ def test_a_bisect_verdict_is_shown_under_the_reports(recorded, tmp_path):
     assert card["data-verdict"] == json.loads(out)["verdict"]
 
 
+def test_explains_class_and_evidence_are_shown_under_the_reports(recorded, tmp_path):
+    code, out, _ = cli("explain", str(recorded), "--set", "dtype=bfloat16", "--json", "-q")
+    result = tmp_path / "explain.json"
+    result.write_text(out)
+    code, _, _ = cli("report", str(recorded), "--diff", "--set", "dtype=bfloat16", "--explain", str(result),
+                     "-o", str(tmp_path / "e.html"))
+    assert code == 1  # the replay diverges; the explanation says it is the knob, no bug
+    dom = Dom((tmp_path / "e.html").read_text())
+    card = dom.by_id("explain")
+    assert card["data-found"] == "CONFIG" and card["data-bug"] == "0"
+    assert "changing dtype=bfloat16 alone" in (tmp_path / "e.html").read_text()
+
+
 def test_one_file_that_reaches_for_nothing_outside_itself(bf16):
     text = bf16.page.read_text()
     assert "Content-Security-Policy" in text and "default-src 'none'" in text
@@ -144,6 +157,7 @@ def test_the_command_line_refuses_what_makes_no_sense_in_one_line(recorded, tmp_
     bad_json.write_text('{"steps": 3}')
     for args in (["--set", "dtype=bfloat16"], ["--runner", "builtin"], ["--atol", "1e-3"], [str(recorded), "--diff"],
                  ["--bisect", str(bad_json)], ["--bisect", str(tmp_path / "missing.json")],
+                 ["--explain", str(bad_json)],
                  ["--diff", "--tolerance", "auto", "--atol", "1e-3"], ["-o", str(tmp_path / "no-dir" / "x.html")]):
         code, out, err = cli("report", str(recorded), *args)
         assert code == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("replay: "), (args, err)
