@@ -2,8 +2,9 @@
 --request R`). Bug or noise? The fewest tests that answer it, in this order:
 
 - NOTHING TO EXPLAIN: the replay matches (exit 0);
+- NOT-ARGMAX: a greedy request emitted a token that is not its side's argmax: the sampler decided it, whatever
+  else the replay does (exit 1);
 - RUN-TO-RUN: the replay does not repeat itself (a bug where the settings promise determinism);
-- NOT-ARGMAX: a greedy request emitted a token that is not its side's argmax: the sampler decided it (exit 1);
 - SAMPLER: a random draw flipped and the logprobs agree: the same distribution, another draw (exit 0);
 - CONFIG: the replay runs under other settings than the recording (a `--set` knob, found by `bisect config`; a
   header difference; or a header that does not name its hardware, as an older capture's does), exit 0;
@@ -90,16 +91,21 @@ def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = Non
                                      f"({how})", False, re_executions=runs, **common)
     at = f"request {d.request_id} at step {d.step}, output position {d.position}"
     command = rep.repro or ""
-    if rep.run_to_run and not rep.run_to_run.startswith("deterministic"):
+    repeats = not rep.run_to_run or rep.run_to_run.startswith("deterministic")
+    if d.flip == "not-argmax":
+        whose = " and ".join(w for w, rank in (("the recording's", d.expected_rank), ("the replay's", d.actual_rank))
+                             if rank not in (None, 1))
+        evidence = [] if repeats else [f"the replay does not repeat itself either ({rep.run_to_run})"]
+        return DivergenceExplanation(path, NOT_ARGMAX, f"{NOT_ARGMAX}: {at} is a greedy token that is not its side's "
+                                     f"argmax (recorded rank {d.expected_rank}, replayed rank {d.actual_rank}): "
+                                     f"{whose or 'a'} sampler{'s' * (' and ' in whose)} decided it, not the "
+                                     "numerics", True, command, d,
+                                     evidence, re_executions=runs, **common)
+    if not repeats:
         promised = opts.overrides.get("batch_invariant", "").lower() in ("1", "true")
         return DivergenceExplanation(path, RUN_TO_RUN, f"{RUN_TO_RUN}: the replay does not repeat itself "
                                      f"({rep.run_to_run}); {at} cannot be pinned on the recording", promised,
                                      f"{command} --repeat 2", d, re_executions=runs, **common)
-    if d.flip == "not-argmax":
-        return DivergenceExplanation(path, NOT_ARGMAX, f"{NOT_ARGMAX}: {at} is a greedy token that is not its side's "
-                                     f"argmax (recorded rank {d.expected_rank}, replayed rank {d.actual_rank}): the "
-                                     "sampler decided it, not the numerics", True, command, d, re_executions=runs,
-                                     **common)
     if d.flip == "draw" and d.same_distribution:
         return DivergenceExplanation(path, SAMPLER, f"{SAMPLER}: {at} drew token {d.actual_token} where the recording "
                                      f"drew {d.expected_token}, from the same distribution (its logprobs agree within "
