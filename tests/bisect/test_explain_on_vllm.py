@@ -85,3 +85,19 @@ def test_a_capture_recorded_under_async_scheduling_replays_and_explains_without_
         leak = bisect_leak(capture, 1, "2", overrides={"runner": "vllm"}, engines=engines)
         assert leak.found == NO_LEAK and leak.neighbours, leak.verdict
         assert engines.starts == 1
+
+
+def test_the_wide_llamas_twins_in_batches_of_other_sizes_are_batch_variance(tmp_path):
+    """The Llama wide enough for float32 batch variance on vLLM's CPU GEMMs (`testbed.checkpoints.wide_llama`): five
+    greedy requests, four at a time, request 4 repeating request 0's prompt and decoding alone (one row, where request
+    0 decoded among four). Alone they are bitwise equal, and no swap moves them: BATCH VARIANCE, exit 0."""
+    from replay.bisect.explain_pair import BATCH_VARIANCE
+    from testbed.checkpoints import wide_llama
+
+    capture = record(wide_llama(tmp_path / "wide-llama"), tmp_path / "wide-twins.capture", prompts=5, first=20,
+                     step=10, max_tokens=4, twin=4, engine_args=ARGS)
+    with Engines() as engines:
+        res = explain_pair(capture, "0", "4", overrides={"runner": "vllm"}, engines=engines)
+        assert engines.starts == 1
+    assert res.found == BATCH_VARIANCE and not res.bug and res.alone_equal, res.verdict
+    assert "VLLM_BATCH_INVARIANT" in res.knob
