@@ -43,7 +43,7 @@ class Twins(msgspec.Struct):
 
     requests: list[str]  # external ids, in arrival order
     position: int  # the first output position where any two part
-    kind: str  # "token" | "logprobs" | "length"
+    kind: str  # "token" | "logprobs" | "length" | "prompt_logprobs" (then `position` is the prompt's)
     max_abs_logprob_diff: float  # at that position, over the logprobs both hold
 
 
@@ -118,6 +118,32 @@ def _part(a: list, b: list) -> tuple[int, str, float] | None:
     return None
 
 
+def _prompt_rows(path: str | os.PathLike, rids: set[str]) -> dict[str, np.ndarray]:
+    """Internal id -> its prompt logprobs as recorded ([prompt_len - 1, k + 1] values, the chunks in order), for
+    those of `rids` that asked for them."""
+    parts: dict[str, list[np.ndarray]] = defaultdict(list)
+    with CaptureReader(path) as r:
+        for rec in r.records():
+            if isinstance(rec, Step) and rec.model_runner_output is not None:
+                for rid, t in rec.model_runner_output.prompt_logprobs_dict.items():
+                    if rid in rids and t is not None:
+                        parts[rid].append(np.stack([t.logprob_token_ids.to_numpy().astype(np.float64),
+                                                    t.logprobs.to_numpy().astype(np.float64)]))
+    return {rid: np.concatenate(p, axis=1) for rid, p in parts.items()}
+
+
+def _prompt_part(a: np.ndarray | None, b: np.ndarray | None) -> tuple[int, str, float] | None:
+    """The first prompt position whose logprobs (ids and values) two requests' prompt rows part at."""
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    apart = np.flatnonzero((a != b).any(axis=(0, 2)))
+    if not len(apart):
+        return None
+    k = int(apart[0])
+    same_ids = np.array_equal(a[0, k], b[0, k])
+    return k + 1, "prompt_logprobs", float(np.abs(a[1, k] - b[1, k]).max()) if same_ids else float("inf")
+
+
 def twin_groups(path: str | os.PathLike) -> list[Twins]:
     """Every group of requests with the same prompt and sampling (greedy, or the same seed) whose outputs differ,
     those that part in a token first, then by the size of their first difference."""
@@ -128,14 +154,19 @@ def twin_groups(path: str | os.PathLike) -> list[Twins]:
         key = _twin_key(rec)
         if key is not None:
             groups[key].append(name)
+    twins = [names for names in groups.values() if len(names) > 1]
+    prompts = _prompt_rows(path, {arrivals[n].request.request_id for names in twins for n in names})
     out = []
-    for names in groups.values():
-        seqs = [side.outputs.get(side.key_of.get(arrivals[n].request.request_id, ""), []) for n in names]
+    for names in twins:
+        ids = [arrivals[n].request.request_id for n in names]
+        seqs = [side.outputs.get(side.key_of.get(rid, ""), []) for rid in ids]
         parts = [x for i in range(1, len(names)) if (x := _part(seqs[0], seqs[i])) is not None]
-        if len(names) > 1 and parts:
+        parts = parts or [x for i in range(1, len(names))
+                          if (x := _prompt_part(prompts.get(ids[0]), prompts.get(ids[i]))) is not None]
+        if parts:
             p, kind, diff = min(parts, key=lambda x: x[0])
             out.append(Twins(names, p, kind, diff))
-    return sorted(out, key=lambda t: (t.kind != "token", -t.max_abs_logprob_diff if t.kind == "logprobs" else 0))
+    return sorted(out, key=lambda t: (t.kind != "token", -t.max_abs_logprob_diff if t.kind != "token" else 0))
 
 
 def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str, str] | None = None,
@@ -157,9 +188,18 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     seq_a, seq_b = (side.outputs.get(side.key_of[arrivals[n].request.request_id], []) for n in (a, b))
     parted = _part(seq_a, seq_b)
     runner = (overrides or {}).get("runner", "builtin")
+    ids = {n: arrivals[n].request.request_id for n in (a, b)}
     if parted is None:
+        rows = _prompt_rows(path, set(ids.values()))
+        prompt = _prompt_part(rows.get(ids[a]), rows.get(ids[b]))
+        if prompt is not None:
+            raise CannotTestError(f"requests {a} and {b} gave the same {len(seq_a)} tokens and logprobs and part in "
+                                  f"their prompt logprobs at prompt position {prompt[0]} (max |Δ| {prompt[2]:.3g}): "
+                                  "explain re-executes the rows that sample; `replay run --diff` compares prompt "
+                                  "logprobs with their replay")
+        said = " and prompt logprobs" if rows else ""
         return PairExplanation(path, a, b, NOTHING, f"{NOTHING}: requests {a} and {b} gave the same "
-                               f"{len(seq_a)} tokens and logprobs", False, runner=runner)
+                               f"{len(seq_a)} tokens and logprobs{said}", False, runner=runner)
     p, kind, _ = parted
     if kind == "length":
         raise UsageError(f"requests {a} and {b} agree on their {p} common tokens and stop apart: nothing to "
@@ -169,7 +209,6 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     log(f"{a} and {b} part at output position {p} ({kind}): steps {step_a} and {step_b}")
     own = engines if engines is not None or runner != "vllm" else Engines(keep=1)
     try:
-        ids = {n: arrivals[n].request.request_id for n in (a, b)}
         return _explain(path, a, b, p, kind, step_a, step_b, m, side, ids, overrides, plant, log, from_start, own)
     finally:
         if own is not engines:

