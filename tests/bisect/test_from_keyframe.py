@@ -92,3 +92,42 @@ def test_bisect_steps_and_config_and_check_run_on_a_rings_snapshot_and_segment(r
         assert planted.step is not None and planted.step >= r.step_span()[0]
     res = bisect_config(capture, "", "dtype=bfloat16,threads=1")
     assert res.minimal_change == {"dtype": "bfloat16"}
+
+
+def _two_fresh(path) -> tuple[int, str, str]:
+    """(a step past the keyframe it replays from, two requests scheduled there that were first scheduled after it)."""
+    with CaptureReader(path) as r:
+        keyframes = keyframe_steps(r)
+        first: dict[str, int] = {}
+        names: dict[str, str] = {}
+        steps = []
+        for rec in r.records():
+            arrivals = [x.request for x in getattr(rec, "requests", ())] + [getattr(rec, "request", None)]
+            names.update((a.request_id, a.name) for a in arrivals if hasattr(a, "name"))  # (keyframes name some)
+            if isinstance(rec, Step):
+                steps.append(rec)
+                for n in rec.scheduler_output.scheduled_new_reqs:
+                    first.setdefault(n.req_id, rec.index)
+    for s in steps:
+        k = max((x for x in keyframes if x <= s.index), default=None)
+        fresh = [x for x in s.scheduler_output.num_scheduled_tokens if k is not None and first.get(x, -1) >= k]
+        if k is not None and s.index > k and len(fresh) >= 2:
+            return s.index, names.get(fresh[0], fresh[0]), names.get(fresh[1], fresh[1])
+    raise AssertionError("no step with two requests first scheduled after its keyframe")
+
+
+@pytest.mark.parametrize("which", ["snapshot", "segment"])
+def test_bisect_leak_and_explain_run_on_a_rings_snapshot_and_segment(ring, which):
+    from replay.bisect.explain_divergence import CONFIG, NOTHING, explain_divergence
+    from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
+    from replay.replayer import Plant
+
+    capture = request_snapshot(ring).path if which == "snapshot" else sorted(ring.glob("segment-*.capture"))[-2]
+    step, request, neighbour = _two_fresh(capture)
+    clean = bisect_leak(capture, step, request)
+    assert clean.found == NO_LEAK and neighbour in clean.neighbours, clean.verdict
+    assert any("keyframe" in n for n in clean.notes)
+    planted = bisect_leak(capture, step, request, plant=Plant(step, request, "layers.0.mlp", 0.05, neighbour))
+    assert planted.found == CONTAMINATION and planted.minimal_set == [neighbour], planted.verdict
+    assert explain_divergence(capture).found == NOTHING
+    assert explain_divergence(capture, ReplayOptions(overrides={"dtype": "bfloat16"})).found == CONFIG

