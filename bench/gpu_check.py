@@ -16,6 +16,13 @@ Rows, in order (each says what it ran, its result, and its wall time):
   bisect batch           the llama capture's busiest step: is one request's result the same alone and in its batch?
                          (GPU kernels are not batch-invariant: expect "depends on ...")
   bisect batch, invariant the same with `--set batch_invariant=true` (expect "batch-invariant")
+  bisect leak            the same request with every neighbour's tokens swapped for others of the same shapes: GPU
+                         kernels vary with the batch's shape, never with a neighbour's content (expect NO LEAK)
+  bisect leak, planted   the same with a leak planted from one neighbour into one module (expect CONTAMINATION,
+                         naming that neighbour)
+  explain --pairs        the llama workload holds twins (one greedy prompt sent again later, into another batch):
+                         the twins that part, classed (expect BATCH VARIANCE or nothing; never a bug)
+  explain cpu capture    the `tiny` CPU capture replayed on the device, explained (expect CONFIG, no bug)
   tap overhead           the llama workload with and without the tap, interleaved rounds: per-step wall time (median
                          and spread) and the process's CPU time, on and off
 
@@ -29,6 +36,7 @@ device (`--budget` seconds: rows past it are skipped and say so).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -157,6 +165,60 @@ def _bisect_row(name: str, path: Path, overrides: dict) -> Row:
                      f"({res.re_executions} re-executions)", time.perf_counter() - t, None)
 
 
+def _with_twins(reqs: list) -> list:
+    """`reqs` and a twin of its first greedy request, arriving after the last of them (another batch)."""
+    first = next(r for r in reqs if not r.params.temperature)
+    twin = dataclasses.replace(first, request_id=f"{first.request_id}-twin",
+                               arrival_step=max(r.arrival_step for r in reqs) + 3)
+    return reqs + [twin]
+
+
+def _leak_row(name: str, path: Path, planted: bool) -> Row:
+    from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
+    from replay.capture import CaptureReader, RequestAdded, Step
+    from replay.replayer import Plant
+
+    t = time.perf_counter()
+    step, rid = _busiest(path)
+    plant = None
+    if planted:
+        with CaptureReader(path) as r:
+            records = list(r.records())
+        ids = next(rec.model_runner_output.req_ids for rec in records if isinstance(rec, Step) and rec.index == step)
+        external = {rec.request.request_id: rec.request.name for rec in records if isinstance(rec, RequestAdded)}
+        neighbour = next(external[i] for i in ids if i != rid)
+        plant = Plant(step, rid, "layers.1.self_attn", 0.05, neighbour)
+    res = bisect_leak(path, step, rid, plant=plant)
+    ok = (res.found == CONTAMINATION and res.minimal_set == [plant.source]) if plant else res.found == NO_LEAK
+    moved = sum(x.neighbours_changed for x in res.tests)
+    return Row(name, f"step {step}, request {rid}: {res.found}" +
+               (f" from {', '.join(res.minimal_set)} at {res.first_module}" if res.minimal_set else "") +
+               f" ({len(res.neighbours)} neighbours swapped, {moved} of them sampled otherwise; "
+               f"{res.re_executions} re-executions)", time.perf_counter() - t, ok)
+
+
+def _pairs_row(name: str, path: Path) -> Row:
+    from replay.bisect.explain_pair import explain_pair, twin_groups
+
+    t = time.perf_counter()
+    groups = twin_groups(path)
+    if not groups:
+        return Row(name, "every twin gave the same tokens and logprobs", time.perf_counter() - t, True)
+    g = groups[0]
+    res = explain_pair(path, g.requests[0], g.requests[1])
+    return Row(name, f"{len(groups)} group(s) part; {g.requests[0]} / {g.requests[1]} at position {g.position} "
+                     f"({g.kind}, max |Δlogprob| {g.max_abs_logprob_diff:.3g}): {res.verdict}"[:400],
+               time.perf_counter() - t, not res.bug)
+
+
+def _explain_row(name: str, path: Path, overrides: dict) -> Row:
+    from replay.bisect.explain_divergence import CONFIG, explain_divergence
+
+    t = time.perf_counter()
+    res = explain_divergence(path, ReplayOptions(overrides=dict(overrides)))
+    return Row(name, res.verdict[:400], time.perf_counter() - t, res.found == CONFIG and not res.bug)
+
+
 def _overhead_row(engine: EngineOptions, reqs: list, out: Path, rounds: int) -> Row:
     """Interleaved rounds of the same workload, tap off and on: per-step wall and process CPU time."""
     t = time.perf_counter()
@@ -188,7 +250,7 @@ def run(device: str, budget: float, rounds: int) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         d = Path(tmp)
         tiny_reqs = _workload(512, 16, (8, 24))
-        big_reqs = _workload(shape["vocab_size"], 16, (8, 24))
+        big_reqs = _with_twins(_workload(shape["vocab_size"], 16, (8, 24)))
         llama = EngineOptions(model=str(d / "llama"), dtype="bfloat16", device=device)
 
         def step(fn, *args) -> None:
@@ -219,6 +281,11 @@ def run(device: str, budget: float, rounds: int) -> list[Row]:
             step(_replay_row, "golden capture here", GOLDEN, {}, True)
         step(_bisect_row, "bisect batch", d / "llama.capture", {})
         step(_bisect_row, "bisect batch, invariant", d / "llama.capture", {"batch_invariant": "true"})
+        step(_leak_row, "bisect leak", d / "llama.capture", False)
+        step(_leak_row, "bisect leak, planted", d / "llama.capture", True)
+        step(_pairs_row, "explain --pairs", d / "llama.capture")
+        if cuda:
+            step(_explain_row, "explain cpu capture", d / "tiny-cpu.capture", {"device": device})
         step(_overhead_row, llama, big_reqs, d / "overhead.capture", rounds)
     return rows
 
