@@ -122,4 +122,4 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
     if s.runner_kind == "vllm":
         verdict += f" (on vLLM's runner, neighbours left out of every step up to {step})"
     return BatchBisect(path, step, request, verdict, invariant, s.names(others), names, diff, alone.token,
-                       full.token, pads, runs + dd.tests, s.runner_kind, s.notes)
+                       full.token, pads, runs, s.runner_kind, s.notes)

@@ -35,7 +35,7 @@ class StepSession(Session):
             self.runner = built.builtin("bisecting a step")
             self.notes = built.notes
         self.vocab_size = self.runner.vocab_size
-        self.empty = self.runner.snapshot()  # where a replay with other content starts over
+        self.empty = self.runner.snapshot(kv=False)  # where a replay with other content starts over
         loop = self._replay(None)
         self.step = loop.next_step
         self.ext, self.internal = loop.external, loop.internal

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -26,7 +27,7 @@ from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
-from replay.diff.captures import read_aligned
+from replay.diff.captures import AlignedRun, read_aligned
 from replay.diff.rules import margin
 from replay.diff.step import BatchComposition
 from replay.errors import CannotTestError, UsageError
@@ -209,14 +210,46 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     log(f"{a} and {b} part at output position {p} ({kind}): steps {step_a} and {step_b}")
     own = engines if engines is not None or runner != "vllm" else Engines(keep=1)
     try:
-        return _explain(path, a, b, p, kind, step_a, step_b, m, side, ids, overrides, plant, log, from_start, own)
+        return _explain(_Parted(path, a, b, p, kind, step_a, step_b, m, side, ids),
+                        _How(overrides, plant, log, from_start, own))
     finally:
         if own is not engines:
             own.close()
 
 
-def _explain(path, a, b, p, kind, step_a, step_b, m, side, side_ids, overrides, plant, log, from_start,
-             engines) -> PairExplanation:
+@dataclass(frozen=True)
+class _Parted:
+    """Two twins, where they part, and the capture's recorded side of them."""
+
+    path: str
+    a: str
+    b: str
+    position: int
+    kind: str  # as `Twins.kind`
+    step_a: int
+    step_b: int
+    margin: float | None
+    side: AlignedRun  # the recorded outputs and batches
+    ids: dict[str, str]  # external -> internal id
+
+
+@dataclass(frozen=True)
+class _How:
+    """How to re-execute: as `explain_pair`'s arguments say, on `engines`."""
+
+    overrides: dict[str, str] | None
+    plant: Plant | None
+    log: Callable[[str], None]
+    from_start: bool
+    engines: Engines | None
+
+
+def _explain(job: _Parted, how: _How) -> PairExplanation:
+    """Alone twice, then the swap on each one's neighbours (see the module docstring)."""
+    path, a, b, p, kind, step_a, step_b, m = (job.path, job.a, job.b, job.position, job.kind, job.step_a,
+                                              job.step_b, job.margin)
+    side, side_ids = job.side, job.ids
+    overrides, plant, log, from_start, engines = how.overrides, how.plant, how.log, how.from_start, how.engines
     runs = 0
     notes: list[str] = []
 

@@ -298,8 +298,11 @@ class ModelRunner:
 
     # -- snapshots (re-executing a step several ways without replaying the steps before it) -----------------------
 
-    def snapshot(self) -> RunnerSnapshot:
-        """The complete runner state: KV blocks, per-request state (generators as their states), the batch."""
+    def snapshot(self, kv: bool = True) -> RunnerSnapshot:
+        """The complete runner state: KV blocks, per-request state (generators as their states), the batch.
+        `kv=False` for a runner that has run no step yet: no copy of its blocks, which restore as zeros."""
+        if not kv:
+            return RunnerSnapshot(None, None, {}, [], self._seed_gen.get_state(), {})
         reqs = {}
         for rid, st in self.requests.items():
             reqs[rid] = (st, list(st.output_token_ids), list(st.block_ids), st.num_computed_tokens,
@@ -309,8 +312,12 @@ class ModelRunner:
 
     def restore(self, snap: RunnerSnapshot) -> None:
         """Go back to a `snapshot`: the runner behaves exactly as it did then."""
-        self.kv.k = [t.clone() for t in snap.k]  # (blocks allocated after the snapshot were never used before it)
-        self.kv.v = [t.clone() for t in snap.v]
+        if snap.k is None:
+            for t in (*self.kv.k, *self.kv.v):
+                t.zero_()
+        else:
+            self.kv.k = [t.clone() for t in snap.k]  # (blocks allocated after the snapshot were never used before it)
+            self.kv.v = [t.clone() for t in snap.v]
         self.requests = {}
         for rid, (st, out, blocks, computed, gen, plp) in snap.requests.items():
             st.output_token_ids, st.block_ids, st.num_computed_tokens, st.prompt_logprobs = list(out), list(blocks), \

@@ -51,8 +51,8 @@ class StepSnapshot:
 class RunnerSnapshot:
     """The whole runner state between two steps."""
 
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    k: list[torch.Tensor] | None  # None: a runner that holds no request, whose KV blocks restore as zeros
+    v: list[torch.Tensor] | None
     requests: dict[str, tuple]
     batch: list[str]
     seed_gen: torch.Tensor
