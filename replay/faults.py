@@ -8,6 +8,9 @@ tests.
                        output: contamination, a request reading a neighbour's hidden state
     shape:MODULE:SIZE  each request's rows of MODULE's output get SIZE x the batch's token count added to their
                        largest element: batch variance, numbers that follow the batch's shape and not its content
+    noise:MODULE:SIZE  each row of MODULE's output gets SIZE x a fresh uniform draw (from the operating system's
+                       entropy) added to its largest element: run-to-run nondeterminism, as a GPU kernel that reduces
+                       with atomics in whatever order its threads finish (none of this CPU's kernels do)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from replay.errors import UsageError
 
 ENV = "REPLAY_TEST_FAULT"
-KINDS = ("leak", "shape")
+KINDS = ("leak", "shape", "noise")
 
 
 def planted_fault() -> tuple[str, str, float] | None:
@@ -34,7 +37,8 @@ def planted_fault() -> tuple[str, str, float] | None:
             raise ValueError
         return kind, module, float(size)
     except ValueError:
-        raise UsageError(f"{ENV}={text!r}: expected leak:MODULE:SIZE or shape:MODULE:SIZE") from None
+        raise UsageError(f"{ENV}={text!r}: expected KIND:MODULE:SIZE, KIND one of "
+                         f"{', '.join(KINDS)}") from None
 
 
 def install_fault(model: Any, spans: Callable[[], list[tuple[int, int]]]) -> Any | None:
@@ -64,9 +68,12 @@ def install_fault(model: Any, spans: Callable[[], list[tuple[int, int]]]) -> Any
             for start, end in rows[1:]:
                 flat[start:end] += size * source
         else:
+            gen = torch.Generator(device=flat.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
             for start, end in rows:
                 cols = flat[start:end].argmax(dim=1)
-                flat[torch.arange(start, end, device=flat.device), cols] += size * rows[-1][1]
+                step = size * rows[-1][1] if kind == "shape" else \
+                    size * torch.rand(end - start, generator=gen, device=flat.device, dtype=flat.dtype)
+                flat[torch.arange(start, end, device=flat.device), cols] += step
         return (changed, *out[1:]) if isinstance(out, tuple) else changed
 
     return modules[name].register_forward_hook(hook)

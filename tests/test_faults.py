@@ -4,14 +4,17 @@ the bug) or only in the replay, and what the diagnosis makes of it on the builti
 Twins `a` and `b` (one prompt, greedy; `testbed.twins`): `a` is the sixth request of a batch at step 0, after
 n0..n4, `b` arrives later. A leak (`a` takes a multiple of the batch's first request's hidden state) is
 CONTAMINATION naming n0 and the module, exit 1; a fault of the batch's shape alone is BATCH VARIANCE, exit 0, and
-`bisect leak` finds nothing."""
+`bisect leak` finds nothing. Noise (a fresh draw in every forward pass, as a GPU kernel reducing with atomics)
+is RUN-TO-RUN: noise, exit 0, unless batch-invariant mode (ours or vLLM's variable) promised bitwise repeats."""
 
 from __future__ import annotations
 
 import pytest
 
+from replay.bisect.explain_divergence import RUN_TO_RUN, explain_divergence
 from replay.bisect.explain_pair import BATCH_VARIANCE, explain_pair
 from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
+from replay.bisect.promise import determinism_promise
 from replay.cli import main
 from replay.errors import UsageError
 from replay.faults import ENV, planted_fault
@@ -20,6 +23,7 @@ from testbed.twins import record_twins
 
 LEAK = "leak:layers.0.mlp:0.05"
 SHAPE = "shape:layers.1.mlp:1e-4"
+NOISE = "noise:layers.1.mlp:1e-3"
 
 
 @pytest.fixture(scope="module")
@@ -59,5 +63,33 @@ def test_a_fault_of_the_batchs_shape_is_batch_variance_never_contamination(tmp_p
 
 def test_a_fault_it_cannot_read_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv(ENV, "spill:layers.0.mlp:1")
-    with pytest.raises(UsageError, match="expected leak:MODULE:SIZE or shape:MODULE:SIZE"):
+    with pytest.raises(UsageError, match="expected KIND:MODULE:SIZE, KIND one of leak, shape, noise"):
         planted_fault()
+
+
+def test_a_replay_that_does_not_repeat_itself_is_run_to_run_a_bug_only_where_determinism_was_promised(
+        clean, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(ENV, NOISE)  # an engine with the fault: its twins answered differently
+    noisy = record_twins(tmp_path / "noisy.capture")
+    invariant = record_twins(tmp_path / "invariant.capture", batch_invariant=True)
+    code = main(["explain", str(clean), "-q"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith(f"{RUN_TO_RUN}: the replay does not repeat itself"), out
+    assert "nothing here promises bitwise repeats" in out
+    res = explain_divergence(clean, ReplayOptions(overrides={"batch_invariant": "true"}))
+    assert res.found == RUN_TO_RUN and res.bug and "--set batch_invariant=true promises" in res.verdict, res.verdict
+
+    pair = explain_pair(noisy, "a", "b")
+    assert pair.found == RUN_TO_RUN and not pair.bug and "two answers in two replays" in pair.verdict, pair.verdict
+    pair = explain_pair(invariant, "a", "b")
+    assert pair.found == RUN_TO_RUN and pair.bug, pair.verdict
+    assert "the recording's batch-invariant mode promises bitwise repeats, so this is a bug" in pair.verdict
+
+
+def test_vllms_batch_invariant_variable_in_the_recording_promises_determinism(tmp_path, monkeypatch):
+    """vLLM's batch-invariant kernels need Triton (a GPU), so the variable is read from a builtin recording's header
+    here: the promise is the header's, whichever runner replays it."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    path = record_twins(tmp_path / "promised.capture")
+    assert determinism_promise(path) == "the recording's VLLM_BATCH_INVARIANT=1"
+    assert determinism_promise(path, {"env.VLLM_BATCH_INVARIANT": "0"}) == ""

@@ -29,6 +29,7 @@ from replay.bisect.batch import PAD_SIZES
 from replay.bisect.config import ConfigBisect, bisect_config
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
+from replay.bisect.promise import determinism_promise, promise_clause
 from replay.capture import StepRange
 from replay.diff import Divergence
 from replay.errors import CannotTestError, UsageError
@@ -102,9 +103,10 @@ def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = Non
                                      "numerics", True, command, d,
                                      evidence, re_executions=runs, **common)
     if not repeats:
-        promised = opts.overrides.get("batch_invariant", "").lower() in ("1", "true")
+        promise = determinism_promise(path, opts.overrides)
         return DivergenceExplanation(path, RUN_TO_RUN, f"{RUN_TO_RUN}: the replay does not repeat itself "
-                                     f"({rep.run_to_run}); {at} cannot be pinned on the recording", promised,
+                                     f"({rep.run_to_run}); {at} cannot be pinned on the recording"
+                                     + promise_clause(promise), bool(promise),
                                      f"{command} --repeat 2", d, re_executions=runs, **common)
     if d.flip == "draw" and d.same_distribution:
         return DivergenceExplanation(path, SAMPLER, f"{SAMPLER}: {at} drew token {d.actual_token} where the recording "

@@ -25,6 +25,7 @@ import torch
 
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
+from replay.bisect.promise import determinism_promise, promise_clause
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
 from replay.diff.captures import AlignedRun, read_aligned
@@ -272,13 +273,13 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
     on = " on vLLM's runner" if kind_of_runner == "vllm" else ""
     common = dict(position=p, kind=kind, step_a=step_a, step_b=step_b, batch_a=side.batches.get(step_a),
                   batch_b=side.batches.get(step_b), margin=m, runner=kind_of_runner, notes=notes)
-    promised = _determinism_promised(path, overrides)
+    promise = determinism_promise(path, overrides)
     if not torch.equal(a1.logits, a2.logits):
         diff = float((a1.logits - a2.logits).abs().max())
         return PairExplanation(path, a, b, RUN_TO_RUN, f"{RUN_TO_RUN}: request {a} alone at step {step_a}{on} gives "
-                               f"two answers in two replays of the very same steps (max |Δlogit| {diff:.3g})",
-                               promised, alone_equal=False, alone_max_abs_logit_diff=diff, re_executions=runs,
-                               **common)
+                               f"two answers in two replays of the very same steps (max |Δlogit| {diff:.3g})"
+                               + promise_clause(promise), bool(promise), alone_equal=False,
+                               alone_max_abs_logit_diff=diff, re_executions=runs, **common)
     same = torch.equal(a1.logits, b1.logits)
     diff = 0.0 if same else float((a1.logits - b1.logits).abs().max())
     if not same:
@@ -287,8 +288,9 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
         sa, sb = own[side_ids[a]], own[side_ids[b]]
         if [x[1] for x in sa] == [x[1] for x in sb] and sa[:1] == sb[:1]:
             verdict = (f"{RUN_TO_RUN}: requests {a} and {b}, alone{on} on the same schedule of their own, part at "
-                       f"output position {p} (max |Δlogit| {diff:.3g}): the same computation gave two answers")
-            return PairExplanation(path, a, b, RUN_TO_RUN, verdict, promised, alone_equal=False,
+                       f"output position {p} (max |Δlogit| {diff:.3g}): the same computation gave two answers"
+                       + promise_clause(promise))
+            return PairExplanation(path, a, b, RUN_TO_RUN, verdict, bool(promise), alone_equal=False,
                                    alone_max_abs_logit_diff=diff, re_executions=runs, **common)
         verdict = (f"{BATCH_VARIANCE}: requests {a} and {b} part at output position {p} even alone{on} (max "
                    f"|Δlogit| {diff:.3g}), and each repeats itself: their own schedules differ ({_own(sa)} against "
@@ -350,12 +352,3 @@ def _knob(runner: str) -> str:
     """The setting that makes this engine batch-invariant, where it has one."""
     return ("--set env.VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels need Triton: GPUs)" if runner == "vllm"
             else "--set batch_invariant=true")
-
-
-def _determinism_promised(path: str, overrides: dict[str, str] | None) -> bool:
-    """The recording promised bitwise repeats: batch-invariant mode (ours, or vLLM's variable)."""
-    with CaptureReader(path) as r:
-        h = r.header
-    knob = (overrides or {}).get("batch_invariant", "")
-    return bool(getattr(h.engine_config, "batch_invariant", False)) or knob.lower() in ("1", "true") or \
-        h.environment.env.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
