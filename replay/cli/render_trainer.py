@@ -1,0 +1,45 @@
+"""How `replay trainer`'s answer reads."""
+
+from __future__ import annotations
+
+from replay.trainer import TrainerReport
+from replay.trainer.figures import Figures
+
+
+def _figures(f: Figures, unit: str = "Δ") -> str:
+    k3 = f", k3 KL {f.k3:.3g}" if f.k3 is not None else ""
+    clip = (f", a clip at C={f.clip:g} touches {f.clipped_tokens} token(s) in {f.clipped_sequences} sequence(s)"
+            if f.k3 is not None else "")
+    return (f"{f.tokens} tokens of {f.sequences} sequence(s): mean |{unit}| {f.mean_abs:.3g}, max {f.max_abs:.3g}"
+            f"{k3}{clip}")
+
+
+def render_trainer(r: TrainerReport) -> str:
+    """The verdict, the figures, Δ by position, the worst tokens, what was set aside and why."""
+    lines = [r.verdict,
+             f"  trainer: transformers {r.model} ({r.dtype}, {r.attention}, micro-batch {r.micro_batch}); vLLM's "
+             f"numbers: {r.logprobs_mode}"]
+    lines.append("  like for like:      " + _figures(r.overall, f"Δ{r.units}"))
+    if r.as_trainer is not None:
+        lines.append("  as a trainer sees:  " + _figures(r.as_trainer, "Δlogprob")
+                     + " (whole-vocabulary log_softmax(logits/T) against vLLM's numbers)")
+    if r.by_position:
+        lines.append("  |Δ| by position:    " + ", ".join(
+            f"{b.first}{'' if b.last == b.first else f'-{b.last}'}: {b.mean_abs:.2g} (max {b.max_abs:.2g})"
+            for b in r.by_position))
+    if r.worst:
+        lines.append(f"  {'request':<16} {'pos':>4} {'step':>5} {'batch':>14} {'token':>7} {'trainer':>12} "
+                     f"{'vLLM':>12} {'Δ':>9}")
+        for w in r.worst:
+            batch = f"{w.batch_requests} req/{w.batch_tokens} tok"
+            lines.append(f"  {w.request:<16} {w.position:>4} {w.step:>5} {batch:>14} {w.token:>7} {w.trainer:>12.6f} "
+                         f"{w.vllm:>12.6f} {w.delta:>9.2g}")
+    for s in r.requests:
+        if s.set_aside:
+            lines.append(f"  set aside: {s.request}: {s.set_aside}")
+    for s in r.requests:
+        if s.semantics:
+            gap = f" (the gap, not counted: max {s.semantic_gap:.3g})" if s.semantic_gap else ""
+            lines.append(f"  semantics: {s.request}: {s.semantics}{gap}")
+    lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(lines)

@@ -1,0 +1,33 @@
+"""`replay trainer`: does my trainer agree with my sampler?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from replay.cli.common import CaptureArg, JsonOpt, command, emit
+
+
+@command
+def trainer(
+    capture: Path = CaptureArg,
+    model: str | None = typer.Option(None, "--model", help="The trainer's checkpoint (default: the recording's)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the "
+                                                           "recording's)."),
+    attn: str = typer.Option("sdpa", "--attn", help="The trainer's attention: sdpa | eager."),
+    micro_batch: int = typer.Option(8, "--micro-batch", min=1, help="Sequences per forward (right-padded)."),
+    request: list[str] | None = typer.Option(None, "--request", help="Only this request (repeatable)."),
+    clip: float = typer.Option(2.0, "--clip", min=0.0, help="C of the truncated importance sampling clip."),
+    worst: int = typer.Option(5, "--worst", min=0, help="How many of the worst tokens to list."),
+    json: bool = JsonOpt,
+) -> None:
+    """Score every rollout as an RL trainer does (one teacher-forced transformers forward, log_softmax(logits / T)
+    over the whole vocabulary) against the logprobs vLLM returned, like for like: mean and max |Δ|, the k3 KL, what
+    a truncated-importance-sampling clip at C would touch, Δ by position, the worst tokens. Differences of meaning
+    (raw logprobs of a tempered request, top-p renormalisation) are named and not counted."""
+    from replay.cli.render_trainer import render_trainer
+    from replay.trainer import TrainerOptions, score_capture
+
+    res = score_capture(capture, TrainerOptions(model, dtype, attn, micro_batch, request or None, clip, worst))
+    emit(res, render_trainer, json=json)

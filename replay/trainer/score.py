@@ -1,0 +1,180 @@
+"""`score_capture`: every rollout of a capture scored by the trainer's forward, against what vLLM returned, like for
+like (`semantics.py`), with the figures RL teams log (`figures.py`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from replay.errors import UsageError
+from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
+from replay.trainer.figures import Bucket, Figures, by_position, figures
+from replay.trainer.forward import load_model, teacher_forced
+from replay.trainer.rollouts import read_rollouts
+from replay.trainer.semantics import like_vllm, semantics, trainer_logprobs
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How the trainer scores: its checkpoint (default: the recording's), dtype (default: the recording's),
+    attention and micro-batch; which requests; the clip C; how many worst tokens to show."""
+
+    model: str | None = None
+    dtype: str | None = None
+    attention: str = "sdpa"
+    micro_batch: int = 8
+    requests: list[str] | None = None
+    clip: float = 2.0
+    worst: int = 5
+
+
+class WorstToken(msgspec.Struct):
+    """One token where the trainer and vLLM part most, with where vLLM computed it."""
+
+    request: str
+    position: int  # output position
+    step: int
+    batch_requests: int  # the requests, and tokens, of that step's batch
+    batch_tokens: int
+    token: int
+    trainer: float  # the trainer's like-for-like value
+    vllm: float
+    delta: float
+
+
+class RequestScore(msgspec.Struct, omit_defaults=True):
+    """One rollout's comparison."""
+
+    request: str
+    tokens: int
+    compared: int = 0
+    mean_abs: float = 0.0
+    max_abs: float = 0.0
+    clipped: int = 0
+    set_aside: str = ""  # why it is not compared
+    semantics: str = ""  # how vLLM's number differs in meaning from the trainer's logprob
+    semantic_gap: float = 0.0  # max |trainer's logprob - its like-for-like value|: that difference, not counted
+
+
+class TrainerReport(msgspec.Struct):
+    """The answer of `replay trainer`. Δ = the trainer's like-for-like value - vLLM's."""
+
+    capture: str
+    model: str
+    dtype: str
+    attention: str
+    micro_batch: int
+    logprobs_mode: str
+    verdict: str
+    rounding: bool  # every compared Δ within the dtype's rounding tolerance
+    tolerance: float
+    units: str  # "logprob", or "logit" where vLLM returned logits (its *_logits modes)
+    overall: Figures  # like for like
+    # the trainer's whole-vocabulary log_softmax(logits / T) against vLLM's numbers, semantics and all: what a
+    # trainer that compares them naively logs (None where every request's numbers mean the same as the trainer's)
+    as_trainer: Figures | None
+    by_position: list[Bucket]
+    worst: list[WorstToken]
+    requests: list[RequestScore]
+    notes: list[str] = []
+
+
+def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None) -> TrainerReport:
+    """See the module docstring."""
+    opts = opts or TrainerOptions()
+    if opts.micro_batch < 1 or opts.clip <= 0:
+        raise UsageError("--micro-batch must be at least 1 and --clip above 0")
+    data = read_rollouts(path, opts.requests)
+    header = data.header
+    mode = header.engine_config.logprobs_mode
+    model_id = header.model
+    model_path = opts.model or (model_id.path or model_id.name if model_id else "")
+    if not model_path or not os.path.isdir(model_path):
+        raise UsageError(f"{path}: the recording's model {model_path or '(unnamed)'} is not a checkpoint here: "
+                         "give the trainer's with --model PATH")
+    dtype = opts.dtype or (model_id.dtype if model_id and model_id.dtype else "float32")
+    if opts.requests is not None and not data.rollouts:
+        raise UsageError(f"{path}: no request {', '.join(opts.requests)} generated a token")
+    notes = _checkpoint_notes(model_path, model_id, dtype)
+    model = load_model(model_path, dtype, opts.attention)
+
+    scores: dict[str, RequestScore] = {}
+    deltas: list[np.ndarray] = []
+    naive: list[np.ndarray] = []
+    worst: list[WorstToken] = []
+    meaning = {r.name: semantics(r.params, mode) for r in data.rollouts}
+    for r in data.rollouts:
+        why = meaning[r.name].set_aside or ("" if r.params.logprobs is not None and any(v is not None for v in r.values)
+                                            else "it asked for no logprobs, so vLLM returned none")
+        if why:
+            scores[r.name] = RequestScore(r.name, len(r.tokens), set_aside=why)
+    compared = [r for r in data.rollouts if r.name not in scores]
+    for r, z in teacher_forced(model, compared, opts.micro_batch):
+        s = meaning[r.name]
+        at = torch.arange(len(r.tokens))
+        tok = torch.tensor(r.tokens)
+        like = like_vllm(z, s)[at, tok].double().numpy()
+        mine = trainer_logprobs(z, s)[at, tok].double().numpy()
+        keep = [i for i, v in enumerate(r.values) if v is not None]
+        d = np.array([like[i] - r.values[i] for i in keep])
+        deltas.append(d)
+        if not s.logits:
+            naive.append(np.array([mine[i] - r.values[i] for i in keep]))
+        gap = float(np.abs(mine[keep] - like[keep]).max()) if s.differs and not s.logits else 0.0
+        scores[r.name] = RequestScore(r.name, len(r.tokens), len(keep), float(np.abs(d).mean()),
+                                      float(np.abs(d).max()), 0 if s.logits else int((np.exp(d) > opts.clip).sum()),
+                                      semantics=s.differs, semantic_gap=gap)
+        for j, i in enumerate(keep):
+            b = data.batches.get(r.steps[i], (0, 0))
+            worst.append(WorstToken(r.name, i, r.steps[i], b[0], b[1], r.tokens[i], float(like[i]),
+                                    float(r.values[i]), float(d[j])))
+    worst = sorted(worst, key=lambda w: -abs(w.delta))[:opts.worst]
+    logits = mode.endswith("_logits")
+    overall = figures(deltas, opts.clip, logprobs=not logits)
+    tol = CROSS_HARDWARE_ATOL.get(dtype, CROSS_HARDWARE_ATOL["float32"])
+    rounding = overall.max_abs <= tol
+    ordered = [scores[r.name] for r in data.rollouts]
+    differs = any(x.semantics and x.semantic_gap for x in ordered)
+    units = "logit" if logits else "logprob"
+    return TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, mode,
+                         _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
+                         figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes)
+
+
+def _checkpoint_notes(path: str, recorded, dtype: str) -> list[str]:
+    """What differs between the recording's model and the trainer's: the weights, the dtype."""
+    from replay.provenance.weights import checkpoint_fingerprint
+
+    notes = []
+    if recorded is not None and recorded.fingerprint:
+        try:
+            mine = checkpoint_fingerprint(path)
+        except (OSError, ValueError):
+            mine = ""
+        if mine and mine != recorded.fingerprint:
+            notes.append(f"the trainer's weights ({path}) are not the recording's: expect more than numerics")
+    if recorded is not None and recorded.dtype and recorded.dtype != dtype:
+        notes.append(f"dtype: vLLM computed in {recorded.dtype}, the trainer in {dtype}")
+    return notes
+
+
+def _verdict(f: Figures, worst: list[WorstToken], tol: float, rounding: bool, scores: list[RequestScore],
+             units: str) -> str:
+    """One line: agree at the rounding level, or where they part most, and what a clip would touch."""
+    aside = sum(1 for s in scores if s.set_aside)
+    tail = f" ({aside} request(s) set aside)" if aside else ""
+    if not f.tokens:
+        return "nothing to compare: no request returned logprobs" + tail
+    clip = ("" if f.k3 is None else f"; no token would be clipped at C={f.clip:g}" if not f.clipped_tokens else
+            f"; a clip at C={f.clip:g} would touch {f.clipped_tokens} token(s) "
+            f"({100 * f.clipped_tokens / f.tokens:.2g} %) in {f.clipped_sequences} of {f.sequences} sequence(s)")
+    head = (f"the trainer and vLLM agree at the rounding level (max |Δ{units}| {f.max_abs:.3g} <= {tol:g}) over "
+            f"{f.tokens} tokens of {f.sequences} sequence(s)" if rounding else
+            f"the trainer and vLLM part beyond the rounding level ({tol:g}): max |Δ{units}| {f.max_abs:.3g} at "
+            f"request {worst[0].request}, position {worst[0].position} (step {worst[0].step}, a batch of "
+            f"{worst[0].batch_requests}), mean {f.mean_abs:.3g} over {f.tokens} tokens")
+    return f"{head}{clip}{tail}"
