@@ -96,16 +96,17 @@ def finished(capture: Path) -> None:
 
 def mixed_traffic(port: int, model: Path) -> int:
     """12 concurrent clients in one batch, as the issue that found the rank near-ties ran them: greedy with top-5
-    logprobs, seeded, unseeded, seeded n=2 with logprobs, unseeded n=3 with logprobs, token-id and text prompts;
-    then a greedy and a seeded one of them again, one at a time. Returns the number of sequences asked for."""
+    logprobs, seeded, unseeded, seeded n=2 at top-p 0.9 with logprobs, unseeded n=3 with logprobs, token-id and
+    text prompts; then a greedy and a seeded one of them again, one at a time. Returns the number of sequences asked
+    for."""
     m = str(model)
     bodies = [{"model": m, "prompt": [5 + i, 17, 200, 3, 99, 7 * i + 11], "max_tokens": 12, "temperature": 0,
                "logprobs": 5} for i in range(4)]
     bodies += [{"model": m, "prompt": "the answer is", "max_tokens": 10, "temperature": 0.8, "seed": 5 + i}
                for i in range(3)]
     bodies += [{"model": m, "prompt": [40 + i, 41, 42], "max_tokens": 10, "temperature": 1.0} for i in range(2)]
-    bodies += [{"model": m, "prompt": [60 + i, 61, 62, 63], "max_tokens": 10, "temperature": 0.7, "seed": 11 + i,
-                "n": 2, "logprobs": 2} for i in range(2)]
+    bodies += [{"model": m, "prompt": [60 + i, 61, 62, 63], "max_tokens": 10, "temperature": 0.7, "top_p": 0.9,
+                "seed": 11 + i, "n": 2, "logprobs": 2} for i in range(2)]
     bodies.append({"model": m, "prompt": "the answer is no", "max_tokens": 10, "temperature": 0.9, "n": 3,
                    "logprobs": 5})
     results: list = [None] * len(bodies)

@@ -33,6 +33,7 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from replay.trainer import score_capture  # noqa: E402
 from testbed.checkpoints import add_tokenizer, real_vocab_qwen2, tiny_llama  # noqa: E402
 from tests.vllm_server import ENV, Server, finished, kill_group, mixed_traffic, post, stop  # noqa: E402
 
@@ -239,6 +240,16 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
         assert "threads" not in text, text  # the in-process worker computes on the recording worker's thread count
         assert "MATCH" in text.splitlines()[-1]
         _no_false_contamination(capture, engines)
+    _trainer_agrees(capture)
+
+
+def _trainer_agrees(capture: Path) -> None:
+    """The trainer's side (transformers, float32, the same checkpoint): at the rounding level, nothing clipped; the
+    tempered top-p children's raw logprobs named as another quantity, the requests without logprobs set aside."""
+    res = score_capture(capture)
+    assert res.rounding and res.overall.clipped_tokens == 0 and res.overall.tokens >= 40, res.verdict
+    assert sum("before temperature 0.7; vLLM's are before top-p 0.9" in s.semantics for s in res.requests) == 4
+    assert sum(s.set_aside == "it asked for no logprobs, so vLLM returned none" for s in res.requests) == 5 + 1
 
 
 def _no_false_contamination(capture: Path, engines: Engines) -> None:
@@ -288,6 +299,7 @@ def test_a_tensor_parallel_real_vocabulary_server_shows_no_false_contamination(v
         rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
         assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence
         _no_false_contamination(capture, engines)
+    _trainer_agrees(capture)
 
 
 def _ring_bytes(ring: Path) -> int:
