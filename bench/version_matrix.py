@@ -95,10 +95,14 @@ def layer_over_checkout(site: Path) -> None:
     (site / "zz_replay_base.pth").write_text(f"import site; {dirs}\n")
 
 
-def run(py: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A command in an environment, its output captured."""
-    return subprocess.run([str(py), *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
-                          cwd=ROOT, timeout=900)
+def run(py: Path, *args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """A command in an environment, its output captured; one that outlives `timeout` seconds is killed and reads as
+    exit 124 ("hung")."""
+    try:
+        return subprocess.run([str(py), *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                              cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess([str(py), *args], 124, "", f"hung: killed after {timeout:.0f} s")
 
 
 def verdict(py: Path, *args: str) -> dict:
@@ -129,7 +133,10 @@ def moe_cell(version: str, work: Path, model: Path) -> str:
     (vLLM's own error)."""
     py = environment(version)
     cap = work / f"moe-{version}.capture"
-    out = run(py, str(work / "moe.py"), str(model), env={"REPLAY_CAPTURE": str(cap), "VLLM_CPU_KVCACHE_SPACE": "1"})
+    out = run(py, str(work / "moe.py"), str(model), env={"REPLAY_CAPTURE": str(cap), "VLLM_CPU_KVCACHE_SPACE": "1"},
+              timeout=300)
+    if out.returncode == 124:
+        return f"not returned: {out.stderr}"
     if out.returncode != 0:
         return f"not returned: {root_cause(out.stderr + out.stdout) or f'exit {out.returncode}'}"  # (vLLM logs to both)
     v = verdict(py, "run", str(cap), "--diff", "--runner", "vllm")

@@ -66,10 +66,9 @@ def semantics(params: SamplingParams, mode: str) -> Semantics:
         why = f"{', '.join(penalised)} changed the logits before vLLM's processed logprobs; the trainer does not"
         return Semantics(mode, t, k, p, mp, params, set_aside=why)
     gaps = []
-    if mode.startswith("raw") and t != 1.0:
-        gaps.append(f"vLLM's are before temperature {t:g}")
-    if mode.startswith("raw") and (k or p < 1.0 or mp > 0.0):
-        gaps.append(f"vLLM's are before {_masks(k, p, mp)}")
+    before = " and ".join(x for x in (f"temperature {t:g}" if t != 1.0 else "", _masks(k, p, mp)) if x)
+    if mode.startswith("raw") and before:
+        gaps.append(f"vLLM's raw numbers come before {before}")
     if processed and (k or p < 1.0 or mp > 0.0):
         gaps.append("vLLM's are renormalised over the tokens " + _masks(k, p, mp) + " keeps (the renormalisation "
                     "bias)")

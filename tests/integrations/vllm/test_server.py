@@ -248,7 +248,7 @@ def _trainer_agrees(capture: Path) -> None:
     tempered top-p children's raw logprobs named as another quantity, the requests without logprobs set aside."""
     res = score_capture(capture)
     assert res.rounding and res.overall.clipped_tokens == 0 and res.overall.tokens >= 40, res.verdict
-    assert sum("before temperature 0.7; vLLM's are before top-p 0.9" in s.semantics for s in res.requests) == 4
+    assert sum("vLLM's raw numbers come before temperature 0.7 and top-p 0.9" == s.semantics for s in res.requests) == 4
     assert sum(s.set_aside == "it asked for no logprobs, so vLLM returned none" for s in res.requests) == 5 + 1
 
 
