@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from replay.trainer import TrainerReport
 from replay.trainer.figures import Figures
+from replay.trainer.layers import TrainerLayers
 
 
 def _figures(f: Figures, unit: str = "Δ") -> str:
@@ -42,4 +43,21 @@ def render_trainer(r: TrainerReport) -> str:
             gap = f" (the gap, not counted: max {s.semantic_gap:.3g})" if s.semantic_gap else ""
             lines.append(f"  semantics: {s.request}: {s.semantics}{gap}")
     lines += [f"  note: {n}" for n in r.notes]
+    if r.layers is not None:
+        lines.append(render_layers(r.layers))
+    return "\n".join(lines)
+
+
+def render_layers(t: TrainerLayers) -> str:
+    """The bisect's verdict and its module table, replay side against the trainer's."""
+    width = max(len(m.module) for m in t.modules) + 2
+    lines = [t.verdict, f"  {'module':<{width}} {'max |Δ|':>10} {'relative':>10} {'ULPs':>10}"]
+    for m in t.modules:
+        mark = "  <- beyond" if m.module == t.first_module else ""
+        lines.append(f"  {m.module:<{width}} {m.max_abs:>10.3g} {m.relative:>10.3g} {m.max_ulps:>10.3g}{mark}")
+    if t.unmatched:
+        lines.append(f"  ({t.unmatched} module(s) of the replay have no counterpart in the trainer's model)")
+    lines += [f"  note: {n}" for n in t.notes]
+    if t.dump:
+        lines.append(f"  dumped to {t.dump}")
     return "\n".join(lines)

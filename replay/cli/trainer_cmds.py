@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from replay.cli.common import CaptureArg, JsonOpt, command, emit
+from replay.cli.common import CaptureArg, JsonOpt, PlantOpt, RunnerOpt, command, emit
 
 
 @command
@@ -20,14 +20,32 @@ def trainer(
     request: list[str] | None = typer.Option(None, "--request", help="Only this request (repeatable)."),
     clip: float = typer.Option(2.0, "--clip", min=0.0, help="C of the truncated importance sampling clip."),
     worst: int = typer.Option(5, "--worst", min=0, help="How many of the worst tokens to list."),
+    bisect: bool = typer.Option(False, "--bisect", help="Name the first module where the replay (vLLM's runner for a "
+                                                        "vLLM capture) and the trainer part, at the worst token."),
+    token: str | None = typer.Option(None, "--token", help="REQUEST:POSITION: bisect this token (implies --bisect)."),
+    plant: str | None = PlantOpt,
+    runner: str | None = RunnerOpt,
+    dump: Path | None = typer.Option(None, "--dump", help="With --bisect: write both sides' module outputs here."),
     json: bool = JsonOpt,
 ) -> None:
     """Score every rollout as an RL trainer does (one teacher-forced transformers forward, log_softmax(logits / T)
     over the whole vocabulary) against the logprobs vLLM returned, like for like: mean and max |Δ|, the k3 KL, what
     a truncated-importance-sampling clip at C would touch, Δ by position, the worst tokens. Differences of meaning
-    (raw logprobs of a tempered request, top-p renormalisation) are named and not counted."""
+    (raw logprobs of a tempered request, top-p renormalisation) are named and not counted. --bisect: the first module
+    where the replay of the token's step and the trainer's forward part beyond the dtype's tolerance."""
     from replay.cli.render_trainer import render_trainer
+    from replay.errors import UsageError
+    from replay.replayer import Plant
     from replay.trainer import TrainerOptions, score_capture
 
-    res = score_capture(capture, TrainerOptions(model, dtype, attn, micro_batch, request or None, clip, worst))
+    where = None
+    if token is not None:
+        name, _, pos = token.rpartition(":")
+        if not name or not pos.isdigit():
+            raise UsageError(f"--token {token}: expected REQUEST:POSITION")
+        where = (name, int(pos))
+    res = score_capture(capture, TrainerOptions(model, dtype, attn, micro_batch, request or None, clip, worst,
+                                                bisect or where is not None, where,
+                                                Plant.parse(plant) if plant else None, runner,
+                                                str(dump) if dump else None))
     emit(res, render_trainer, json=json)

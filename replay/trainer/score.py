@@ -11,9 +11,12 @@ import numpy as np
 import torch
 
 from replay.errors import UsageError
+from replay.integrations.vllm.engines import Engines
+from replay.replayer import Plant
 from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
 from replay.trainer.figures import Bucket, Figures, by_position, figures
 from replay.trainer.forward import load_model, teacher_forced
+from replay.trainer.layers import TrainerLayers, trainer_layers
 from replay.trainer.rollouts import read_rollouts
 from replay.trainer.semantics import like_vllm, semantics, trainer_logprobs
 
@@ -30,6 +33,11 @@ class TrainerOptions:
     requests: list[str] | None = None
     clip: float = 2.0
     worst: int = 5
+    bisect: bool = False  # then the module where the two part, at `token` (default: the worst token)
+    token: tuple[str, int] | None = None  # (request, output position)
+    plant: Plant | None = None  # a fault on the replay side of the bisect
+    runner: str | None = None  # the replay side of the bisect (default: the capture's engine's runner)
+    dump: str | None = None  # the bisect's module outputs, both sides
 
 
 class WorstToken(msgspec.Struct):
@@ -81,10 +89,12 @@ class TrainerReport(msgspec.Struct):
     worst: list[WorstToken]
     requests: list[RequestScore]
     notes: list[str] = []
+    layers: TrainerLayers | None = None  # with `bisect`: the module where they part
 
 
-def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None) -> TrainerReport:
-    """See the module docstring."""
+def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *,
+                  engines: Engines | None = None) -> TrainerReport:
+    """See the module docstring. `engines`: started vLLM engines the bisect may run on (else it starts its own)."""
     opts = opts or TrainerOptions()
     if opts.micro_batch < 1 or opts.clip <= 0:
         raise UsageError("--micro-batch must be at least 1 and --clip above 0")
@@ -140,9 +150,28 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None) -
     ordered = [scores[r.name] for r in data.rollouts]
     differs = any(x.semantics and x.semantic_gap for x in ordered)
     units = "logit" if logits else "logprob"
-    return TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, mode,
-                         _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
-                         figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes)
+    res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, mode,
+                        _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
+                        figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes)
+    if opts.bisect:
+        res.layers = _bisect(path, opts, worst, model_path, dtype, engines)
+    return res
+
+
+def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str, dtype: str,
+            engines: Engines | None) -> TrainerLayers:
+    """The module where the trainer and the replay part, at `opts.token` or the worst token."""
+    if opts.token is None and not worst:
+        raise UsageError("--bisect: no token was compared; name one with --token REQUEST:POSITION")
+    request, position = opts.token or (worst[0].request, worst[0].position)
+    own = engines or Engines(keep=1)
+    try:
+        return trainer_layers(path, request, position, model_path=model_path, dtype=dtype,
+                              attention=opts.attention, runner=opts.runner, plant=opts.plant, engines=own,
+                              dump=opts.dump)
+    finally:
+        if own is not engines:
+            own.close()
 
 
 def _checkpoint_notes(path: str, recorded, dtype: str) -> list[str]:

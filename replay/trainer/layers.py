@@ -1,0 +1,166 @@
+"""`replay trainer --bisect`: one token's forward on both sides, module by module. The replay side is the recorded
+step on the capture's runner (vLLM's own model and kernels in every worker, or the builtin runner), hooked as `bisect
+layers` hooks it; the trainer side is one teacher-forced `transformers` forward of the sequence up to the token,
+hooked on every module. vLLM's fused modules are compared with the trainer's put together: `qkv_proj` against `q_proj`,
+`k_proj`, `v_proj` side by side, `gate_up_proj` against `gate_proj` and `up_proj`, `attn` and `act_fn` against what
+`o_proj` and `down_proj` take in, `logits_processor` against `lm_head`. The first module whose output moves beyond
+the dtype's tolerance (relative to the module's largest output) is named, with |Δ| and ULPs."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+
+from replay.bisect.dump import write_dump
+from replay.bisect.layers import side_runs
+from replay.bisect.module_compare import LayersBisect, ModuleDiff, compare_modules
+from replay.bisect.session import Run
+from replay.errors import UsageError
+from replay.integrations.vllm.engines import Engines
+from replay.replayer import Plant
+from replay.trainer.forward import load_model
+from replay.trainer.rollouts import read_rollouts
+
+# |Δ| / the module's largest |output| beyond which a module has moved: ~100 float32 ULPs; a few bfloat16 ones
+TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
+
+
+class ModuleGap(msgspec.Struct):
+    """One module: the replay side against the trainer's."""
+
+    module: str
+    max_abs: float
+    relative: float  # max |Δ| / the replay side's largest |output|
+    max_ulps: float
+    beyond: bool  # beyond the dtype's tolerance
+
+
+class TrainerLayers(msgspec.Struct):
+    """The answer of `replay trainer --bisect`."""
+
+    capture: str
+    request: str
+    position: int  # output position of the token
+    step: int
+    runner: str  # the replay side: "vllm" or "builtin"
+    dtype: str
+    tolerance: float
+    verdict: str
+    first_module: str | None  # the first beyond the tolerance
+    first_differs: str | None  # the first whose output is not bitwise the trainer's (within tolerance or not)
+    modules: list[ModuleGap]  # in the replay side's execution order
+    unmatched: int = 0  # replay-side modules with no counterpart in the trainer's model
+    notes: list[str] = []
+    dump: str | None = None
+
+
+def trainer_layers(path: str | os.PathLike, request: str, position: int, *, model_path: str, dtype: str,
+                   attention: str = "sdpa", runner: str | None = None, plant: Plant | None = None,
+                   engines: Engines | None = None, hook: Callable[[Any], None] | None = None,
+                   dump: str | os.PathLike | None = None) -> TrainerLayers:
+    """See the module docstring. `plant`: a fault on the replay side (`--plant`); `hook(model)`: called on the
+    trainer's model once loaded (a test plants the trainer side's fault with it); `dump`: a directory for both
+    sides' outputs of the modules around the first one beyond the tolerance."""
+    path = str(path)
+    data = read_rollouts(path, [request])
+    if not data.rollouts:
+        raise UsageError(f"{path}: no request {request!r} generated a token")
+    r = data.rollouts[0]
+    if not 0 <= position < len(r.tokens):
+        raise UsageError(f"--token {request}:{position}: it generated {len(r.tokens)} tokens (positions 0-"
+                         f"{len(r.tokens) - 1})")
+    step = r.steps[position]
+    if r.steps.count(step) > 1:
+        raise UsageError(f"--token {request}:{position}: step {step} sampled {r.steps.count(step)} of its tokens "
+                         "(speculative decoding): pick a token of a step that sampled one")
+    runner = runner or ("vllm" if data.header.engine == "vllm" else "builtin")
+    _, notes, (run,) = side_runs(path, step, r.name, {"runner": runner} if runner == "vllm" else {},
+                                 [(False, plant)], engines=engines)
+    replay_side = [(n, t) for n, t in run.modules if not _skipped(n, runner)]
+    if not replay_side:
+        raise UsageError(f"{path}: the replay of step {step} hooked no module of request {r.name}")
+    rows = replay_side[0][1].shape[0]  # R's rows at the step: the embedding's
+    model = load_model(model_path, dtype, attention)
+    if hook is not None:
+        hook(model)
+    seq = r.prompt + r.tokens[:position]
+    trainer_side = _trainer_modules(model, seq, range(len(seq) - rows, len(seq)))
+    prefix = "model." if replay_side[0][0].startswith("model.") else ""
+    mine = [(n, trainer_side[n.removeprefix(prefix)]) for n, _ in replay_side if n.removeprefix(prefix) in trainer_side]
+    diffs = compare_modules(replay_side, [(n, t.to(dict(replay_side)[n].dtype)) for n, t in mine], run.gathered)
+    scale = {n: float(t.double().abs().max()) for n, t in replay_side}
+    tol = TOLERANCE.get(dtype, TOLERANCE["float32"])
+    gaps = [ModuleGap(d.module, d.max_abs, d.max_abs / max(scale[d.module], 1e-30), d.max_ulps,
+                      d.max_abs > tol * scale[d.module]) for d in diffs]
+    first = next((g for g in gaps if g.beyond), None)
+    differs = next((g for g in gaps if g.max_abs > 0), None)
+    on = ", on vLLM's runner" if runner == "vllm" else ""
+    where = f"request {r.name}, output position {position} (step {step}{on})"
+    if differs is None:
+        verdict = f"{where}: every module's output ({len(gaps)} compared) is bitwise the trainer's"
+    elif first is None:
+        worst = max(gaps, key=lambda g: g.relative)
+        verdict = (f"{where}: the first module that differs from the trainer is {differs.module} (max |Δ| "
+                   f"{differs.max_abs:.3g}, {differs.max_ulps:.3g} ULPs); none moves beyond {dtype}'s tolerance "
+                   f"(relative {tol:g}; the largest: {worst.module}, relative {worst.relative:.3g})")
+    else:
+        verdict = (f"{where}: the first module beyond {dtype}'s tolerance (relative {tol:g}) against the trainer is "
+                   f"{first.module} (max |Δ| {first.max_abs:.3g}, relative {first.relative:.3g}, {first.max_ulps:.3g} "
+                   "ULPs)")
+    res = TrainerLayers(path, r.name, position, step, runner, dtype, tol, verdict, first.module if first else None,
+                        differs.module if differs else None, gaps, len(replay_side) - len(diffs), list(notes))
+    if dump is not None:
+        lb = LayersBisect(path, step, r.name, "trainer", verdict, res.first_module,
+                          [ModuleDiff(d.module, not g.beyond and d.equal, d.max_abs, d.max_ulps, d.gathered)
+                           for d, g in zip(diffs, gaps)], runner)
+        res.dump = write_dump(dump, lb, Run(None, [], replay_side, run.gathered), Run(None, [], mine))
+    return res
+
+
+def _skipped(name: str, runner: str) -> bool:
+    """Replay-side outputs with no trainer counterpart by construction: a tuple's later parts (vLLM's residual), a
+    shared module's later calls, and on vLLM a decoder layer's output (its residual is not added yet)."""
+    return "[" in name or "#" in name or (runner == "vllm" and re.search(r"layers\.\d+$", name) is not None)
+
+
+def _trainer_modules(model: Any, seq: list[int], rows: range) -> dict[str, torch.Tensor]:
+    """Every module's output rows at `rows` for one teacher-forced forward of `seq`, by name (without a leading
+    "model."), with vLLM's fused modules put together from the trainer's (see the module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    sel = torch.tensor(list(rows))
+
+    def keep(name: str, into: dict, value: Any) -> None:
+        t = value[0] if isinstance(value, tuple) else value
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == len(seq):
+            into[name.removeprefix("model.")] = t[0, sel].detach().clone()
+
+    handles = []
+    for name, m in model.named_modules():
+        if name:
+            handles.append(m.register_forward_hook(lambda mod, a, o, n=name: keep(n, out, o)))
+        if name.endswith(("self_attn.o_proj", "mlp.down_proj")):
+            handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: keep(n, inputs, a)))
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([seq]))
+    finally:
+        for h in handles:
+            h.remove()
+    for name in list(out):
+        if name.endswith("self_attn.q_proj"):
+            base = name.removesuffix("q_proj")
+            out[base + "qkv_proj"] = torch.cat([out[base + p] for p in ("q_proj", "k_proj", "v_proj")], dim=-1)
+            out[base + "attn"] = inputs[base + "o_proj"]
+        if name.endswith("mlp.gate_proj"):
+            base = name.removesuffix("gate_proj")
+            out[base + "gate_up_proj"] = torch.cat([out[base + "gate_proj"], out[base + "up_proj"]], dim=-1)
+            out[base + "act_fn"] = inputs[base + "down_proj"]  # vLLM's act_fn is SiluAndMul: silu(gate) * up
+    if "lm_head" in out:
+        out["logits_processor"] = out["lm_head"][-1:]  # vLLM scores the sampling row only
+    return out
