@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from replay.replayer import ReplayOptions
 
 # `replay --help` lists the commands in the order of a user's day, then the rest as they were registered
-DAY = ("record", "snapshot", "run", "diff", "explain", "info", "show", "report", "bisect", "stress", "check")
+DAY = ("record", "snapshot", "run", "diff", "explain", "trainer", "info", "show", "report", "bisect", "stress",
+       "check")
 
 
 class _DayOrder(TyperGroup):

@@ -166,7 +166,7 @@ def test_help_lists_the_commands_in_the_order_of_a_users_day_and_points_at_the_r
     out = capsys.readouterr().out
     block = out.split("Commands:", 1)[1].split("\n\n", 1)[0]  # up to the epilog
     listed = [line.split()[0] for line in block.splitlines() if line.startswith("  ") and line.split()]
-    assert listed[:11] == ["record", "snapshot", "run", "diff", "explain", "info", "show", "report", "bisect",
-                           "stress", "check"], listed
-    assert set(listed[11:]) == {"recover", "export", "synth", "demo"}
+    assert listed[:12] == ["record", "snapshot", "run", "diff", "explain", "trainer", "info", "show", "report",
+                           "bisect", "stress", "check"], listed
+    assert set(listed[12:]) == {"recover", "export", "synth", "demo"}
     assert "README.md" in out and "docs/guide.md" in out

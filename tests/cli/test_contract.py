@@ -56,6 +56,7 @@ def _base(path: tuple[str, ...], tmp: Path) -> tuple[list[str], dict[str, list[s
         ("bisect", "config"): ([GOLDEN], {"--bad": ["dtype=bfloat16"], "--steps": ["0-1"], "-q": []}),
         ("bisect", "leak"): ([GOLDEN], {"--step": ["1"], "--request": ["req-0"], "-q": []}),
         ("explain",): ([GOLDEN], {"--step": ["1"], "-q": []}),
+        ("trainer",): ([GOLDEN], {}),  # the builtin `tiny` is no checkpoint: refused in a line, whatever the option
         ("bisect", "dumps"): ([str(tmp / "dump-a"), str(tmp / "dump-b")], {}),  # no dumps there: refused, in a line
     }
     return table[path]
