@@ -43,6 +43,14 @@ def render_trainer(r: TrainerReport) -> str:
             gap = f" (the gap, not counted: max {s.semantic_gap:.3g})" if s.semantic_gap else ""
             lines.append(f"  semantics: {s.request}: {s.semantics}{gap}")
     lines += [f"  note: {n}" for n in r.notes]
+    if r.routing is not None:
+        g = r.routing
+        lines.append(f"  MoE routing: {g.tokens} tokens; the trainer's router picks vLLM's experts in " + ", ".join(
+            f"layer {x.layer}: {100 * x.fraction:.3g} %" for x in g.layers))
+        if g.first is not None:
+            f = g.first
+            lines.append(f"    first routed otherwise in MoE layer {f.layer}: request {f.request}, token "
+                         f"{f.token_index}: vLLM {f.vllm}, the trainer {f.trainer}")
     if r.layers is not None:
         lines.append(render_layers(r.layers))
     return "\n".join(lines)

@@ -33,9 +33,35 @@ def load_model(path: str, dtype: str, attention: str) -> Any:
     return model.eval()
 
 
-def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int) -> Iterator[tuple[Rollout, torch.Tensor]]:
+def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int
+                   ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
     """Each rollout with its logits at the positions that predicted its generated tokens: [G, V] float32 (the
-    trainer casts before its log_softmax). Rollouts go `micro_batch` at a time, right-padded."""
+    trainer casts before its log_softmax), and for a mixture of experts the experts its router picked for every
+    token: [L, MoE layers, top-k] (else None). Rollouts go `micro_batch` at a time, right-padded."""
+    routers = _routers(model)
+    picked: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, a, o: picked.append(o[0] if isinstance(o, tuple) else o))
+             for m in routers]
+    try:
+        yield from _batches(model, rollouts, micro_batch, picked, routers)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _routers(model: Any) -> list[Any]:
+    """The MoE routers of a transformers model, in layer order: the `gate` of each sparse block (`mlp.gate` in
+    transformers 5, `block_sparse_moe.gate` before), a linear map to one logit per expert."""
+    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    if not experts:
+        return []
+    return [m for n, m in model.named_modules() if n.endswith(".gate") and
+            getattr(m, "weight", None) is not None and m.weight.shape[0] == experts]
+
+
+def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, picked: list[torch.Tensor], routers: list[Any]
+             ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
+    top_k = getattr(model.config, "num_experts_per_tok", 0)
     for first in range(0, len(rollouts), micro_batch):
         batch = rollouts[first:first + micro_batch]
         seqs = [r.prompt + r.tokens for r in batch]
@@ -45,8 +71,14 @@ def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int) -> Ite
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
+        picked.clear()
         with torch.inference_mode():
             logits = model(input_ids=ids, attention_mask=mask).logits  # [B, width, V]
+        experts = None
+        if routers and len(picked) == len(routers):  # each router's logits: [B * width, experts]
+            experts = torch.stack([x.reshape(len(seqs), width, -1).topk(top_k, dim=-1).indices for x in picked],
+                                  dim=2)  # [B, width, MoE layers, top-k]
         for i, r in enumerate(batch):
             p = len(r.prompt)
-            yield r, logits[i, p - 1:p - 1 + len(r.tokens)].float()
+            yield r, logits[i, p - 1:p - 1 + len(r.tokens)].float(), \
+                None if experts is None else experts[i, :len(seqs[i])]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from replay.capture import CaptureReader, Header, RequestAdded
 from replay.contracts import SamplingParams
 from replay.diff.captures import read_aligned
@@ -21,6 +23,8 @@ class Rollout:
     values: list[float | None]  # what vLLM returned for each (None: the request asked for no logprobs)
     steps: list[int]  # the step that sampled each token
     params: SamplingParams
+    # token index (prompt first) -> the experts vLLM routed it to, [MoE layers, top-k], where the capture kept routing
+    routing: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -42,7 +46,8 @@ def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Ro
         req = rec.request
         if names is not None and req.name not in names and req.request_id not in names:
             continue
-        seq = side.outputs.get(side.key_of.get(req.request_id, ""), [])
+        key = side.key_of.get(req.request_id, "")
+        seq = side.outputs.get(key, [])
         tokens, values, steps = [], [], []
         for step, token, row in seq:
             if token < 0:  # a placeholder (a rejected draft's slot): the sequence ends before it
@@ -52,5 +57,6 @@ def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Ro
             steps.append(step)
         if tokens:
             out.rollouts.append(Rollout(req.name, list(req.prompt_token_ids or ()), tokens, values, steps,
-                                        req.sampling_params or SamplingParams()))
+                                        req.sampling_params or SamplingParams(),
+                                        {t: rows for t, (_, rows) in side.routing.get(key, {}).items()}))
     return out

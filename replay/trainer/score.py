@@ -4,7 +4,9 @@ like (`semantics.py`), with the figures RL teams log (`figures.py`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -18,6 +20,7 @@ from replay.trainer.figures import Bucket, Figures, by_position, figures
 from replay.trainer.forward import load_model, teacher_forced
 from replay.trainer.layers import TrainerLayers, trainer_layers
 from replay.trainer.rollouts import read_rollouts
+from replay.trainer.routing import RoutingAgreement, RoutingTally
 from replay.trainer.semantics import like_vllm, semantics, trainer_logprobs
 
 
@@ -89,12 +92,14 @@ class TrainerReport(msgspec.Struct):
     worst: list[WorstToken]
     requests: list[RequestScore]
     notes: list[str] = []
+    routing: RoutingAgreement | None = None  # where the capture kept MoE routing: the trainer's router against it
     layers: TrainerLayers | None = None  # with `bisect`: the module where they part
 
 
 def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *,
-                  engines: Engines | None = None) -> TrainerReport:
-    """See the module docstring. `engines`: started vLLM engines the bisect may run on (else it starts its own)."""
+                  engines: Engines | None = None, hook: Callable[[Any], None] | None = None) -> TrainerReport:
+    """See the module docstring. `engines`: started vLLM engines the bisect may run on (else it starts its own).
+    `hook(model)`: called on the trainer's model once loaded (a test plants a trainer-side fault with it)."""
     opts = opts or TrainerOptions()
     if opts.micro_batch < 1 or opts.clip <= 0:
         raise UsageError("--micro-batch must be at least 1 and --clip above 0")
@@ -122,8 +127,15 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
                                             else "it asked for no logprobs, so vLLM returned none")
         if why:
             scores[r.name] = RequestScore(r.name, len(r.tokens), set_aside=why)
-    compared = [r for r in data.rollouts if r.name not in scores]
-    for r, z in teacher_forced(model, compared, opts.micro_batch):
+    if hook is not None:
+        hook(model)
+    tally = RoutingTally()
+    forwarded = [r for r in data.rollouts if r.name not in scores or r.routing]
+    for r, z, experts in teacher_forced(model, forwarded, opts.micro_batch):
+        if r.routing and experts is not None:
+            tally.add(r.name, r.routing, experts)
+        if r.name in scores:
+            continue
         s = meaning[r.name]
         at = torch.arange(len(r.tokens))
         tok = torch.tensor(r.tokens)
@@ -152,7 +164,8 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     units = "logit" if logits else "logprob"
     res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, mode,
                         _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
-                        figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes)
+                        figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes,
+                        tally.result())
     if opts.bisect:
         res.layers = _bisect(path, opts, worst, model_path, dtype, engines)
     return res

@@ -123,3 +123,24 @@ def test_a_runner_that_returns_no_routing_says_it_is_not_compared(moe):
     assert not rep.diverged and rep.tokens_routed == 0
     assert rep.routing_not_compared == 6  # every step that ran a token (6 generated each)
     assert "note: the MoE routing recorded in 6 step(s) is not compared" in render_replay(rep)
+
+
+def test_the_trainers_router_agrees_with_the_kept_routing_and_a_router_fault_is_found_at_its_layer(moe):
+    """`replay trainer` on the MoE capture: the trainer's router (transformers' Mixtral, float32) picks the experts
+    vLLM 0.30 picked for every token in both layers; a trainer whose second router is wrong disagrees from there."""
+    from replay.trainer import score_capture
+
+    res = score_capture(moe)
+    g = res.routing
+    assert g is not None and g.tokens == sum(5 + 3 * i for i in range(6)) + 6 * 5  # every token routed, prompts too
+    assert g.first_layer is None and [x.fraction for x in g.layers] == [1.0, 1.0], g
+    assert res.rounding, res.verdict
+
+    def fault(model):  # the second MoE layer's router scores the experts in reverse order
+        gate = next(m for n, m in model.named_modules() if n.endswith(("layers.1.mlp.gate",
+                                                                         "layers.1.block_sparse_moe.gate")))
+        gate.weight.data = gate.weight.data.flip(0)
+
+    bad = score_capture(moe, hook=fault).routing
+    assert bad.first_layer == 1 and bad.layers[0].fraction == 1.0 and bad.layers[1].fraction < 1.0, bad
+    assert bad.first.layer == 1 and sorted(bad.first.vllm) != sorted(bad.first.trainer)
