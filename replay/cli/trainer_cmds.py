@@ -17,6 +17,8 @@ def trainer(
                                                            "recording's)."),
     attn: str = typer.Option("sdpa", "--attn", help="The trainer's attention: sdpa | eager."),
     micro_batch: int = typer.Option(8, "--micro-batch", min=1, help="Sequences per forward (right-padded)."),
+    pack: bool = typer.Option(False, "--pack", help="Pack each micro-batch into one row (position ids restarting, a "
+                                                    "block-diagonal causal mask) instead of padding."),
     request: list[str] | None = typer.Option(None, "--request", help="Only this request (repeatable)."),
     clip: float = typer.Option(2.0, "--clip", min=0.0, help="C of the truncated importance sampling clip."),
     worst: int = typer.Option(5, "--worst", min=0, help="How many of the worst tokens to list."),
@@ -44,8 +46,7 @@ def trainer(
         if not name or not pos.isdigit():
             raise UsageError(f"--token {token}: expected REQUEST:POSITION")
         where = (name, int(pos))
-    res = score_capture(capture, TrainerOptions(model, dtype, attn, micro_batch, request or None, clip, worst,
-                                                bisect or where is not None, where,
-                                                Plant.parse(plant) if plant else None, runner,
-                                                str(dump) if dump else None))
+    res = score_capture(capture, TrainerOptions(
+        model, dtype, attn, micro_batch, request or None, pack, clip, worst, bisect or where is not None, where,
+        Plant.parse(plant) if plant else None, runner, str(dump) if dump else None))
     emit(res, render_trainer, json=json)

@@ -33,17 +33,19 @@ def load_model(path: str, dtype: str, attention: str) -> Any:
     return model.eval()
 
 
-def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int
+def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool = False
                    ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
     """Each rollout with its logits at the positions that predicted its generated tokens: [G, V] float32 (the
     trainer casts before its log_softmax), and for a mixture of experts the experts its router picked for every
-    token: [L, MoE layers, top-k] (else None). Rollouts go `micro_batch` at a time, right-padded."""
+    token: [L, MoE layers, top-k] (else None). Rollouts go `micro_batch` at a time, right-padded; with `pack`, each
+    micro-batch is one row (position ids restarting per sequence, a block-diagonal causal mask), as trainers that
+    remove padding run them."""
     routers = _routers(model)
     picked: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda mod, a, o: picked.append(o[0] if isinstance(o, tuple) else o))
              for m in routers]
     try:
-        yield from _batches(model, rollouts, micro_batch, picked, routers)
+        yield from (_packed if pack else _batches)(model, rollouts, micro_batch, picked, routers)
     finally:
         for h in hooks:
             h.remove()
@@ -82,3 +84,28 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, picked: list
             p = len(r.prompt)
             yield r, logits[i, p - 1:p - 1 + len(r.tokens)].float(), \
                 None if experts is None else experts[i, :len(seqs[i])]
+
+
+def _packed(model: Any, rollouts: list[Rollout], micro_batch: int, picked: list[torch.Tensor], routers: list[Any]
+            ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
+    top_k = getattr(model.config, "num_experts_per_tok", 0)
+    for first in range(0, len(rollouts), micro_batch):
+        batch = rollouts[first:first + micro_batch]
+        seqs = [r.prompt + r.tokens for r in batch]
+        starts = [sum(map(len, seqs[:i])) for i in range(len(seqs) + 1)]
+        width = starts[-1]
+        seg = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
+        at = torch.arange(width)
+        mask = (seg[:, None] == seg[None, :]) & (at[:, None] >= at[None, :])  # [width, width]: causal, per sequence
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])
+        picked.clear()
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([sum(seqs, [])]), position_ids=pos[None],
+                           attention_mask=mask[None, None]).logits[0]  # [width, V]
+        experts = None
+        if routers and len(picked) == len(routers):
+            experts = torch.stack([x.reshape(width, -1).topk(top_k, dim=-1).indices for x in picked], dim=1)
+        for i, r in enumerate(batch):
+            p = starts[i] + len(r.prompt)
+            yield r, logits[p - 1:p - 1 + len(r.tokens)].float(), \
+                None if experts is None else experts[starts[i]:starts[i + 1]]

@@ -34,6 +34,7 @@ class TrainerOptions:
     attention: str = "sdpa"
     micro_batch: int = 8
     requests: list[str] | None = None
+    pack: bool = False  # each micro-batch packed into one row instead of right-padded
     clip: float = 2.0
     worst: int = 5
     bisect: bool = False  # then the module where the two part, at `token` (default: the worst token)
@@ -79,6 +80,7 @@ class TrainerReport(msgspec.Struct):
     dtype: str
     attention: str
     micro_batch: int
+    pack: bool
     logprobs_mode: str
     verdict: str
     rounding: bool  # every compared Δ within the dtype's rounding tolerance
@@ -131,7 +133,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
         hook(model)
     tally = RoutingTally()
     forwarded = [r for r in data.rollouts if r.name not in scores or r.routing]
-    for r, z, experts in teacher_forced(model, forwarded, opts.micro_batch):
+    for r, z, experts in teacher_forced(model, forwarded, opts.micro_batch, opts.pack):
         if r.routing and experts is not None:
             tally.add(r.name, r.routing, experts)
         if r.name in scores:
@@ -162,7 +164,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     ordered = [scores[r.name] for r in data.rollouts]
     differs = any(x.semantics and x.semantic_gap for x in ordered)
     units = "logit" if logits else "logprob"
-    res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, mode,
+    res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, opts.pack, mode,
                         _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
                         figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes,
                         tally.result())

@@ -118,3 +118,12 @@ def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(capture
     assert main(["trainer", str(captures["raw_logprobs"])]) == 125
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'replay[trainer]'" in err[0], err
+
+
+def test_packed_micro_batches_score_as_padded_ones_do(captures):
+    """One row per micro-batch, position ids restarting, a block-diagonal causal mask: the same figures within
+    float32's rounding as right padding."""
+    padded, packed = (score_capture(captures["raw_logprobs"], TrainerOptions(micro_batch=3, pack=p))
+                      for p in (False, True))
+    assert packed.pack and packed.rounding and packed.overall.tokens == padded.overall.tokens, packed.verdict
+    assert abs(packed.overall.mean_abs - padded.overall.mean_abs) < 1e-6
