@@ -45,6 +45,8 @@ def report(
                                           "`replay bisect ... --json` printed."),
     explain: Path | None = typer.Option(None, "--explain", help="Show `replay explain`'s class and evidence too: "
                                            "the JSON that `replay explain ... --json` printed."),
+    trainer: Path | None = typer.Option(None, "--trainer", help="Show `replay trainer`'s figures too (a histogram "
+                                           "of |Δ|, |Δ| by position): the JSON that `replay trainer --json` printed."),
     json: bool = JsonOpt,
 ) -> None:
     """Write one self-contained HTML file (no network; opens from disk) showing the run: provenance, requests, a
@@ -81,7 +83,7 @@ def report(
         raise UsageError("--atol/--rtol set how a comparison judges logprobs: add --diff, or a second capture")
     opts = replay_options(mode, set_, None, atol, rtol, tie_margin, 1, force, None, runner=runner,
                           tolerance=tolerance) if diff else None
-    res = write_report(capture, output, replay=opts, other=other, bisect=bisect, explain=explain,
+    res = write_report(capture, output, replay=opts, other=other, bisect=bisect, explain=explain, trainer=trainer,
                        tolerance=Tolerance(atol, rtol, tie_margin) if other is not None else None)
     emit(res, lambda r: f"wrote {r.path} ({r.bytes / 1e3:,.0f} kB in {r.seconds:.1f} s)\n{r.verdict}", json=json)
     if res.diverged:

@@ -31,6 +31,7 @@ from replay.report.page import Batch, Card, Page, render_page
 from replay.report.pairs import position_mismatches
 from replay.report.run_facts import RunFacts, run_facts
 from replay.report.sections import provenance, request_table, run_stats, steps_data
+from replay.report.trainer_section import trainer_section
 
 KEEP_DIVERGENCES = 50_000_000  # a report's replay keeps every divergence (the terminal's keeps 1,000)
 
@@ -57,17 +58,19 @@ def default_output(capture: str | os.PathLike) -> Path:
 def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = None, *,
                  replay: ReplayOptions | ReplayReport | None = None, other: str | os.PathLike | None = None,
                  tolerance: Tolerance | None = None, bisect: str | os.PathLike | None = None,
-                 explain: str | os.PathLike | None = None) -> ReportResult:
+                 explain: str | os.PathLike | None = None, trainer: str | os.PathLike | None = None) -> ReportResult:
     """Write the report of `capture` to `output` (default: `default_output`). With `replay` (options to replay it
     with, every divergence kept, or a replay already made) it shows the replay's comparison; with `other` (a
     second capture of the same workload) the two runs' (`tolerance` as `replay diff` takes it); with `bisect`
     (the JSON `replay bisect ... --json` printed) that verdict too, and with `explain` (the JSON `replay explain
-    --json` printed) the class and its evidence."""
+    --json` printed) the class and its evidence, and with `trainer` (the JSON `replay trainer --json` printed) its
+    figures, a histogram of |Δ| and |Δ| by position."""
     start = time.perf_counter()
     if replay is not None and other is not None:
         raise UsageError("a report compares the capture with a replay (--diff) or with a second capture, not both")
     bisect_card = _bisect_card(bisect) if bisect is not None else None  # refuse a bad file before a long replay
     explain_card = _explain_card(explain) if explain is not None else None
+    trainer_card, trainer_bars = trainer_section(trainer) if trainer is not None else (None, [])
     out = Path(output) if output is not None else default_output(capture)
     run = run_facts(capture)
     if isinstance(replay, ReplayOptions):
@@ -83,6 +86,7 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
         page, first, lost, kind, diverged = _run_page(run), None, [], "none", False
         verdict = page.verdict
     page.bisect, page.explain = bisect_card, explain_card
+    page.trainer, page.trainer_bars = trainer_card, trainer_bars
     lost = lost or [d.describe() for d in run.damage]
     text = render_page(page)
     tmp = out.with_name(out.name + ".partial")

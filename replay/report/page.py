@@ -39,6 +39,15 @@ class Card:
 
 
 @dataclass(slots=True)
+class Bars:
+    """A bar chart as a table: (label, value, the value as shown) per row, bars scaled to the largest value."""
+
+    id: str
+    title: str
+    rows: list[tuple[str, float, str]]
+
+
+@dataclass(slots=True)
 class Batch:
     """A step's batch: each request's scheduled tokens; `marks[request]` is "first" or "diverged"."""
 
@@ -66,6 +75,8 @@ class Page:
     legend: dict = field(default_factory=dict)  # heat map: lo, hi, equal label, whether "not compared" occurs
     bisect: Card | None = None  # a bisect's verdict, under the report's own
     explain: Card | None = None  # `replay explain`'s class and its evidence, under the report's own
+    trainer: Card | None = None  # `replay trainer`'s figures, and its bars
+    trainer_bars: list[Bars] = field(default_factory=list)
 
 
 def _kv(facts: list[tuple[str, Any]]) -> str:
@@ -76,6 +87,13 @@ def _kv(facts: list[tuple[str, Any]]) -> str:
 def _card(c: Card) -> str:
     attrs = "".join(f" data-{k}=\"{esc(v)}\"" for k, v in c.attrs.items())
     return f"<div class=\"box card\" id=\"{c.id}\"{attrs}><h3>{esc(c.title)}</h3>{_kv(c.facts)}</div>"
+
+
+def _bars(b: Bars) -> str:
+    top = max((v for _, v, _ in b.rows), default=1) or 1
+    rows = "".join(f"<tr><td>{esc(label)}</td><td class=num>{esc(text)}</td><td style=\"width:60%\"><div class=bar "
+                   f"style=\"width:{max(0.5, 100 * v / top):.1f}%\"></div></td></tr>" for label, v, text in b.rows)
+    return f"<div class=\"box card\" id=\"{esc(b.id)}\"><h3>{esc(b.title)}</h3><table class=data>{rows}</table></div>"
 
 
 def _batch(b: Batch) -> str:
@@ -160,7 +178,8 @@ def render_page(p: Page) -> str:
     prov = "".join(f"<div class=\"box card\"><h3>{esc(t)}</h3>{_kv(f)}</div>" for t, f in p.provenance if f)
     only = ("<label><input type=checkbox id=req-only> only requests that diverged</label>"
             if p.data.get("comparison") else "")
-    bisect = "".join(_card(c) for c in (p.explain, p.bisect) if c is not None)
+    bisect = "".join(_card(c) for c in (p.explain, p.bisect, p.trainer) if c is not None)
+    bisect += "".join(_bars(b) for b in p.trainer_bars)
     return f"""<!DOCTYPE html>
 <html lang=en><head><meta charset=utf-8><meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name=viewport content="width=device-width, initial-scale=1"><title>{esc(p.title)}</title>

@@ -60,3 +60,26 @@ def by_position(deltas: list[np.ndarray]) -> list[Bucket]:
         first = last + 1
     return out
 
+
+
+class Bin(msgspec.Struct):
+    """Tokens whose |Δ| lies in [low, high)."""
+
+    low: float
+    high: float
+    tokens: int
+
+
+def histogram(deltas: list[np.ndarray]) -> list[Bin]:
+    """|Δ| by decade, from the decade of the smallest nonzero |Δ| to that of the largest; exact zeros first."""
+    flat = np.abs(np.concatenate(deltas)) if deltas else np.zeros(0)
+    if not flat.size:
+        return []
+    out = [Bin(0.0, 0.0, int((flat == 0).sum()))]
+    nonzero = flat[flat > 0]
+    if nonzero.size:
+        lo, hi = int(np.floor(np.log10(nonzero.min()))), int(np.floor(np.log10(nonzero.max())))
+        for e in range(lo, hi + 1):
+            a, b = 10.0 ** e, 10.0 ** (e + 1)
+            out.append(Bin(a, b, int(((nonzero >= a) & (nonzero < b)).sum())))
+    return out

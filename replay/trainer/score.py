@@ -16,7 +16,7 @@ from replay.errors import UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.replayer import Plant
 from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
-from replay.trainer.figures import Bucket, Figures, by_position, figures
+from replay.trainer.figures import Bin, Bucket, Figures, by_position, figures, histogram
 from replay.trainer.forward import load_model, teacher_forced
 from replay.trainer.layers import TrainerLayers, trainer_layers
 from replay.trainer.rollouts import read_rollouts
@@ -91,6 +91,7 @@ class TrainerReport(msgspec.Struct):
     # trainer that compares them naively logs (None where every request's numbers mean the same as the trainer's)
     as_trainer: Figures | None
     by_position: list[Bucket]
+    histogram: list[Bin]  # |Δ| by decade, like for like
     worst: list[WorstToken]
     requests: list[RequestScore]
     notes: list[str] = []
@@ -166,7 +167,8 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     units = "logit" if logits else "logprob"
     res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, opts.pack, mode,
                         _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
-                        figures(naive, opts.clip) if differs else None, by_position(deltas), worst, ordered, notes,
+                        figures(naive, opts.clip) if differs else None, by_position(deltas), histogram(deltas),
+                        worst, ordered, notes,
                         tally.result())
     if opts.bisect:
         res.layers = _bisect(path, opts, worst, model_path, dtype, engines)

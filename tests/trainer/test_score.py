@@ -21,6 +21,7 @@ from replay.record import RecordOptions, WorkloadRequest, record_builtin  # noqa
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from replay.trainer import TrainerOptions, score_capture  # noqa: E402
 from testbed.checkpoints import real_vocab_qwen2  # noqa: E402
+from tests.report.chromium import load, needs_chromium  # noqa: E402
 
 PROMPT = [11, 2000, 70000, 151000, 5, 9, 13]
 
@@ -127,3 +128,23 @@ def test_packed_micro_batches_score_as_padded_ones_do(captures):
                       for p in (False, True))
     assert packed.pack and packed.rounding and packed.overall.tokens == padded.overall.tokens, packed.verdict
     assert abs(packed.overall.mean_abs - padded.overall.mean_abs) < 1e-6
+
+
+@needs_chromium
+def test_the_report_shows_the_figures_a_histogram_and_delta_by_position(captures, tmp_path, capsys):
+    capture = captures["processed_logprobs"]
+    assert main(["trainer", str(capture), "--json"]) == 0
+    doc = capsys.readouterr().out
+    (tmp_path / "trainer.json").write_text(doc)
+    assert main(["report", str(capture), "--trainer", str(tmp_path / "trainer.json"), "-o",
+                 str(tmp_path / "t.html")]) == 0
+    dom, text, console = load(tmp_path / "t.html", tmp_path / "profile")
+    assert dom.status() == "ready" and dom.by_id("trainer")["data-rounding"] == "1"
+    hist = json.loads(doc)["histogram"]
+    assert sum(b["tokens"] for b in hist) == json.loads(doc)["overall"]["tokens"]
+    assert len(dom.inside("tr", "trainer-histogram")) == len(hist)
+    assert len(dom.inside("tr", "trainer-positions")) == len(json.loads(doc)["by_position"])
+    assert "renormalised over the tokens top-p 0.9 keeps" in dom.text["trainer"]
+    assert not [c for c in console if "Error" in c], console
+    assert main(["report", str(capture), "--trainer", str(capture)]) == 2  # a capture, not a trainer report
+    assert "cannot read a trainer report" in capsys.readouterr().err
