@@ -29,11 +29,12 @@ from replay.bisect.leak import NO_LEAK, bisect_leak  # noqa: E402
 from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded, Step  # noqa: E402
 from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
 from replay.cli.render_replay import render_replay  # noqa: E402
+from replay.cli.render_trainer import render_trainer  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
-from replay.trainer import score_capture  # noqa: E402
+from replay.trainer import TrainerOptions, score_capture  # noqa: E402
 from testbed.checkpoints import add_tokenizer, real_vocab_qwen2, tiny_llama  # noqa: E402
 from tests.vllm_server import ENV, Server, finished, kill_group, mixed_traffic, post, stop  # noqa: E402
 
@@ -243,13 +244,18 @@ def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_w
     _trainer_agrees(capture)
 
 
-def _trainer_agrees(capture: Path) -> None:
+def _trainer_agrees(capture: Path, engines: Engines | None = None):
     """The trainer's side (transformers, float32, the same checkpoint): at the rounding level, nothing clipped; the
-    tempered top-p children's raw logprobs named as another quantity, the requests without logprobs set aside."""
-    res = score_capture(capture)
+    tempered top-p children's raw logprobs named as another quantity, the requests without logprobs set aside. With
+    `engines`, bisected at the worst token there too."""
+    res = score_capture(capture, TrainerOptions(bisect=engines is not None), engines=engines)
     assert res.rounding and res.overall.clipped_tokens == 0 and res.overall.tokens >= 40, res.verdict
     assert sum("vLLM's raw numbers come before temperature 0.7 and top-p 0.9" == s.semantics for s in res.requests) == 4
     assert sum(s.set_aside == "it asked for no logprobs, so vLLM returned none" for s in res.requests) == 5 + 1
+    text = render_trainer(res)  # what `replay trainer` prints
+    assert text.startswith("the trainer and vLLM agree at the rounding level") and "k3 KL" in text
+    assert "no token would be clipped at C=2" in text and "|Δ| by position:" in text
+    return res
 
 
 def _no_false_contamination(capture: Path, engines: Engines) -> None:
@@ -299,7 +305,10 @@ def test_a_tensor_parallel_real_vocabulary_server_shows_no_false_contamination(v
         rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
         assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence
         _no_false_contamination(capture, engines)
-    _trainer_agrees(capture)
+        res = _trainer_agrees(capture, engines)
+    t = res.layers  # vLLM's modules in both workers, the sharded ones put back together, against the trainer's
+    assert t.runner == "vllm" and t.first_module is None and len(t.modules) > 20, t.verdict
+    assert t.modules[0].module == "model.embed_tokens" and t.modules[-1].module == "logits_processor"
 
 
 def _ring_bytes(ring: Path) -> int:
