@@ -7,9 +7,9 @@ Layers, bottom up (docs/design.md, "Layers"):
         -> record | replayer | diff | inspect -> bisect, report, demo -> cli
 
 A module may import its own package, anything in a lower layer, and nothing above. Within one layer only the
-edges listed in SIDEWAYS are allowed (the replayer diffs what it replays; the demo writes its report). The vLLM
-integration never imports the builtin engine, nor the other way round. Imports inside functions count: they are
-how a lower layer would reach up lazily.
+edges listed in SIDEWAYS are allowed (the replayer diffs what it replays; the demo writes its report; the trainer
+bisects on the bisect's sessions). The vLLM integration never imports the builtin engine, nor the other way round.
+Imports inside functions count: they are how a lower layer would reach up lazily.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ LAYERS: dict[str, int] = {
     "replay.demo": 6,
     "replay.cli": 7,
 }
-SIDEWAYS = {("replay.replayer", "replay.diff"), ("replay.demo", "replay.report")}  # the demo ends with its report
+# the demo ends with its report; the trainer's --bisect runs the bisect's sessions and module hooks
+SIDEWAYS = {("replay.replayer", "replay.diff"), ("replay.demo", "replay.report"), ("replay.trainer", "replay.bisect")}
 SOFT_LINES = 400  # past this a module probably holds two concepts: a warning, to look at
 MAX_LINES = 500
 MAX_LOOSE = 5
