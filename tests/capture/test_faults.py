@@ -67,7 +67,7 @@ def test_sigkill_of_the_engine_leaves_a_sealed_capture_of_every_step_sent(tmp_pa
     rnd = random.Random(7)
     print("kill-moment seed 7")
     outcomes = {"sealed": 0, "finished": 0, "before_header": 0}
-    for i in range(7):  # (kill moments uniform over 2.5 s: most land mid-recording)
+    for i in range(5):  # (kill moments uniform over 2.5 s: most land mid-recording)
         out = tmp_path / f"k{i}.capture"
         partial = out.with_name(out.name + ".partial")
         proc = _start_record(out)
@@ -92,7 +92,7 @@ def test_sigkill_of_the_engine_leaves_a_sealed_capture_of_every_step_sent(tmp_pa
         if received:
             assert not replay_capture(out).diverged
     print(outcomes)
-    assert outcomes["sealed"] >= 3
+    assert outcomes["sealed"] >= 2
 
 
 @pytest.mark.slow
