@@ -19,9 +19,9 @@ from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
 from replay.trainer.figures import Bin, Bucket, Figures, by_position, figures, histogram
 from replay.trainer.forward import load_model, teacher_forced
 from replay.trainer.layers import TrainerLayers, trainer_layers
-from replay.trainer.rollouts import read_rollouts
+from replay.trainer.rollouts import Rollout, read_rollouts
 from replay.trainer.routing import RoutingAgreement, RoutingTally
-from replay.trainer.semantics import like_vllm, semantics, trainer_logprobs
+from replay.trainer.semantics import Semantics, like_vllm, semantics, trainer_logprobs
 
 
 @dataclass(frozen=True)
@@ -139,24 +139,11 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
             tally.add(r.name, r.routing, experts)
         if r.name in scores:
             continue
-        s = meaning[r.name]
-        at = torch.arange(len(r.tokens))
-        tok = torch.tensor(r.tokens)
-        like = like_vllm(z, s)[at, tok].double().numpy()
-        mine = trainer_logprobs(z, s)[at, tok].double().numpy()
-        keep = [i for i, v in enumerate(r.values) if v is not None]
-        d = np.array([like[i] - r.values[i] for i in keep])
+        scores[r.name], d, gap_d, tokens = _compare(r, z, meaning[r.name], data.batches, opts.clip)
         deltas.append(d)
-        if not s.logits:
-            naive.append(np.array([mine[i] - r.values[i] for i in keep]))
-        gap = float(np.abs(mine[keep] - like[keep]).max()) if s.differs and not s.logits else 0.0
-        scores[r.name] = RequestScore(r.name, len(r.tokens), len(keep), float(np.abs(d).mean()),
-                                      float(np.abs(d).max()), 0 if s.logits else int((np.exp(d) > opts.clip).sum()),
-                                      semantics=s.differs, semantic_gap=gap)
-        for j, i in enumerate(keep):
-            b = data.batches.get(r.steps[i], (0, 0))
-            worst.append(WorstToken(r.name, i, r.steps[i], b[0], b[1], r.tokens[i], float(like[i]),
-                                    float(r.values[i]), float(d[j])))
+        if gap_d is not None:
+            naive.append(gap_d)
+        worst += tokens
     worst = sorted(worst, key=lambda w: -abs(w.delta))[:opts.worst]
     logits = mode.endswith("_logits")
     overall = figures(deltas, opts.clip, logprobs=not logits)
@@ -189,6 +176,24 @@ def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str
     finally:
         if own is not engines:
             own.close()
+
+
+def _compare(r: Rollout, z: torch.Tensor, s: Semantics, batches: dict[int, tuple[int, int]], clip: float
+             ) -> tuple[RequestScore, np.ndarray, np.ndarray | None, list[WorstToken]]:
+    """One rollout against vLLM's numbers: its score, Δ per compared token, the trainer's own logprob minus vLLM's
+    (None where vLLM returned logits), and every compared token as a `WorstToken` candidate."""
+    at, tok = torch.arange(len(r.tokens)), torch.tensor(r.tokens)
+    like = like_vllm(z, s)[at, tok].double().numpy()
+    mine = trainer_logprobs(z, s)[at, tok].double().numpy()
+    keep = [i for i, v in enumerate(r.values) if v is not None]
+    vllm = np.array([r.values[i] for i in keep])
+    d = like[keep] - vllm
+    gap = float(np.abs(mine[keep] - like[keep]).max()) if s.differs and not s.logits else 0.0
+    score = RequestScore(r.name, len(r.tokens), len(keep), float(np.abs(d).mean()), float(np.abs(d).max()),
+                         0 if s.logits else int((np.exp(d) > clip).sum()), semantics=s.differs, semantic_gap=gap)
+    tokens = [WorstToken(r.name, i, r.steps[i], *batches.get(r.steps[i], (0, 0)), r.tokens[i], float(like[i]),
+                         float(r.values[i]), float(d[j])) for j, i in enumerate(keep)]
+    return score, d, None if s.logits else mine[keep] - vllm, tokens
 
 
 def _checkpoint_notes(path: str, recorded, dtype: str) -> list[str]:
