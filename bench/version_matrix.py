@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import site as site_module
 import subprocess
 import sys
@@ -98,11 +99,15 @@ def layer_over_checkout(site: Path) -> None:
 def run(py: Path, *args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     """A command in an environment, its output captured; one that outlives `timeout` seconds is killed and reads as
     exit 124 ("hung")."""
+    proc = subprocess.Popen([str(py), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, cwd=ROOT, start_new_session=True)
     try:
-        return subprocess.run([str(py), *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
-                              cwd=ROOT, timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # and the engine core it started, which would outlive it
+        proc.communicate()
         return subprocess.CompletedProcess([str(py), *args], 124, "", f"hung: killed after {timeout:.0f} s")
+    return subprocess.CompletedProcess([str(py), *args], proc.returncode, out, err)
 
 
 def verdict(py: Path, *args: str) -> dict:
