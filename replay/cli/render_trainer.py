@@ -59,10 +59,11 @@ def render_trainer(r: TrainerReport) -> str:
 def render_layers(t: TrainerLayers) -> str:
     """The bisect's verdict and its module table, replay side against the trainer's."""
     width = max(len(m.module) for m in t.modules) + 2
-    lines = [t.verdict, f"  {'module':<{width}} {'max |Δ|':>10} {'relative':>10} {'ULPs':>10}"]
+    lines = [t.verdict, f"  {'module':<{width}} {'max |Δ|':>10} {'relative':>10} {'ULPs':>10}  the trainer's"]
     for m in t.modules:
         mark = "  <- beyond" if m.module == t.first_module else ""
-        lines.append(f"  {m.module:<{width}} {m.max_abs:>10.3g} {m.relative:>10.3g} {m.max_ulps:>10.3g}{mark}")
+        mine = "" if m.trainer == m.module.removeprefix("model.") else m.trainer
+        lines.append(f"  {m.module:<{width}} {m.max_abs:>10.3g} {m.relative:>10.3g} {m.max_ulps:>10.3g}  {mine}{mark}".rstrip())
     if t.unmatched:
         lines.append(f"  ({t.unmatched} module(s) of the replay have no counterpart in the trainer's model)")
     lines += [f"  note: {n}" for n in t.notes]

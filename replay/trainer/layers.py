@@ -34,6 +34,7 @@ class ModuleGap(msgspec.Struct):
     """One module: the replay side against the trainer's."""
 
     module: str
+    trainer: str  # the trainer's module(s) it is compared with
     max_abs: float
     relative: float  # max |Δ| / the replay side's largest |output|
     max_ulps: float
@@ -89,14 +90,15 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
     if hook is not None:
         hook(model)
     seq = r.prompt + r.tokens[:position]
-    trainer_side = _trainer_modules(model, seq, range(len(seq) - rows, len(seq)))
+    trainer_side, sources = _trainer_modules(model, seq, range(len(seq) - rows, len(seq)))
     prefix = "model." if replay_side[0][0].startswith("model.") else ""
     mine = [(n, trainer_side[n.removeprefix(prefix)]) for n, _ in replay_side if n.removeprefix(prefix) in trainer_side]
     diffs = compare_modules(replay_side, [(n, t.to(dict(replay_side)[n].dtype)) for n, t in mine], run.gathered)
     scale = {n: float(t.double().abs().max()) for n, t in replay_side}
     tol = TOLERANCE.get(dtype, TOLERANCE["float32"])
-    gaps = [ModuleGap(d.module, d.max_abs, d.max_abs / max(scale[d.module], 1e-30), d.max_ulps,
-                      d.max_abs > tol * scale[d.module]) for d in diffs]
+    gaps = [ModuleGap(d.module, sources.get(d.module.removeprefix(prefix), d.module.removeprefix(prefix)), d.max_abs,
+                      d.max_abs / max(scale[d.module], 1e-30), d.max_ulps, d.max_abs > tol * scale[d.module])
+            for d in diffs]
     first = next((g for g in gaps if g.beyond), None)
     differs = next((g for g in gaps if g.max_abs > 0), None)
     on = ", on vLLM's runner" if runner == "vllm" else ""
@@ -110,8 +112,8 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
                    f"(relative {tol:g}; the largest: {worst.module}, relative {worst.relative:.3g})")
     else:
         verdict = (f"{where}: the first module beyond {dtype}'s tolerance (relative {tol:g}) against the trainer is "
-                   f"{first.module} (max |Δ| {first.max_abs:.3g}, relative {first.relative:.3g}, {first.max_ulps:.3g} "
-                   "ULPs)")
+                   f"{first.module} (the trainer's {first.trainer}; max |Δ| {first.max_abs:.3g}, relative "
+                   f"{first.relative:.3g}, {first.max_ulps:.3g} ULPs)")
     res = TrainerLayers(path, r.name, position, step, runner, dtype, tol, verdict, first.module if first else None,
                         differs.module if differs else None, gaps, len(replay_side) - len(diffs), list(notes))
     if dump is not None:
@@ -128,9 +130,10 @@ def _skipped(name: str, runner: str) -> bool:
     return "[" in name or "#" in name or (runner == "vllm" and re.search(r"layers\.\d+$", name) is not None)
 
 
-def _trainer_modules(model: Any, seq: list[int], rows: range) -> dict[str, torch.Tensor]:
+def _trainer_modules(model: Any, seq: list[int], rows: range) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every module's output rows at `rows` for one teacher-forced forward of `seq`, by name (without a leading
-    "model."), with vLLM's fused modules put together from the trainer's (see the module docstring)."""
+    "model."), with vLLM's fused modules put together from the trainer's (see the module docstring); and for those,
+    which of the trainer's modules each is made of."""
     out: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.Tensor] = {}
     sel = torch.tensor(list(rows))
@@ -152,15 +155,21 @@ def _trainer_modules(model: Any, seq: list[int], rows: range) -> dict[str, torch
     finally:
         for h in handles:
             h.remove()
+    sources: dict[str, str] = {}
     for name in list(out):
         if name.endswith("self_attn.q_proj"):
             base = name.removesuffix("q_proj")
             out[base + "qkv_proj"] = torch.cat([out[base + p] for p in ("q_proj", "k_proj", "v_proj")], dim=-1)
             out[base + "attn"] = inputs[base + "o_proj"]
+            sources[base + "qkv_proj"] = base + "q_proj|k_proj|v_proj"
+            sources[base + "attn"] = f"{base}o_proj's input"
         if name.endswith("mlp.gate_proj"):
             base = name.removesuffix("gate_proj")
             out[base + "gate_up_proj"] = torch.cat([out[base + "gate_proj"], out[base + "up_proj"]], dim=-1)
             out[base + "act_fn"] = inputs[base + "down_proj"]  # vLLM's act_fn is SiluAndMul: silu(gate) * up
+            sources[base + "gate_up_proj"] = base + "gate_proj|up_proj"
+            sources[base + "act_fn"] = f"{base}down_proj's input"
     if "lm_head" in out:
         out["logits_processor"] = out["lm_head"][-1:]  # vLLM scores the sampling row only
-    return out
+        sources["logits_processor"] = "lm_head"
+    return out, sources

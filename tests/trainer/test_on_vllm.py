@@ -112,6 +112,7 @@ def test_bisect_names_the_first_module_apart_and_a_fault_planted_on_either_side(
         trainer_side = trainer_layers(capture, *where, model_path=res.model, dtype="bfloat16", hook=fault,
                                       engines=engines)
         assert trainer_side.first_module == "model.layers.0.mlp.gate_up_proj", trainer_side.verdict
+        assert "(the trainer's layers.0.mlp.gate_proj|up_proj;" in trainer_side.verdict
         assert engines.starts == 1
     out = render_trainer(res)
     assert t.verdict in out and "  model.norm " in out and out.count("logits_processor") == 1
