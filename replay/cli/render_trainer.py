@@ -63,7 +63,8 @@ def render_layers(t: TrainerLayers) -> str:
     for m in t.modules:
         mark = "  <- beyond" if m.module == t.first_module else ""
         mine = "" if m.trainer == m.module.removeprefix("model.") else m.trainer
-        lines.append(f"  {m.module:<{width}} {m.max_abs:>10.3g} {m.relative:>10.3g} {m.max_ulps:>10.3g}  {mine}{mark}".rstrip())
+        row = f"  {m.module:<{width}} {m.max_abs:>10.3g} {m.relative:>10.3g} {m.max_ulps:>10.3g}  {mine}{mark}"
+        lines.append(row.rstrip())
     if t.unmatched:
         lines.append(f"  ({t.unmatched} module(s) of the replay have no counterpart in the trainer's model)")
     lines += [f"  note: {n}" for n in t.notes]
