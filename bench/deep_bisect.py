@@ -115,7 +115,8 @@ def pick(capture: Path, keyframes: list[int]) -> tuple[int, int, str]:
                 ids = rec.model_runner_output.req_ids
                 fresh = [i for i in ids if k is not None and arrived.get(i, (-1, ""))[0] > k
                          and rec.scheduler_output.num_scheduled_tokens.get(i) == 1]
-                if len(ids) >= 4 and fresh and k == keyframes[-1] and best is None:
+                busy = len(rec.scheduler_output.num_scheduled_tokens) >= 4
+                if busy and fresh and k == keyframes[-1] and best is None:
                     best = (k, rec.index, arrived[fresh[0]][1])
     if best is None:
         raise SystemExit(f"{capture}: no step past 20,000 batches a request that arrived after its keyframe")
@@ -143,8 +144,8 @@ def run(requests: int, keep: Path | None, from_start: bool = False) -> dict:
     print(f"{info.num_steps} steps, keyframes before {info.keyframes}; step {step}, request {rid}, keyframe {k}",
           flush=True)
     vllm = {"runner": "vllm"}
-    rows = [measure(f"`run --steps {k}-{step}` (the keyframe's window)", lambda e: replay_capture(
-        capture, ReplayOptions(overrides=dict(vllm), steps=StepRange(k, step), engines=e)).diverged)]
+    rows = [measure(f"`run --steps {k}-{step}` (the keyframe's window)", lambda e: "DIVERGED" if replay_capture(
+        capture, ReplayOptions(overrides=dict(vllm), steps=StepRange(k, step), engines=e)).diverged else "MATCH")]
     print(rows[0]["what"], f"{rows[0]['wall']:.1f} s", flush=True)
     answers = {}
     for start in (False, True) if from_start else (False,):
@@ -171,12 +172,14 @@ def render(res: dict) -> str:
     window = res["rows"][0]["wall"]
     lines = [f"A vLLM OpenAI server's capture of {res['steps']:,} steps (keyframes before steps "
              f"{', '.join(f'{x:,}' for x in res['keyframes'])}); step {res['step']:,}, request {res['request']} "
-             f"(arrived after the keyframe at {res['keyframe']:,}). Each row on a fresh pool of engines.", "",
+             f"(arrived after the keyframe at {res['keyframe']:,}). Each row on a fresh pool of engines, its start "
+             "included (the first row's is the process's first, and slowest).", "",
              "| command | wall s | x the window's replay | process CPU s | engine starts | answer |",
              "|---|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
+        answer = str(getattr(r["result"], "verdict", r["result"])).replace("|", "/")
         lines.append(f"| {r['what']} | {r['wall']:.1f} | {r['wall'] / window:.2f} | {r['cpu']:.1f} | {r['starts']} "
-                     f"| {str(r['result'])[:60]} |")
+                     f"| {answer[:140]} |")
     if res["same"]:
         lines += ["", "The same answer from the keyframe as from step 0: " + ", ".join(
             f"bisect {w} {'yes' if v else 'NO'}" for w, v in res["same"].items()) + "."]
