@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.docs_block import write_block
+from bench.engine_bisect import wait_up
 from replay.bisect.batch import bisect_batch
 from replay.bisect.config import bisect_config
 from replay.bisect.layers import bisect_layers
@@ -61,15 +62,7 @@ def serve(model: Path, capture: Path, requests: int) -> float:
                                  "--dtype", "float32", "--max-model-len", "512", "--block-size", "32",
                                  "--enforce-eager", "--port", str(port), "--kv-cache-memory-bytes", str(256 << 20)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up; see {capture}.server.log")
-            time.sleep(1)
+    wait_up(proc, port, capture)
     left = [requests]
     lock = threading.Lock()
 

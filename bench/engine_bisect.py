@@ -40,6 +40,19 @@ def replay(*args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def wait_up(proc: subprocess.Popen, port: int, capture: Path) -> None:
+    """Until the server on `port` answers /health (SystemExit if it exits, or after 10 minutes)."""
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not come up; see {capture}.server.log")
+            time.sleep(1)
+
+
 def serve(model: Path, capture: Path) -> None:
     """A TP=2 server recorded to `capture`, 8 concurrent clients, then SIGTERM."""
     with socket.socket() as s:
@@ -53,15 +66,7 @@ def serve(model: Path, capture: Path) -> None:
                              "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--port",
                              str(port), "--kv-cache-memory-bytes", str(256 << 20)], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up; see {capture}.server.log")
-            time.sleep(1)
+    wait_up(proc, port, capture)
 
     def post(i: int) -> dict:
         body = {"model": str(model), "prompt": [(37 * i + 11 * j) % 150_000 + 3 for j in range(8 + 5 * i)],

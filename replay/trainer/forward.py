@@ -45,7 +45,7 @@ def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int, pack: 
     hooks = [m.register_forward_hook(lambda mod, a, o: picked.append(o[0] if isinstance(o, tuple) else o))
              for m in routers]
     try:
-        yield from (_packed if pack else _batches)(model, rollouts, micro_batch, picked, routers)
+        yield from _batches(model, rollouts, micro_batch, pack, picked, routers)
     finally:
         for h in hooks:
             h.remove()
@@ -61,51 +61,46 @@ def _routers(model: Any) -> list[Any]:
             getattr(m, "weight", None) is not None and m.weight.shape[0] == experts]
 
 
-def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, picked: list[torch.Tensor], routers: list[Any]
-             ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
+def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, picked: list[torch.Tensor],
+             routers: list[Any]) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
     top_k = getattr(model.config, "num_experts_per_tok", 0)
     for first in range(0, len(rollouts), micro_batch):
         batch = rollouts[first:first + micro_batch]
         seqs = [r.prompt + r.tokens for r in batch]
-        width = max(map(len, seqs))
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+        inputs, places, shape = (_packed if pack else _padded)(seqs)
         picked.clear()
         with torch.inference_mode():
-            logits = model(input_ids=ids, attention_mask=mask).logits  # [B, width, V]
+            logits = model(**inputs).logits  # [rows, width, V]
         experts = None
-        if routers and len(picked) == len(routers):  # each router's logits: [B * width, experts]
-            experts = torch.stack([x.reshape(len(seqs), width, -1).topk(top_k, dim=-1).indices for x in picked],
-                                  dim=2)  # [B, width, MoE layers, top-k]
-        for i, r in enumerate(batch):
-            p = len(r.prompt)
-            yield r, logits[i, p - 1:p - 1 + len(r.tokens)].float(), \
-                None if experts is None else experts[i, :len(seqs[i])]
+        if routers and len(picked) == len(routers):  # each router's logits: [rows * width, experts]
+            experts = torch.stack([x.reshape(*shape, -1).topk(top_k, dim=-1).indices for x in picked],
+                                  dim=2)  # [rows, width, MoE layers, top-k]
+        for r, seq, (row, start) in zip(batch, seqs, places):
+            p = start + len(r.prompt)
+            yield r, logits[row, p - 1:p - 1 + len(r.tokens)].float(), \
+                None if experts is None else experts[row, start:start + len(seq)]
 
 
-def _packed(model: Any, rollouts: list[Rollout], micro_batch: int, picked: list[torch.Tensor], routers: list[Any]
-            ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
-    top_k = getattr(model.config, "num_experts_per_tok", 0)
-    for first in range(0, len(rollouts), micro_batch):
-        batch = rollouts[first:first + micro_batch]
-        seqs = [r.prompt + r.tokens for r in batch]
-        starts = [sum(map(len, seqs[:i])) for i in range(len(seqs) + 1)]
-        width = starts[-1]
-        seg = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
-        at = torch.arange(width)
-        mask = (seg[:, None] == seg[None, :]) & (at[:, None] >= at[None, :])  # [width, width]: causal, per sequence
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])
-        picked.clear()
-        with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([sum(seqs, [])]), position_ids=pos[None],
-                           attention_mask=mask[None, None]).logits[0]  # [width, V]
-        experts = None
-        if routers and len(picked) == len(routers):
-            experts = torch.stack([x.reshape(width, -1).topk(top_k, dim=-1).indices for x in picked], dim=1)
-        for i, r in enumerate(batch):
-            p = starts[i] + len(r.prompt)
-            yield r, logits[p - 1:p - 1 + len(r.tokens)].float(), \
-                None if experts is None else experts[starts[i]:starts[i + 1]]
+def _padded(seqs: list[list[int]]) -> tuple[dict, list[tuple[int, int]], tuple[int, int]]:
+    """One row per sequence, right-padded, with an attention mask: (the model's inputs, each sequence's (row,
+    first column), (rows, width))."""
+    width = max(map(len, seqs))
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return {"input_ids": ids, "attention_mask": mask}, [(i, 0) for i in range(len(seqs))], (len(seqs), width)
+
+
+def _packed(seqs: list[list[int]]) -> tuple[dict, list[tuple[int, int]], tuple[int, int]]:
+    """Every sequence in one row: position ids restarting per sequence, a block-diagonal causal mask."""
+    starts = [sum(map(len, seqs[:i])) for i in range(len(seqs) + 1)]
+    width = starts[-1]
+    seg = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
+    at = torch.arange(width)
+    mask = (seg[:, None] == seg[None, :]) & (at[:, None] >= at[None, :])  # [width, width]: causal, per sequence
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    inputs = {"input_ids": torch.tensor([sum(seqs, [])]), "position_ids": pos[None],
+              "attention_mask": mask[None, None]}
+    return inputs, [(0, x) for x in starts[:-1]], (1, width)
