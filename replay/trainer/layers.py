@@ -63,10 +63,11 @@ class TrainerLayers(msgspec.Struct):
 def trainer_layers(path: str | os.PathLike, request: str, position: int, *, model_path: str, dtype: str,
                    attention: str = "sdpa", runner: str | None = None, plant: Plant | None = None,
                    engines: Engines | None = None, hook: Callable[[Any], None] | None = None,
-                   dump: str | os.PathLike | None = None) -> TrainerLayers:
+                   dump: str | os.PathLike | None = None, model: Any | None = None) -> TrainerLayers:
     """See the module docstring. `plant`: a fault on the replay side (`--plant`); `hook(model)`: called on the
     trainer's model once loaded (a test plants the trainer side's fault with it); `dump`: a directory for both
-    sides' outputs of the modules around the first one beyond the tolerance."""
+    sides' outputs of the modules around the first one beyond the tolerance; `model`: the trainer's model, already
+    loaded from `model_path` in `dtype` (else it is loaded here)."""
     path = str(path)
     data = read_rollouts(path, [request])
     if not data.rollouts:
@@ -86,7 +87,7 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
     if not replay_side:
         raise UsageError(f"{path}: the replay of step {step} hooked no module of request {r.name}")
     rows = replay_side[0][1].shape[0]  # R's rows at the step: the embedding's
-    model = load_model(model_path, dtype, attention)
+    model = model if model is not None else load_model(model_path, dtype, attention)
     if hook is not None:
         hook(model)
     seq = r.prompt + r.tokens[:position]

@@ -158,13 +158,14 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
                         worst, ordered, notes,
                         tally.result())
     if opts.bisect:
-        res.layers = _bisect(path, opts, worst, model_path, dtype, engines)
+        res.layers = _bisect(path, opts, worst, model_path, dtype, engines, model)
     return res
 
 
 def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str, dtype: str,
-            engines: Engines | None) -> TrainerLayers:
-    """The module where the trainer and the replay part, at `opts.token` or the worst token."""
+            engines: Engines | None, model: Any) -> TrainerLayers:
+    """The module where the trainer and the replay part, at `opts.token` or the worst token, on the model the
+    scoring loaded."""
     if opts.token is None and not worst:
         raise UsageError("--bisect: no token was compared; name one with --token REQUEST:POSITION")
     request, position = opts.token or (worst[0].request, worst[0].position)
@@ -172,7 +173,7 @@ def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str
     try:
         return trainer_layers(path, request, position, model_path=model_path, dtype=dtype,
                               attention=opts.attention, runner=opts.runner, plant=opts.plant, engines=own,
-                              dump=opts.dump)
+                              dump=opts.dump, model=model)
     finally:
         if own is not engines:
             own.close()
