@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from replay.bisect.session import PAD_BLOCKS, Run, Session, padded
+from replay.bisect.session import PAD_BLOCKS, Run, Session, padded, refuse_crashed
 from replay.capture import CaptureReader
 from replay.errors import UsageError
 from replay.replayer import Plant, build_runner
@@ -31,6 +31,7 @@ class StepSession(Session):
         with CaptureReader(path) as r:
             self.header = r.header
             self.start = start_at(r, step, from_start=from_start)
+            refuse_crashed(r, step)
             built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
             self.runner = built.builtin("bisecting a step")
             self.notes = built.notes

@@ -111,6 +111,15 @@ class Session:
         """Release the runner (an engine's workers and memory)."""
 
 
+def refuse_crashed(reader: CaptureReader, step: int) -> None:
+    """Refuse step `step` where the recording crashed on it: with no output there is nothing to re-execute against
+    (`replay run` re-executes the crash and compares what it raises)."""
+    found = next(reader.steps(step, step), None)
+    if found is not None and found.model_runner_output is None and found.scheduler_output.total_num_scheduled_tokens:
+        raise UsageError(f"{reader.path}: step {step} crashed when it was recorded and has no output to bisect; "
+                         f"`replay run {reader.path}` re-executes the crash and compares what it raises")
+
+
 def padded(so: SchedulerOutput, k: int, spare: Iterable[int]) -> SchedulerOutput:
     """The step plus `k` new one-token requests, one in each of the first `k` `spare` blocks (blocks no request
     holds): they only change the batch's size."""

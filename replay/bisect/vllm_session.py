@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from replay.bisect.session import Run, Session, padded
+from replay.bisect.session import Run, Session, padded, refuse_crashed
 from replay.capture import CaptureReader, EngineConfig, Step
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -52,6 +52,7 @@ class VllmStepSession(Session):
         with CaptureReader(path) as r:
             self.header = header = r.header
             self.start = start_at(r, step, from_start=from_start)
+            refuse_crashed(r, step)
         overrides, eager_note = eager(header.engine_config, overrides)
         self.log(f"starting vLLM's runner for {path}")
         built = build_runner(header, overrides, force=force, capture=path, engines=engines)

@@ -367,6 +367,11 @@ def test_a_real_vllm_crash_is_recorded_and_reproduced(recorded):
     assert f"reproduced the recorded crash at step {step}" in alone.stdout
     builtin = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert builtin.diverged and builtin.crash.replayed is None
+    # a bisect has no output to re-execute the crashed step against: one line, exit 2, before any engine starts
+    bisect = subprocess.run([sys.executable, "-m", "replay.cli", "bisect", "batch", str(capture), "--step", str(step),
+                             "--request", "0"], capture_output=True, text=True, timeout=120)
+    assert bisect.returncode == 2 and "crashed when it was recorded" in bisect.stderr, bisect.stderr
+    assert "Traceback" not in bisect.stderr and bisect.stderr.count("replay: ") == 1, bisect.stderr  # (after progress)
 
 
 def test_the_perfetto_export_of_a_vllm_capture_follows_every_request(vllm_capture, tmp_path):

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from replay.bisect.batch import bisect_batch  # noqa: E402
 from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, twin_groups  # noqa: E402
 from replay.bisect.leak import NO_LEAK, bisect_leak  # noqa: E402
 from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded, Step  # noqa: E402
@@ -31,6 +32,7 @@ from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
 from replay.cli.render_replay import render_replay  # noqa: E402
 from replay.cli.render_trainer import render_trainer  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
+from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
@@ -405,6 +407,8 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     [crash] = (ring / "snapshots").glob("*crash*.capture")
     rep = replay_capture(crash, ReplayOptions(overrides={"runner": "vllm"}))
     assert rep.crash is not None and rep.crash.reproduced and not rep.diverged, rep.crash
+    with pytest.raises(UsageError, match="crashed when it was recorded"):
+        bisect_batch(crash, rep.crash.step, "0")
 
 
 def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
@@ -413,7 +417,8 @@ def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
     the capture has none."""
     with CaptureReader(capture) as r:
         keyframes = [rec for rec in r.records() if isinstance(rec, Keyframe)]
-        steps = [rec for rec in r.records() if hasattr(rec, "scheduler_output") and rec.scheduler_output is not None]
+        # (a step with no output is the server's crash, the ring's last step: a bisect refuses it)
+        steps = [rec for rec in r.records() if getattr(rec, "model_runner_output", None) is not None]
     found = []
     for i, kf in enumerate(keyframes):
         live = {x.request.request_id for x in kf.requests if x.scheduled}  # (one still waiting is new after it)
@@ -433,7 +438,6 @@ def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
 def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_nearest_keyframe(started, runner):
     """The ring the test above wrapped under a server's traffic: `bisect batch` and `bisect layers` on its snapshot
     and on one closed segment, each starting at the keyframe nearest the step (a segment opens with one)."""
-    from replay.bisect.batch import bisect_batch
     from replay.bisect.layers import bisect_layers
 
     ring = started["ring"].capture
