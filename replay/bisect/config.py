@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import msgspec
 
 from replay.bisect.ddmin import Ddmin
 from replay.capture import StepRange
 from replay.errors import UsageError
-from replay.integrations.vllm.engines import Engines
+from replay.integrations.vllm.engines import Engines, process_engines
 from replay.processes.fanout import FanOut, fan_out
+from replay.processes.in_environment import Environments, applied
 from replay.replayer import ReplayOptions, parse_overrides, replay_capture
-from replay.replayer.knobs import split_knobs
+from replay.replayer.knobs import env_knobs, split_knobs
 
 
 class ConfigBisect(msgspec.Struct):
@@ -26,6 +28,7 @@ class ConfigBisect(msgspec.Struct):
     bad: dict[str, str]
     minimal_change: dict[str, str]
     re_executions: int
+    engine_starts: int = 0  # vLLM engines its serial replays started, in this process and in those of `env.*` knobs
 
 
 def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRange | None = None,
@@ -35,7 +38,8 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     """`good` / `bad`: "K=V,K=V" knob settings (see `replay.replayer.KNOBS`). The good one must replay within
     tolerance, the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned out, each round
     of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started vLLM engines the serial
-    replays reuse (one per configuration tested, `replay.integrations.vllm.engines`)."""
+    replays reuse (one per configuration tested, `replay.integrations.vllm.engines`; without, the bisect keeps its
+    own). The tests that set the same `env.*` knobs run in one fresh process, on one engine per configuration."""
     log = log or (lambda msg: None)
     g = parse_overrides(split_knobs(good))
     b = parse_overrides(split_knobs(bad))
@@ -43,8 +47,20 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     if not changes:
         raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")
 
+    stack = ExitStack()
+    envs = stack.enter_context(Environments())  # tests with the same env.* knobs: one process, and its engines
+    if engines is None:
+        engines = stack.enter_context(Engines())
+    starts: dict[tuple, int] = {}  # engines started in each of those processes, as they last said
+
     def diverges(subset) -> bool:
-        return replays_diverged((str(path), {**g, **dict(subset)}, steps), engines)
+        knobs = {**g, **dict(subset)}
+        env = env_knobs(knobs)
+        if not env or applied(env):
+            return replays_diverged((str(path), knobs, steps), engines)
+        diverged, started = envs.call(env, diverged_in_its_process, (str(path), knobs, steps))
+        starts[tuple(sorted(env.items()))] = started
+        return diverged
 
     def many(subsets: list[tuple]) -> list[bool]:
         tasks = [(str(path), {**g, **dict(s)}, steps) for s in subsets]
@@ -54,7 +70,17 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
         return out
 
     fanned = how.ray or how.jobs > 1
-    dd = Ddmin(diverges, log, state, many if fanned else None)
+    with stack:
+        dd, minimal = _minimize(Ddmin(diverges, log, state, many if fanned else None), changes, good, bad, log)
+    what = ", ".join(f"{k}={v}" for k, v in minimal.items())
+    verdict = (f"changing {what} alone makes {path} diverge" if len(minimal) == 1
+               else f"these changes together make {path} diverge (each alone does not): {what}")
+    return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests, engines.starts + sum(starts.values()))
+
+
+def _minimize(dd: Ddmin, changes: list[tuple[str, str]], good: str, bad: str,
+              log: Callable[[str], None]) -> tuple[Ddmin, dict[str, str]]:
+    """Check that the good configuration replays within tolerance and the bad one diverges, then minimize."""
     dd.prefetch([(), tuple(changes)])
     log(f"checking the good configuration ({good or 'as recorded'})")
     if dd.fails(()):
@@ -62,11 +88,7 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     log(f"checking the bad configuration ({bad})")
     if not dd.fails(changes):
         raise UsageError(f"the bad configuration ({bad}) replays within tolerance: nothing to bisect")
-    minimal = dict(dd.minimize(changes))
-    what = ", ".join(f"{k}={v}" for k, v in minimal.items())
-    verdict = (f"changing {what} alone makes {path} diverge" if len(minimal) == 1
-               else f"these changes together make {path} diverge (each alone does not): {what}")
-    return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests)
+    return dd, dict(dd.minimize(changes))
 
 
 def replays_diverged(task: tuple[str, dict[str, str], StepRange | None], engines: Engines | None = None) -> bool:
@@ -75,3 +97,10 @@ def replays_diverged(task: tuple[str, dict[str, str], StepRange | None], engines
     path, knobs, steps = task
     return replay_capture(path, ReplayOptions(overrides=dict(knobs), steps=steps, force=True,
                                               engines=engines)).diverged
+
+
+def diverged_in_its_process(task: tuple[str, dict[str, str], StepRange | None]) -> tuple[bool, int]:
+    """`replays_diverged` in a process of its own (`Environments`), on that process's engines, which it keeps for
+    the next test with the same environment; with the engines it has started so far."""
+    engines = process_engines()
+    return replays_diverged(task, engines), engines.starts

@@ -8,11 +8,14 @@ from pathlib import Path
 import typer
 
 from replay.cli.common import (
+    ForceOpt,
+    FromStartOpt,
     JobsOpt,
     JsonOpt,
     QuietOpt,
     RayAddressOpt,
     RayOpt,
+    RunnerOpt,
     command,
     emit,
     fan_out_options,
@@ -149,20 +152,28 @@ def demo(
 
 @command
 def stress(
+    capture: Path | None = typer.Argument(None, show_default=False,
+                                          help="A capture: stress one of its requests (--request) among the "
+                                               "neighbours it really had, on its model and layout."),
+    request: str | None = typer.Option(None, "--request", help="With a capture: the request (external or internal "
+                                                                "id) to replay with random subsets of its neighbours."),
     prompt: str | None = typer.Option(None, "--prompt", help="Text prompt (the model's tokenizer)."),
     prompt_token_ids: str | None = typer.Option(None, "--prompt-token-ids", help="Comma-separated token ids."),
-    model: str = typer.Option("tiny", "--model", "-m"),
+    model: str | None = typer.Option(None, "--model", "-m", help="The model a prompt runs on [default: tiny]."),
     dtype: str | None = typer.Option(None, "--dtype", help=f"{_RC.dtype} (default) | bfloat16 | float16 | float64."),
     trials: int = typer.Option(20, "--trials", min=2, help="How many times to run the prompt."),
     max_tokens: int = typer.Option(24, "--max-tokens", min=1),
     neighbours: str = typer.Option("0:12", "--neighbours", help="MIN:MAX random co-batched requests per trial."),
     batch_invariant: bool | None = typer.Option(None, "--batch-invariant",
                                                 help="Run the builtin runner's batch-invariant mode."),
-    threads: int = typer.Option(1, "--threads", min=1),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="[default: 1 for a prompt]"),
     seed: int = typer.Option(0, "--seed"),
     set_: list[str] | None = typer.Option(None, "--set",
                                           help="env.NAME=VALUE: an environment variable the engine runs with "
-                                               "(repeatable)."),
+                                               "(repeatable); on a capture, any replay knob."),
+    runner: str | None = RunnerOpt,
+    from_start: bool = FromStartOpt,
+    force: bool = ForceOpt,
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
     ray_address: str | None = RayAddressOpt,
@@ -170,7 +181,9 @@ def stress(
     json: bool = JsonOpt,
 ) -> None:
     """The same prompt N times, greedy, under varied co-batching: how many unique completions and logprob sequences?
-    Trials run in parallel with --jobs or --ray (their co-batching is drawn up front: the answer is the serial one)."""
+    Trials run in parallel with --jobs or --ray (their co-batching is drawn up front: the answer is the serial one).
+    On a capture: its request --request, replayed N times from the keyframe nearest it, each time leaving out
+    another random subset of the neighbours it really had."""
     from replay.cli.render_replay import render_stress
     from replay.record import EngineOptions, builtin_config
     from replay.record.stress import prompt_ids
@@ -178,13 +191,31 @@ def stress(
     from replay.replayer import parse_overrides
     from replay.replayer.knobs import env_knobs
 
-    knobs = parse_overrides(set_)
-    other = [k for k in knobs if not k.startswith("env.")]
+    knobs = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner else []),
+                             *([f"dtype={dtype}"] if dtype else []), *([f"threads={threads}"] if threads else []),
+                             *([f"batch_invariant={str(batch_invariant).lower()}"] if batch_invariant is not None
+                               else [])])
+    if capture is not None:
+        from replay.bisect.stress_capture import stress_capture
+
+        if request is None or prompt is not None or prompt_token_ids is not None or model is not None:
+            raise UsageError("on a capture, stress takes --request (the capture says the prompt and the model; "
+                             "--set model=PATH replays on another)")
+        if jobs > 1 or ray or ray_address:
+            raise UsageError("on a capture, stress runs its trials on one engine: --jobs and --ray are for a prompt")
+        res = stress_capture(capture, request, trials=trials, seed=seed, overrides=knobs, force=force,
+                             from_start=from_start, log=progress_log(quiet))
+        emit(res, render_stress, json=json)
+        return
+    other = [k for k in parse_overrides(set_) if not k.startswith("env.")]
     if other:
-        raise UsageError(f"--set {other[0]}: stress runs the builtin engine; its knobs are --dtype, --threads and "
-                         "--batch-invariant, and --set takes env.NAME=VALUE")
-    cfg = builtin_config(EngineOptions(model=model, dtype=dtype, threads=threads, batch_invariant=batch_invariant))
-    res = run_it(prompt_ids(model, prompt, prompt_token_ids), cfg, trials=trials, max_tokens=max_tokens,
+        raise UsageError(f"--set {other[0]}: on a prompt, stress runs the builtin engine; its knobs are --dtype, "
+                         "--threads and --batch-invariant, and --set takes env.NAME=VALUE")
+    if request is not None or from_start or force:
+        raise UsageError("--request, --from-start and --force are for a capture (replay stress CAPTURE --request R)")
+    cfg = builtin_config(EngineOptions(model=model or "tiny", dtype=dtype, threads=threads or 1,
+                                       batch_invariant=batch_invariant))
+    res = run_it(prompt_ids(model or "tiny", prompt, prompt_token_ids), cfg, trials=trials, max_tokens=max_tokens,
                  neighbours=int_range(neighbours, "--neighbours"), seed=seed, log=progress_log(quiet),
                  how=fan_out_options(jobs, ray, ray_address), env=env_knobs(knobs))
     emit(res, render_stress, json=json)

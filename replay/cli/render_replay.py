@@ -321,8 +321,10 @@ def render_bisect_layers(res: LayersBisect) -> str:
 
 
 def render_bisect_config(res: ConfigBisect) -> str:
-    """`bisect config`: the verdict and how many replays it took."""
-    return f"{res.verdict}\n  {res.re_executions} replays"
+    """`bisect config`: the verdict, how many replays it took and how many vLLM engines they started."""
+    started = f", {res.engine_starts} vLLM engine{'s' if res.engine_starts != 1 else ''} started" \
+        if res.engine_starts else ""
+    return f"{res.verdict}\n  {res.re_executions} replays{started}"
 
 
 def render_stress(res: StressReport) -> str:
@@ -333,6 +335,9 @@ def render_stress(res: StressReport) -> str:
         lines.append(f"  trials {f.trials[0]} and {f.trials[1]} part at output position {f.position}: the target ran "
                      f"in batches of {f.batch_sizes[0]} and {f.batch_sizes[1]} requests ({f.batch_tokens[0]} and "
                      f"{f.batch_tokens[1]} tokens)")
+    lines += [f"  note: {n}" for n in res.notes]
+    if res.engine_starts:
+        lines.append(f"  {res.engine_starts} vLLM engine{'s' if res.engine_starts != 1 else ''} started")
     return "\n".join(lines)
 
 

@@ -28,24 +28,57 @@ def applied(env: dict[str, str | None]) -> bool:
 def in_environment(env: dict[str, str | None], fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` in a fresh process whose environment is this one's with `env` applied. `fn`, its
     arguments and its result must pickle (module-level functions, msgspec Structs, CPU tensors)."""
-    saved = {k: os.environ.get(k) for k in env}
-    _apply(env)
-    try:  # the worker starts (spawn) at submit: it copies os.environ as it is now
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with Environments() as envs:
+        return envs.call(env, fn, *args, **kwargs)
+
+
+class Environments:
+    """Fresh processes kept by their environment: the calls of one bisect that share a setting of `env.*` knobs run
+    in one process, which keeps what it started (a vLLM engine) from one call to the next. Shut down on `close`."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple, ProcessPoolExecutor] = {}
+
+    def call(self, env: dict[str, str | None], fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in the process of `env` (started on first use), as `in_environment` says."""
+        key = tuple(sorted(env.items(), key=lambda kv: kv[0]))
+        try:
+            pool = self._pools.get(key) or self._start(key, env)
             status, value = pool.submit(_call, fn, args, kwargs).result()
-    except BrokenProcessPool:  # killed (out of memory), or a variable it cannot run with (an ISA this CPU lacks)
-        named = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in env.items()) or "no variable changed"
-        raise UsageError(f"the fresh process for the environment knobs ({named}) died before it answered") from None
-    finally:
-        _apply(saved)
-    if status == "error":
-        module, name, message, attrs = value
-        cls = getattr(importlib.import_module(module), name)
-        err = cls.__new__(cls)
-        Exception.__init__(err, message)  # str(err) is the child's line; exit_code is the class's
-        err.__dict__.update(attrs)
-        raise err
-    return value
+        except BrokenProcessPool:  # killed (out of memory), or a variable it cannot run with (an ISA this CPU lacks)
+            self._pools.pop(key, None)
+            named = ", ".join(f"{k}={'(unset)' if v is None else v}" for k, v in env.items()) or "no variable changed"
+            raise UsageError(f"the fresh process for the environment knobs ({named}) died before it answered") from None
+        if status == "error":
+            module, name, message, attrs = value
+            cls = getattr(importlib.import_module(module), name)
+            err = cls.__new__(cls)
+            Exception.__init__(err, message)  # str(err) is the child's line; exit_code is the class's
+            err.__dict__.update(attrs)
+            raise err
+        return value
+
+    def _start(self, key: tuple, env: dict[str, str | None]) -> ProcessPoolExecutor:
+        saved = {k: os.environ.get(k) for k in env}
+        _apply(env)
+        try:  # a spawned worker copies os.environ as it starts: start it now, with `env` applied
+            pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            pool.submit(os.getpid).result()
+        finally:
+            _apply(saved)
+        self._pools[key] = pool
+        return pool
+
+    def close(self) -> None:
+        """Shut every process down (and what it started with it)."""
+        while self._pools:
+            self._pools.popitem()[1].shutdown()
+
+    def __enter__(self) -> Environments:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _apply(env: dict[str, str | None]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from replay.contracts import SamplingParams
+from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from replay.engine.config import EngineConfig
 from replay.errors import UsageError
 from replay.processes.fanout import FanOut, fan_out
@@ -35,36 +35,43 @@ class StressReport(msgspec.Struct):
     unique_completions: int
     unique_logprob_sequences: int
     first_fork: Fork | None
-    batch_invariant: bool
+    batch_invariant: bool  # something promised bitwise repeats (the batch-invariant mode)
     verdict: str
+    request: str = ""  # on a capture: the request replayed
+    notes: list[str] = []
+    left_out: list[int] = []  # on a capture: the neighbours each trial left out
+    engine_starts: int = 0  # on a capture: vLLM engines started
 
 
 @dataclass(slots=True)
-class _Watch:
-    """A StepListener that keeps the target request's tokens, logprobs and batch shape per output position."""
+class Watch:
+    """A StepListener that keeps the target request's tokens, logprobs (b"" where none were computed) and batch shape
+    per output position."""
 
     target: str
     tokens: list
     logprobs: list
     batch: list
 
-    def on_request_added(self, request, step):
-        pass
+    def on_request_added(self, request: EngineCoreRequest, step: int) -> None:
+        """(A listener's hook; arrivals do not matter here.)"""
 
-    def on_request_aborted(self, request_id, step):
-        pass
+    def on_request_aborted(self, request_id: str, step: int) -> None:
+        """(A listener's hook; aborts do not matter here.)"""
 
-    def on_step_failed(self, index, so, error):
-        pass
+    def on_step_failed(self, index: int, so: SchedulerOutput, error: BaseException) -> None:
+        """(A listener's hook; a failed step produced nothing to keep.)"""
 
-    def on_step(self, index, so, mro, **kw):
+    def on_step(self, index: int, so: SchedulerOutput, mro: ModelRunnerOutput | None, **kw: object) -> None:
+        """Keep the target's tokens, logprobs and batch shape from the step's output, if it sampled there."""
         if mro is None or self.target not in mro.req_id_to_index:
             return
         i = mro.req_id_to_index[self.target]
-        first = mro.logprobs.first_row(i)
+        lp = mro.logprobs
+        first = lp.first_row(i) if lp is not None else 0
         for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
             self.tokens.append(t)
-            self.logprobs.append(np.float32(mro.logprobs.logprobs.to_numpy()[first + k, 0]).tobytes())
+            self.logprobs.append(np.float32(lp.logprobs.to_numpy()[first + k, 0]).tobytes() if lp is not None else b"")
             self.batch.append((len(so.num_scheduled_tokens), so.total_num_scheduled_tokens))
 
 
@@ -111,14 +118,14 @@ def stress(prompt: list[int], config: EngineConfig, *, trials: int = 20, max_tok
         arrivals = sorted((rng.randint(0, 6), [rng.randrange(3, vocab) for _ in range(rng.randint(4, 64))],
                            rng.randint(4, 32)) for _ in range(k))
         plans.append(_Trial(prompt, config, arrivals, rng.randint(0, 4), max_tokens))
-    runs: list[_Watch | None] = [None] * trials
+    runs: list[Watch | None] = [None] * trials
     for i, watch in fan_out(run_trial, plans, how):
         runs[i] = watch
         log(f"  trial {i + 1}/{trials}: {len(plans[i].arrivals)} neighbours, "
             f"{len(set(b for b, _ in watch.batch))} batch sizes")
     completions = {tuple(r.tokens) for r in runs}
     sequences = {tuple(r.logprobs) for r in runs}
-    fork = _first_fork(runs)
+    fork = first_fork(runs)
     invariant = config.runner.batch_invariant
     mode = "batch-invariant mode" if invariant else "default mode"
     verdict = (f"{trials} trials in {mode}: {len(completions)} unique completion(s), {len(sequences)} unique logprob "
@@ -139,13 +146,13 @@ class _Trial:
     max_tokens: int
 
 
-def run_trial(t: _Trial) -> _Watch:
+def run_trial(t: _Trial) -> Watch:
     """Run one trial on a fresh engine (in whichever process or Ray worker runs it): the target's tokens,
     logprobs and batch shapes."""
     from replay.engine.engine import LLMEngine
 
     engine = LLMEngine(t.config)
-    watch = _Watch("", [], [], [])
+    watch = Watch("", [], [], [])
     engine.listeners.append(watch)
     pending = t.arrivals + [(t.target_at, None, t.max_tokens)]
     pending.sort(key=lambda a: a[0])
@@ -162,7 +169,8 @@ def run_trial(t: _Trial) -> _Watch:
     return watch
 
 
-def _first_fork(runs: list[_Watch]) -> Fork | None:
+def first_fork(runs: list[Watch]) -> Fork | None:
+    """Where the trials first part from trial 0: the earliest output position where one differs, and how."""
     best = None
     for i, a in enumerate(runs[1:], 1):
         b = runs[0]

@@ -10,7 +10,7 @@ import pytest
 from replay.bisect.config import bisect_config
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import CaptureDamagedError, UsageError
-from replay.processes.in_environment import in_environment
+from replay.processes.in_environment import Environments, in_environment
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 from replay.replayer import ReplayOptions, build_runner, replay_capture
 
@@ -39,6 +39,21 @@ def test_an_error_of_ours_comes_back_as_itself_with_its_exit_code():
     with pytest.raises(CaptureDamagedError, match="x.capture \\(chunk 3\\): chunk 3 is cut short") as e:
         in_environment({"REPLAY_TEST_ENV": "1"}, _damaged, "x.capture")
     assert e.value.exit_code == 3
+
+
+def _pid_and(name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
+def test_the_calls_that_share_an_environment_share_its_process():
+    """A bisect's tests with the same env.* knobs run in one process (which keeps its engine between them); another
+    setting gets another process; the caller's environment is untouched."""
+    with Environments() as envs:
+        a1 = envs.call({"REPLAY_TEST_ENV": "a"}, _pid_and, "REPLAY_TEST_ENV")
+        b = envs.call({"REPLAY_TEST_ENV": "b"}, _pid_and, "REPLAY_TEST_ENV")
+        a2 = envs.call({"REPLAY_TEST_ENV": "a"}, _pid_and, "REPLAY_TEST_ENV")
+    assert a1 == a2 and a1[1] == "a" and b[1] == "b" and b[0] != a1[0] != os.getpid()
+    assert "REPLAY_TEST_ENV" not in os.environ
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ Used explicitly (`with Engines() as engines: replay_capture(path, ReplayOptions(
 
 from __future__ import annotations
 
+import atexit
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,19 @@ class Engines:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_PROCESS: Engines | None = None
+
+
+def process_engines() -> Engines:
+    """This process's own pool, for the calls sent to a process of their own (`replay.processes.in_environment
+    .Environments`): it keeps their engines from one call to the next, and shuts them down as the process exits."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = Engines()
+        atexit.register(_PROCESS.close)
+    return _PROCESS
 
 
 def _shutdown(engine: StartedEngine) -> None:

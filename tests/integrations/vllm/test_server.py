@@ -436,9 +436,11 @@ def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
 
 @pytest.mark.parametrize("runner", ["vllm", "builtin"])
 def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_nearest_keyframe(started, runner):
-    """The ring the test above wrapped under a server's traffic: `bisect batch` and `bisect layers` on its snapshot
-    and on one closed segment, each starting at the keyframe nearest the step (a segment opens with one)."""
+    """The ring the test above wrapped under a server's traffic: `bisect batch`, `bisect layers` and `stress` on its
+    snapshot and on one closed segment, each starting at the keyframe nearest the step (a segment opens with one),
+    all on one vLLM engine."""
     from replay.bisect.layers import bisect_layers
+    from replay.bisect.stress_capture import stress_capture
 
     ring = started["ring"].capture
     snapshots = sorted((ring / "snapshots").glob("*on-demand*.capture"))
@@ -447,10 +449,15 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
         pytest.skip("the ring test above did not run")
     segment = next((p for p in segments if _fresh_step(p) is not None), None)
     assert segment is not None and _fresh_step(snapshots[-1]) is not None, segments
-    for capture in (snapshots[-1], segment):
-        k, step, request = _fresh_step(capture)
-        res = bisect_batch(capture, step, request, overrides={"runner": runner})
-        assert res.step == step and any(f"keyframe at step {k}" in n for n in res.notes), res.notes
-        if capture == snapshots[-1] or runner == "builtin":  # (each vLLM bisect starts an engine)
-            layers = bisect_layers(capture, step, request, "same", runner=runner)
+    with Engines() as engines:
+        for capture in (snapshots[-1], segment):
+            k, step, request = _fresh_step(capture)
+            res = bisect_batch(capture, step, request, overrides={"runner": runner}, engines=engines)
+            assert res.step == step and any(f"keyframe at step {k}" in n for n in res.notes), res.notes
+            layers = bisect_layers(capture, step, request, "same", runner=runner, engines=engines)
             assert layers.first_module is None and layers.modules, layers.verdict  # the same step twice: bitwise
+            stress = stress_capture(capture, request, trials=3, overrides={"runner": runner}, engines=engines)
+            assert any(f"keyframe at step {k}" in n for n in stress.notes), stress.notes
+            if runner == "vllm":  # (the builtin runner's kernels are not vLLM's: its own completion may differ)
+                assert "trial 0 (every neighbour, as recorded) samples the recorded completion" in stress.notes
+        assert engines.starts == (runner == "vllm")  # one engine for everything on both captures

@@ -57,3 +57,4 @@ def test_bisect_config_searches_vllms_layout_knobs(tp2_capture):
     res = bisect_config(tp2_capture, "runner=vllm", "runner=vllm,tensor_parallel_size=1,enforce_eager=true")
     assert res.minimal_change == {"tensor_parallel_size": "1"}  # eager is how it was recorded: not the cause
     assert "changing tensor_parallel_size=1 alone" in res.verdict
+    assert res.engine_starts == 2  # one engine per layout tested (eager is the recorded setting)

@@ -1,0 +1,79 @@
+"""`stress` on a capture: a recorded request replayed with random subsets of its real neighbours left out, from the
+keyframe nearest it, on a ring's snapshot and on a single segment (builtin runner; vLLM's runner on a server's
+wrapped ring in tests/integrations/vllm/test_server.py)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from replay.bisect.stress_capture import stress_capture
+from replay.capture import CaptureReader, Keyframe, RequestAdded, Step
+from replay.capture.flight.control import request_snapshot
+from replay.cli import app
+from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.errors import UsageError
+from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=96, max_num_seqs=8,
+                                                 max_num_batched_tokens=64), runner=RunnerConfig(num_threads=1))
+    wl = synthetic(SyntheticWorkload(num_requests=200, arrival_rate=1.0, output_len=(8, 24)), 512)
+    path = tmp_path_factory.mktemp("ring") / "ring"
+    record_builtin(RecordOptions(cfg, wl, path, ring=96 << 10, flush_interval=0.05))
+    return path
+
+
+def _crowded(path) -> tuple[int, str, list[int]]:
+    """(the keyframe before it, a request first scheduled after a keyframe with the most neighbours, its recorded
+    tokens)."""
+    with CaptureReader(path) as r:
+        keyframe, names, tokens, seen = None, {}, {}, {}
+        for rec in r.records():
+            if isinstance(rec, Keyframe):
+                keyframe = rec.step
+            elif isinstance(rec, RequestAdded):
+                names[rec.request.request_id] = rec.request.name
+            elif isinstance(rec, Step) and keyframe is not None:
+                for n in rec.scheduler_output.scheduled_new_reqs:
+                    seen[n.req_id] = (keyframe, set())
+                for q in rec.scheduler_output.num_scheduled_tokens:
+                    if q in seen:
+                        seen[q][1].update(rec.scheduler_output.num_scheduled_tokens)
+                out = rec.model_runner_output
+                for q, toks in zip(out.req_ids, out.sampled_token_ids) if out is not None else ():
+                    tokens.setdefault(q, []).extend(toks)
+        k, q = max((len(s), k, q) for q, (k, s) in seen.items() if q in names)[1:]
+    return k, names[q], tokens[q]
+
+
+@pytest.mark.parametrize("which", ["snapshot", "segment"])
+def test_stress_on_a_rings_snapshot_and_segment_varies_the_real_neighbours_from_the_nearest_keyframe(ring, which):
+    capture = request_snapshot(ring).path if which == "snapshot" else sorted(ring.glob("segment-*.capture"))[-2]
+    k, request, recorded = _crowded(capture)
+    res = stress_capture(capture, request, trials=5, seed=2)
+    assert res.trials == 5 and res.request == request and res.left_out[0] == 0 and all(res.left_out[1:])
+    assert any(f"replayed from the keyframe at step {k}" in n for n in res.notes), res.notes
+    assert "trial 0 (every neighbour, as recorded) samples the recorded completion" in res.notes
+    # float32 on CPU: another batch, other bits (batch variance); the fork names the batches where it happened
+    assert res.unique_logprob_sequences > 1 and res.first_fork is not None, res.verdict
+    invariant = stress_capture(capture, request, trials=5, seed=2, overrides={"batch_invariant": "true"})
+    assert invariant.unique_logprob_sequences == 1 and invariant.unique_completions == 1, invariant.verdict
+    assert invariant.batch_invariant and "promises bitwise repeats" in invariant.notes[-1]
+
+
+def test_stress_on_a_capture_from_the_command_line(ring):
+    capture = sorted(ring.glob("segment-*.capture"))[-2]
+    _, request, _ = _crowded(capture)
+    out = CliRunner().invoke(app, ["stress", str(capture), "--request", request, "--trials", "3", "-q"])
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith(f"3 replays of request {request} (steps ") and "unique logprob sequence" in out.output
+    for args, said in [(["--request", "nobody"], "no request 'nobody'"),
+                       (["--request", request, "--prompt", "hi"], "on a capture, stress takes --request"),
+                       (["--request", request, "--jobs", "2"], "--jobs and --ray are for a prompt")]:
+        bad = CliRunner().invoke(app, ["stress", str(capture), *args])
+        assert bad.exit_code == 2 and said in bad.output, bad.output
+    with pytest.raises(UsageError, match="--trials must be at least 2"):
+        stress_capture(capture, request, trials=1)
