@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from replay.capture import CaptureReader, RequestAdded, Step
-from replay.contracts import NewRequestData, Opaque
+from replay.capture import CaptureReader, Keyframe, RequestAdded, Step
+from replay.contracts import EngineCoreRequest, NewRequestData, Opaque
 from replay.contracts.lora import lora_fields
 from replay.errors import UsageError
 from replay.provenance import adapter_fingerprint
+from replay.replayer.start import Start, records_from
 
 SUPPORTED: dict[str, frozenset[str]] = {"builtin": frozenset({"LoRA", "speculative decoding"}),
                                         "vllm": frozenset({"LoRA", "speculative decoding"})}
@@ -83,7 +84,7 @@ def adapter_problems(adapters: list[LoRAAdapter]) -> list[tuple[LoRAAdapter, str
     return out
 
 
-def _request_features(r: NewRequestData) -> list[tuple[str, str]]:
+def _request_features(r: NewRequestData | EngineCoreRequest) -> list[tuple[str, str]]:
     out = []
     if r.lora_request is not None:
         out.append(("LoRA", lora_adapter(r.lora_request)))
@@ -97,11 +98,13 @@ def _request_features(r: NewRequestData) -> list[tuple[str, str]]:
     return out
 
 
-def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable], list[LoRAAdapter], set[str]]:
+def unreplayable(reader: CaptureReader, runner: str, start: Start | None = None,
+                 last: int | None = None) -> tuple[list[Unreplayable], list[LoRAAdapter], set[str]]:
     """Every feature of the capture `runner` ("builtin" | "vllm") cannot honour, with its first use, in the order
     of FEATURES; the LoRA adapters it uses, by first use; and the requests (internal ids) a `--force` replay
     leaves out because the runner cannot run them at all (prompt embeddings, multimodal inputs, pooling: LoRA
-    requests run without their adapter instead). Reads the steps once (a damaged tail ends the scan: the replay
+    requests run without their adapter instead). Reads the steps a replay from `start` to step `last` reads (all
+    of them by default) once, and the requests its keyframe rebuilds (a damaged tail ends the scan: the replay
     reports the damage itself)."""
     supported = set(SUPPORTED.get(runner, frozenset()))
     ec = reader.header.engine_config
@@ -115,25 +118,36 @@ def unreplayable(reader: CaptureReader, runner: str) -> tuple[list[Unreplayable]
     fingerprints: dict[str, str] = {}  # internal request id -> adapter fingerprint recorded at arrival
     adapters: dict[tuple, LoRAAdapter] = {}
     users: dict[str, set[str]] = {}  # per-request feature -> internal ids of the requests that use it
+
+    def scheduled(rid: str, r: NewRequestData | EngineCoreRequest, step: int) -> None:
+        fields = lora_fields(r.lora_request) if r.lora_request is not None else None
+        if fields is not None and fields not in adapters:
+            adapters[fields] = LoRAAdapter(*fields, fingerprints.get(rid, ""))
+        elif r.lora_request is not None and fields is None:  # only a summary was kept: nothing to attach
+            supported.discard("LoRA")
+        for feature, detail in _request_features(r):
+            uses[feature] = uses.get(feature, 0) + 1
+            users.setdefault(feature, set()).add(rid)
+            first.setdefault(feature, Unreplayable(feature, external.get(rid, rid), step, detail))
+
     try:
-        for rec in reader.records():
+        for rec in reader.records() if start is None else records_from(reader, start):
+            if isinstance(rec, Keyframe) and start is not None and rec.step == start.keyframe:
+                for x in rec.requests:  # the requests it rebuilds run on from there
+                    external[x.request.request_id] = x.request.name
+                    fingerprints[x.request.request_id] = x.request.lora_fingerprint
+                    if x.scheduled:
+                        scheduled(x.request.request_id, x.request, rec.step)
             if isinstance(rec, RequestAdded):
                 external[rec.request.request_id] = rec.request.name
                 fingerprints[rec.request.request_id] = rec.request.lora_fingerprint
             if not isinstance(rec, Step):
                 continue
+            if last is not None and rec.index > last:
+                break
             so = rec.scheduler_output
             for r in so.scheduled_new_reqs:
-                fields = lora_fields(r.lora_request) if r.lora_request is not None else None
-                if fields is not None and fields not in adapters:
-                    adapters[fields] = LoRAAdapter(*fields, fingerprints.get(r.req_id, ""))
-                elif r.lora_request is not None and fields is None:  # only a summary was kept: nothing to attach
-                    supported.discard("LoRA")
-                for feature, detail in _request_features(r):
-                    uses[feature] = uses.get(feature, 0) + 1
-                    users.setdefault(feature, set()).add(r.req_id)
-                    rid = external.get(r.req_id, r.req_id)
-                    first.setdefault(feature, Unreplayable(feature, rid, rec.index, detail))
+                scheduled(r.req_id, r, rec.index)
             drafts = sum(len(t) for t in so.scheduled_spec_decode_tokens.values())
             if drafts:
                 uses["speculative decoding"] = uses.get("speculative decoding", 0) + 1

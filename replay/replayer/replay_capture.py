@@ -35,7 +35,7 @@ from replay.replayer.knobs import env_knobs
 from replay.replayer.loop import CrashOutcome, check_mode
 from replay.replayer.plant import Plant, run_planted
 from replay.replayer.prime import rebuild_tolerance
-from replay.replayer.start import OPENING, loop_from, start_at
+from replay.replayer.start import OPENING, Start, loop_from, start_at
 from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 
@@ -213,7 +213,10 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
         if opts.steps is not None:
             _check_range(path, opts.steps, r.step_span())
         kind = opts.overrides.get("runner", "builtin")
-        missing, adapters, skip = unreplayable(r, kind)
+        if opts.from_keyframe and opts.steps is None:
+            raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
+        start = start_at(r, opts.steps.first if opts.steps else None, from_start=opts.from_start)
+        missing, adapters, skip = unreplayable(r, kind, start, opts.steps.last if opts.steps else None)
         if missing and not opts.force:  # refused by name before anything runs, never a silent divergence
             raise UsageError(f"{path}: the {kind} runner cannot replay what this capture records: "
                              f"{'; '.join(u.describe() for u in missing)}; --force replays anyway and lists it as "
@@ -233,22 +236,19 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
             out.tolerance, out.tolerance_choice = auto_tolerance(r.header, built.differences,
                                                                  opts.tolerance.tie_margin)
         try:
-            _replay_pass(r, built, path, opts, out)
+            _replay_pass(r, built, start, path, opts, out)
         finally:
             built.runner.close()
     return out
 
 
-def _replay_pass(r: CaptureReader, built: BuiltRunner, path: str | os.PathLike, opts: ReplayOptions,
+def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str | os.PathLike, opts: ReplayOptions,
                  out: _Pass) -> None:
-    """The replay and its diffs, on a built runner."""
+    """The replay and its diffs, on a built runner, from `start`."""
     rng = opts.steps
     out.notes, out.host_notes = out.notes + built.notes, built.host_notes
     out.suspect = lead_suspect(built, opts.overrides) or (out.notes[0] if out.notes else "")
     out.unknown = built.unknown
-    if opts.from_keyframe and opts.steps is None:
-        raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
-    start = start_at(r, opts.steps.first if opts.steps else None, from_start=opts.from_start)
     out.keyframe, out.keyframe_why = start.keyframe, start.why
     out.keyframes = keyframe_steps(r) if r.index is not None else []
     loop, records = loop_from(r, built.runner, start, opts.mode, out.skip)
