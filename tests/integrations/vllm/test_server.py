@@ -411,6 +411,25 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
         bisect_batch(crash, rep.crash.step, "0")
 
 
+def _fresh_pair(capture: Path) -> tuple[int, str] | None:
+    """(keyframe, a request first scheduled after it that shares a step with another such request): one `stress` can
+    vary the neighbours of (those running at the keyframe stay in every trial); None when the capture has none."""
+    with CaptureReader(capture) as r:
+        k, first, names = None, {}, {}
+        for rec in r.records():
+            if isinstance(rec, Keyframe):  # (a snapshot of several segments has one where each opens)
+                k, first = rec.step, {}
+            elif isinstance(rec, RequestAdded):
+                names[rec.request.request_id] = rec.request.name
+            elif isinstance(rec, Step) and k is not None and rec.model_runner_output is not None:
+                so = rec.scheduler_output
+                first.update((n.req_id, rec.index) for n in so.scheduled_new_reqs)
+                fresh = [q for q in so.num_scheduled_tokens if q in first and q in names]
+                if len(fresh) >= 2:
+                    return k, names[fresh[0]]
+    return None
+
+
 def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
     """(keyframe, a step past it, a request first scheduled there, after the keyframe): one with neighbours where
     there is one (a ring's last segment, written as the traffic ended, may hold requests one at a time); None when
@@ -447,8 +466,8 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
     segments = sorted(ring.glob("segment-*.capture"))
     if not snapshots or not segments:
         pytest.skip("the ring test above did not run")
-    segment = next((p for p in segments if _fresh_step(p) is not None), None)
-    assert segment is not None and _fresh_step(snapshots[-1]) is not None, segments
+    segment = next((p for p in segments if _fresh_step(p) is not None and _fresh_pair(p) is not None), None)
+    assert segment is not None and _fresh_step(snapshots[-1]) and _fresh_pair(snapshots[-1]), segments
     with Engines() as engines:
         for capture in (snapshots[-1], segment):
             k, step, request = _fresh_step(capture)
@@ -456,6 +475,7 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
             assert res.step == step and any(f"keyframe at step {k}" in n for n in res.notes), res.notes
             layers = bisect_layers(capture, step, request, "same", runner=runner, engines=engines)
             assert layers.first_module is None and layers.modules, layers.verdict  # the same step twice: bitwise
+            k, request = _fresh_pair(capture)
             stress = stress_capture(capture, request, trials=3, overrides={"runner": runner}, engines=engines)
             assert any(f"keyframe at step {k}" in n for n in stress.notes), stress.notes
             if runner == "vllm":  # (the builtin runner's kernels are not vLLM's: its own completion may differ)
