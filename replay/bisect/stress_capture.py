@@ -21,7 +21,7 @@ from replay.processes.in_environment import applied, in_environment
 from replay.record.stress import StressReport, Watch, first_fork
 from replay.replayer import build_runner
 from replay.replayer.knobs import env_knobs
-from replay.replayer.start import Start, loop_from, start_at
+from replay.replayer.start import Start, loop_from, records_from, start_at
 
 
 @dataclass(slots=True)
@@ -54,9 +54,9 @@ def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, s
     log = log or (lambda msg: None)
     with CaptureReader(path) as r:
         target = _find(r, request)
-        start = start_at(r, max(target.first, 0) if target.first >= 0 else None, from_start=from_start)
+        start = start_at(r, target.first if target.first >= 0 else None, from_start=from_start)
         header = r.header
-    live = _live_at(path, start)
+        live = _live_at(r, start)
     if target.first < 0 and start.keyframe is None:
         raise UsageError(f"{path}: request {request!r} started before this capture's first step")
     free, kept = co_batched(path, target.last, target.rid, header.engine_config.block_size,
@@ -118,12 +118,12 @@ def _find(reader: CaptureReader, request: str) -> _Target:
     return target
 
 
-def _live_at(path: str | os.PathLike, start: Start) -> set[str]:
-    """The requests scheduled at the keyframe a replay starts from (none from step 0): no trial can leave them out."""
+def _live_at(reader: CaptureReader, start: Start) -> set[str]:
+    """The requests scheduled at the keyframe a replay starts from (none from step 0): no trial can leave them out.
+    Reads from the keyframe's chunk on, as the replay does."""
     if start.keyframe is None:
         return set()
-    with CaptureReader(path) as r:
-        kf = next(rec for rec in r.records() if isinstance(rec, Keyframe) and rec.step == start.keyframe)
+    kf = next(rec for rec in records_from(reader, start) if isinstance(rec, Keyframe) and rec.step == start.keyframe)
     return {x.request.request_id for x in kf.requests if x.scheduled}
 
 
@@ -175,7 +175,7 @@ def _report(path, target: _Target, start: Start, runs: list[Watch], plans: list[
     notes = []
     if start.keyframe is not None:
         notes.append(f"replayed from the keyframe at step {start.keyframe} ({start.why})")
-    if target.first < 0 or target.first < (start.keyframe or 0):
+    if target.first < 0:  # (else it starts at or after the keyframe, and nothing of it is rebuilt)
         notes.append(f"request {target.name} was running at that keyframe: its K/V there is rebuilt, the same in "
                      "every trial")
     if kept:
