@@ -212,6 +212,20 @@ def tokens_in_column_0(tokens: msgspec.Raw | None, col0: list[int]) -> tuple[msg
     return None, generated
 
 
+def is_token_reference(tokens: msgspec.Raw | bytes | None) -> bool:
+    """Whether a stored output's `sampled_token_ids` image is a reference to its logprob rows' column 0 (a map),
+    not the tokens themselves."""
+    return tokens is not None and len(tokens) > 0 and 0x80 <= memoryview(tokens)[0] <= 0x8F
+
+
+def derived_tokens(reference: msgspec.Raw | bytes, lp: LogprobsLists | None) -> list[list[int]]:
+    """The sampled tokens a reference (`is_token_reference`) stands for, read from the step's logprob rows `lp`.
+    Raises ValueError when they do not fit."""
+    if lp is None:
+        raise ValueError("the sampled tokens refer to logprob rows the step does not have")
+    return _tokens_from_column_0(_DERIVED_DECODER.decode(reference), lp)
+
+
 def _tokens_from_column_0(how: _Derived, lp: LogprobsLists) -> list[list[int]]:
     col0 = lp.logprob_token_ids.to_numpy()[:, 0].tolist()
     if how.rows == "tokens" and sum(how.counts) == len(col0):
@@ -239,9 +253,8 @@ def restore_output(image: msgspec.Raw, columns: ColumnSource | None) -> tuple[ms
         raise ValueError("the step's logprobs are in logprob columns its chunk does not have")
     lists = columns.fill(lists)
     tokens = fields.get("sampled_token_ids")
-    if tokens is not None and 0x80 <= memoryview(tokens)[0] <= 0x8F:  # a map: the reference, not a list
-        fields["sampled_token_ids"] = msgspec.Raw(_ENCODER.encode(_tokens_from_column_0(_DERIVED_DECODER.decode(tokens),
-                                                                                      lists)))
+    if is_token_reference(tokens):  # a map: the reference, not a list
+        fields["sampled_token_ids"] = msgspec.Raw(_ENCODER.encode(derived_tokens(tokens, lists)))
         image = msgspec.Raw(_ENCODER.encode(fields))
     return image, lists
 
@@ -271,74 +284,3 @@ def step_from_image(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSo
             mro = msgspec.structs.replace(mro, logprobs=lists)
     go = None if is_nil(rec.grammar_output) else decoder.decode(rec.grammar_output, GrammarOutput[str])
     return fmt.Step(rec.index, so, mro, grammar_output=go, timing=rec.timing)
-
-
-_REQ_IDS = msgspec.msgpack.Decoder(list[str])
-_NANS = msgspec.msgpack.Decoder(dict[str, int] | None)
-
-
-def step_outline(rec: fmt.StepImage, decoder: ImageDecoder, columns: ColumnSource | None,
-                 logprobs: bool = False) -> fmt.Step:
-    """What a runner's state follows of a stored image step, and no more: its SchedulerOutput whole, its output's
-    `req_ids`, `sampled_token_ids` and NaN counts (and its logprobs when `logprobs`). The writer's keyframe shadow
-    folds every step this way (`step_from_image` decodes the whole output, logprob rows and all: twice the cost).
-    Raises ValueError (or msgspec errors) on inconsistent contents."""
-    so = decoder.decode(rec.scheduler_output, SchedulerOutput[str])
-    if is_nil(rec.model_runner_output):
-        return fmt.Step(rec.index, so, None)
-    fields = _FIELDS.decode(rec.model_runner_output)
-    tokens, lp = fields.get("sampled_token_ids"), fields.get("logprobs")
-    lists = None
-    if lp is not None and not is_nil(lp) and (logprobs or tokens is not None and 0x80 <= memoryview(tokens)[0] <= 0x8F):
-        lists = _LOGPROBS.decode(lp)
-        if is_marker(lists.logprob_token_ids):
-            if columns is None:
-                raise ValueError("the step's logprobs are in logprob columns its chunk does not have")
-            lists = columns.fill(lists)
-    if tokens is None:
-        sampled: list[list[int]] = []
-    elif 0x80 <= memoryview(tokens)[0] <= 0x8F:  # a map: the reference to column 0
-        sampled = _tokens_from_column_0(_DERIVED_DECODER.decode(tokens), lists)
-    else:
-        try:
-            sampled = _TOKENS.decode(tokens)
-        except msgspec.ValidationError:  # another form (a tensor): the contract's conversion
-            return step_from_image(rec, decoder, columns)
-    nans = fields.get("num_nans_in_logits")
-    mro = ModelRunnerOutput(_REQ_IDS.decode(fields["req_ids"]), {}, sampled, lists if logprobs else None,
-                            num_nans_in_logits=_NANS.decode(nans) if nans is not None else None)
-    return fmt.Step(rec.index, so, mro)
-
-
-class ImageOutline(NamedTuple):
-    """A step as another engine's tap sent it, kept for the keyframe shadow until its chunk is sealed (`outline`)."""
-
-    index: int
-    scheduler_output: bytes
-    model_runner_output: bytes | OutputParts | None
-    part: int = -1  # where its stored record is in its chunk's parts (the writer sets it)
-
-    def outline(self, decoder: ImageDecoder, logprobs: bool = False) -> fmt.Step | None:
-        """`step_outline`'s Step, from the images as sent (no stored record re-read, no logprob column unpacked);
-        None for an output whose tokens are not a plain list of lists (then the stored record is read)."""
-        so = decoder.decode(self.scheduler_output, SchedulerOutput[str])
-        out = self.model_runner_output
-        if out is None or is_nil(out):
-            return fmt.Step(self.index, so, None)
-        parts = out if isinstance(out, OutputParts) else None
-        fields = _FIELDS.decode(parts.rest if parts is not None else out)
-        tokens = parts.tokens if parts is not None else fields.get("sampled_token_ids")
-        try:
-            sampled = _TOKENS.decode(tokens) if tokens is not None else []
-        except msgspec.ValidationError:
-            return None
-        lists = None
-        if logprobs:
-            lp = fields.get("logprobs")
-            lists = parts.logprobs() if parts is not None else (_LOGPROBS.decode(lp) if lp is not None
-                                                                and not is_nil(lp)
-                                                                else None)
-        nans = fields.get("num_nans_in_logits")
-        return fmt.Step(self.index, so, ModelRunnerOutput(
-            _REQ_IDS.decode(fields["req_ids"]), {}, sampled, lists,
-            num_nans_in_logits=_NANS.decode(nans) if nans is not None else None))

@@ -17,6 +17,7 @@ memory stays bounded by the KV cache itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -89,6 +90,12 @@ class ShadowTable:
         if st is not None and not st.scheduled:
             del self.live[req_id]
 
+    def knows(self, so: SchedulerOutput) -> bool:
+        """Whether every request the step schedules for the first time has its arrival here (else the fold rebuilds
+        one from the step's NewRequestData, sampling parameters included)."""
+        live = self.live
+        return all(new.req_id in live for new in so.scheduled_new_reqs)
+
     def step(self, index: int, so: SchedulerOutput, out: ModelRunnerOutput | None,
              drawn_seeds: dict[str, int] | None = None) -> None:
         """Fold step `index`: its diff, then its output."""
@@ -118,32 +125,23 @@ class ShadowTable:
             if drawn_seeds and new.req_id in drawn_seeds:
                 st.drawn_seed = drawn_seeds[new.req_id]
         cr = so.scheduled_cached_reqs
-        for i, rid in enumerate(cr.req_ids):
-            st = self.live.get(rid)
+        num = len(cr.req_ids)
+        if len(cr.new_block_ids) < num or len(cr.num_computed_tokens) < num or 0 < len(cr.num_output_tokens) < num:
+            raise ValueError("the step's cached requests' lists are shorter than its req_ids")
+        live, resumed = self.live.get, cr.resumed_req_ids
+        for rid, blocks, computed, kept in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens,
+                                               cr.num_output_tokens or repeat(None)):
+            st = live(rid)
             if st is None:
                 continue  # a request the shadow never saw scheduled: a runner would refuse the step too
-            w, blocks = st.writer, cr.new_block_ids[i]
-            if cr.num_output_tokens and cr.num_output_tokens[i] < len(st.outputs):
-                del st.outputs[cr.num_output_tokens[i]:]
-            computed = cr.num_computed_tokens[i]
-            if rid in cr.resumed_req_ids:  # a new table: the old one's content stays behind for the prefix cache
-                if not st.preempted:
-                    self._leave(w)
-                st.writer = w = _Writer(w.prompt, st.outputs, [list(g) for g in blocks] if blocks else [[]], 0,
-                                        w.last_step)
-                st.preempted = False
-                self._take(w, 0, computed)
-            elif blocks:
-                first = len(w.blocks[0]) if w.blocks else 0
-                if not w.blocks:
-                    w.blocks = [[] for _ in blocks]
-                for g, ids in zip(w.blocks, blocks):
-                    g.extend(ids)
-                self._take(w, first, computed)
+            if kept is not None and kept < len(st.outputs):
+                del st.outputs[kept:]
+            w = st.writer
+            if blocks or resumed and rid in resumed:
+                w = self._new_blocks(st, rid in resumed, blocks, computed)
             w.kv = computed
         spec = so.scheduled_spec_decode_tokens
         sampled = dict(zip(out.req_ids, out.sampled_token_ids)) if out is not None else {}
-        live = self.live.get
         for rid, n in so.num_scheduled_tokens.items():  # (the writer's hottest loop: one pass per request a step)
             st = live(rid)
             if st is None:
@@ -160,6 +158,26 @@ class ShadowTable:
         if self.watch and out is not None and _nonfinite(out):
             self.nonfinite.append(index)
         self.next_step = index + 1
+
+    def _new_blocks(self, st: _Live, resumed: bool, blocks: tuple[list[int], ...] | None, computed: int) -> _Writer:
+        """A cached request's new blocks: a new table for a resumed one (the old table's content stays behind for the
+        prefix cache), else appended to its table. Returns its writer."""
+        w = st.writer
+        if resumed:
+            if not st.preempted:
+                self._leave(w)
+            st.writer = w = _Writer(w.prompt, st.outputs, [list(g) for g in blocks] if blocks else [[]], 0,
+                                    w.last_step)
+            st.preempted = False
+            self._take(w, 0, computed)
+            return w
+        first = len(w.blocks[0]) if w.blocks else 0
+        if not w.blocks:
+            w.blocks = [[] for _ in blocks]
+        for g, ids in zip(w.blocks, blocks):
+            g.extend(ids)
+        self._take(w, first, computed)
+        return w
 
     def take_finished(self) -> list[str]:
         """The requests finished since the last call."""

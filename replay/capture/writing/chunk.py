@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from replay.capture.codec.columns import ColumnSink
-from replay.capture.codec.step_image import ImageOutline
+from replay.capture.codec.outline import ImageOutline
 from replay.capture.format import records as fmt
 from replay.capture.writing.image_batch import PartsBatch
 

@@ -13,10 +13,11 @@ import os
 from typing import Any
 
 from replay.capture.codec.columns import ColumnSource
-from replay.capture.codec.step_image import ImageOutline, step_outline
+from replay.capture.codec.outline import FoldStep, ImageOutline, SchedulerView, step_outline
 from replay.capture.format import records as fmt
 from replay.capture.format.keyframe import Keyframe
 from replay.capture.format.shadow import ShadowTable
+from replay.contracts import SchedulerOutput
 from replay.errors import UsageError
 
 KEYFRAME_ENV = "REPLAY_KEYFRAME_STEPS"  # steps between keyframes of a capture; 0: none
@@ -60,16 +61,21 @@ class KeyframeMaker:
                 return
             try:
                 if isinstance(f, ImageOutline):  # from the images as sent; else from the stored record
-                    f = f.outline(self._images(), sh.watch) or step_outline(
-                        fmt.WIRE_DECODER.decode(parts[f.part]), self._images(), _columns(parts), sh.watch)
-                if isinstance(f, fmt.Step):
+                    images = self._images()
+                    step = f.outline(images, sh.watch) or step_outline(
+                        fmt.WIRE_DECODER.decode(parts[f.part]), images, _columns(parts), sh.watch)
+                    if isinstance(step.scheduler_output, SchedulerView) and not sh.knows(step.scheduler_output):
+                        # a request scheduled with no arrival record: rebuilt from its whole NewRequestData
+                        step = step._replace(scheduler_output=images.decode(f.scheduler_output, SchedulerOutput[str]))
+                    f = step
+                if isinstance(f, (fmt.Step, FoldStep)):
                     sh.step(f.index, f.scheduler_output, f.model_runner_output, f.drawn_seeds)
                 elif isinstance(f, fmt.RequestAdded):
                     sh.add_request(f.request, f.step)
                 elif isinstance(f, fmt.RequestAborted):
                     sh.abort_request(f.request_id)
             except Exception as e:  # noqa: BLE001 - the recording goes on; only its keyframes stop
-                what = f"step {f.index}" if isinstance(f, fmt.Step) else type(f).__name__
+                what = f"step {f.index}" if isinstance(f, (fmt.Step, FoldStep, ImageOutline)) else type(f).__name__
                 self.broken = (f"no keyframes after step {sh.next_step}: {what} could not be folded "
                                f"({type(e).__name__}: {e})")[:300]
 

@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 import zstandard
 
-from replay.capture.codec.step_image import ImageOutline, OutputParts, is_nil, store_step_image
+from replay.capture.codec.outline import ImageOutline
+from replay.capture.codec.step_image import OutputParts, is_nil, store_step_image
 from replay.capture.codec.stepcodec import stored_step
 from replay.capture.format import records as fmt
 from replay.capture.format.frames import skippable_frame
