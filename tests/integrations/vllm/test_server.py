@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 from replay.bisect.batch import bisect_batch  # noqa: E402
 from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, twin_groups  # noqa: E402
 from replay.bisect.leak import NO_LEAK, bisect_leak  # noqa: E402
-from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded, Step  # noqa: E402
+from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded, Step, StepRange  # noqa: E402
 from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
 from replay.cli.render_replay import render_replay  # noqa: E402
 from replay.cli.render_trainer import render_trainer  # noqa: E402
@@ -457,9 +457,14 @@ def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
 def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_nearest_keyframe(started, runner):
     """The ring the test above wrapped under a server's traffic: `bisect batch`, `bisect layers` and `stress` on its
     snapshot and on one closed segment, each starting at the keyframe nearest the step (a segment opens with one),
-    all on one vLLM engine."""
+    and on vLLM's runner `check`, `bisect steps` and `explain` too, all on one vLLM engine; then `bisect config`."""
+    from replay.bisect.config import bisect_config
+    from replay.bisect.explain_divergence import NOTHING as EXPLAINED_NOTHING
+    from replay.bisect.explain_divergence import explain_divergence
     from replay.bisect.layers import bisect_layers
+    from replay.bisect.steps import bisect_steps
     from replay.bisect.stress_capture import stress_capture
+    from replay.replayer import check_capture
 
     ring = started["ring"].capture
     snapshots = sorted((ring / "snapshots").glob("*on-demand*.capture"))
@@ -480,4 +485,15 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
             assert any(f"keyframe at step {k}" in n for n in stress.notes), stress.notes
             if runner == "vllm":  # (the builtin runner's kernels are not vLLM's: its own completion may differ)
                 assert "trial 0 (every neighbour, as recorded) samples the recorded completion" in stress.notes
+                # the rest of the commands on vLLM's runner (ours: the builtin ring in tests/bisect/test_from_keyframe)
+                opts = ReplayOptions(overrides={"runner": runner}, engines=engines)
+                assert check_capture(capture, opts).code == 0
+                assert bisect_steps(capture, opts=opts).step is None  # bitwise from where it opens
+                assert explain_divergence(capture, opts).found == EXPLAINED_NOTHING
         assert engines.starts == (runner == "vllm")  # one engine for everything on both captures
+        if runner == "vllm":  # bisect config: the dtype is named, on one more engine (the bfloat16 side's)
+            k, step, _ = _fresh_step(segment)
+            res = bisect_config(segment, "runner=vllm", "runner=vllm,dtype=bfloat16",
+                                steps=StepRange(k, step), engines=engines)
+            assert res.minimal_change == {"dtype": "bfloat16"}, res.verdict
+            assert engines.starts == 2
