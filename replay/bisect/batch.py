@@ -51,6 +51,7 @@ class BatchBisect(msgspec.Struct):
     re_executions: int
     runner: str = "builtin"
     notes: list[str] = []  # how the replay differs from the recording
+    start_step: int = 0  # where each replay started: the nearest keyframe, or step 0
 
 
 def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
@@ -122,4 +123,4 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
     if s.runner_kind == "vllm":
         verdict += f" (on vLLM's runner, neighbours left out of every step up to {step})"
     return BatchBisect(path, step, request, verdict, invariant, s.names(others), names, diff, alone.token,
-                       full.token, pads, runs, s.runner_kind, s.notes)
+                       full.token, pads, runs, s.runner_kind, s.notes, s.start.keyframe or 0)

@@ -279,13 +279,13 @@ def render_bisect_batch(res: BatchBisect) -> str:
     """`bisect batch`: the verdict, alone vs batched, padding, and the cost."""
     pads = ", ".join(f"+{p.padding} {'same' if p.same_as_alone else f'Δ{p.max_abs_logit_diff:.2g}'}"
                      for p in res.padding)
+    cost = (f"  {res.re_executions} replays of steps {res.start_step}-{res.step} on vLLM's runner"
+            if res.runner == "vllm" else f"  {res.re_executions} re-executions of step {res.step}")
     return "\n".join([
         res.verdict,
         f"  alone vs in its recorded batch ({len(res.neighbours)} neighbours): max |Δlogit| "
         f"{res.max_abs_logit_diff:.3g}, token {res.token_alone} alone, {res.token_in_batch} in the batch",
-        f"  padding: {pads}",
-        f"  {res.re_executions} replays of steps 0-{res.step} on vLLM's runner" if res.runner == "vllm" else
-        f"  {res.re_executions} re-executions of step {res.step}", *[f"  note: {n}" for n in res.notes]])
+        f"  padding: {pads}", cost, *[f"  note: {n}" for n in res.notes]])
 
 
 def render_bisect_leak(res: LeakBisect) -> str:

@@ -45,6 +45,7 @@ def test_bisect_batch_and_layers_past_a_keyframe_start_there_and_answer_as_from_
     whole = bisect_batch(keyed_capture, step, request, from_start=True)
     assert any(f"replayed from the keyframe at step {k}" in n for n in near.notes)
     assert not any("keyframe" in n for n in whole.notes)
+    assert (near.start_step, whole.start_step) == (k, 0)
     assert (near.minimal_set, near.batch_invariant, near.max_abs_logit_diff, near.padding) == \
         (whole.minimal_set, whole.batch_invariant, whole.max_abs_logit_diff, whole.padding)
     assert near.token_alone == whole.token_alone and near.token_in_batch == whole.token_in_batch

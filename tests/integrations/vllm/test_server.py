@@ -29,7 +29,7 @@ from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, tw
 from replay.bisect.leak import NO_LEAK, bisect_leak  # noqa: E402
 from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded, Step, StepRange  # noqa: E402
 from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
-from replay.cli.render_replay import render_replay  # noqa: E402
+from replay.cli.render_replay import render_bisect_batch, render_replay  # noqa: E402
 from replay.cli.render_trainer import render_trainer  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
@@ -478,6 +478,8 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
             k, step, request = _fresh_step(capture)
             res = bisect_batch(capture, step, request, overrides={"runner": runner}, engines=engines)
             assert res.step == step and any(f"keyframe at step {k}" in n for n in res.notes), res.notes
+            if runner == "vllm":
+                assert f"replays of steps {k}-{step} on vLLM's runner" in render_bisect_batch(res)
             layers = bisect_layers(capture, step, request, "same", runner=runner, engines=engines)
             assert layers.first_module is None and layers.modules, layers.verdict  # the same step twice: bitwise
             k, request = _fresh_pair(capture)
