@@ -110,8 +110,8 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
     invariant = not minimal
     names = s.names(minimal)
     if invariant:
-        verdict = (f"request {request} is batch-invariant at step {step}: alone and with its {len(others)} "
-                   "neighbours it gives the same logits")
+        verdict = (f"request {request} is batch-invariant at step {step}: alone and with its "
+                   f"{len(others)} neighbour{'s' * (len(others) != 1)} it gives the same logits")
     elif len(names) == 1:
         verdict = f"request {request}'s numerics at step {step} change when {names[0]} shares its batch"
     else:

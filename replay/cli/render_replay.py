@@ -281,9 +281,10 @@ def render_bisect_batch(res: BatchBisect) -> str:
                      for p in res.padding)
     cost = (f"  {res.re_executions} replays of steps {res.start_step}-{res.step} on vLLM's runner"
             if res.runner == "vllm" else f"  {res.re_executions} re-executions of step {res.step}")
+    n = len(res.neighbours)
     return "\n".join([
         res.verdict,
-        f"  alone vs in its recorded batch ({len(res.neighbours)} neighbours): max |Δlogit| "
+        f"  alone vs in its recorded batch ({n} neighbour{'s' * (n != 1)}): max |Δlogit| "
         f"{res.max_abs_logit_diff:.3g}, token {res.token_alone} alone, {res.token_in_batch} in the batch",
         f"  padding: {pads}", cost, *[f"  note: {n}" for n in res.notes]])
 
