@@ -47,7 +47,15 @@ class Engines:
             return engine, False
         while len(self._started) >= self.keep:
             _shutdown(self._started.popitem(last=False)[1])
-        engine = start()
+        try:
+            engine = start()
+        except Exception:
+            if not self._started:
+                raise
+            # vLLM keeps one parallel state per process, set up by the first engine: one started beside it may
+            # find it wanting (an MoE model's expert-parallel group, beside a dense model's engine). Alone, it starts.
+            self.close()
+            engine = start()
         engine.replays = 1
         self._started[key] = engine
         self.starts += 1

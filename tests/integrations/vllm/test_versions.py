@@ -139,11 +139,14 @@ def test_moe_routing_replays_bitwise_and_a_planted_router_fault_is_a_routing_div
     assert d["expected_experts"] != d["actual_experts"]
 
 
-def test_a_runner_that_returns_no_routing_says_it_is_not_compared(moe):
-    """vLLM 0.32 on CPU returns no routing (Model Runner V2 only): the replay says what it did not compare."""
+def test_a_runner_that_returns_no_routing_says_it_is_not_compared(moe, engines):
+    """vLLM 0.32 on CPU returns no routing (Model Runner V2 only): the replay says what it did not compare. On the
+    module's pool, whose dense engine, still up, keeps vLLM's parallel state without the MoE model's expert group:
+    the pool shuts it down and starts this one alone."""
     from replay.cli.render_replay import render_replay
 
-    rep = replay_capture(moe, ReplayOptions(overrides={"runner": "vllm"}, tolerance=Tolerance(atol=1e-5)))
+    rep = replay_capture(moe, ReplayOptions(overrides={"runner": "vllm"}, tolerance=Tolerance(atol=1e-5),
+                                            engines=engines))
     assert not rep.diverged and rep.tokens_routed == 0
     assert rep.routing_not_compared == 6  # every step that ran a token (6 generated each)
     assert "note: the MoE routing recorded in 6 step(s) is not compared" in render_replay(rep)
