@@ -153,5 +153,5 @@ def tiny_eagle_head(base: Path, path: Path) -> Path:
 def wide_llama(path: Path) -> Path:
     """A 2-layer Llama wide enough for float32 batch variance on vLLM's CPU kernels (hidden 512, GQA 8/4 heads,
     head_dim 64, intermediate 2048, vocab 1024; 40 MB): a decode computed alone takes another GEMM path than in a
-    batch (`reference/measurements.md`: M = 1 against M >= 2). The 128-wide `tiny_llama` is batch-invariant there."""
+    batch (M = 1 against M >= 2: docs/guide.md, `bisect batch`). The 128-wide `tiny_llama` is batch-invariant there."""
     return tiny_llama(path, seed=3, heads=8, head_dim=64, intermediate=2048)

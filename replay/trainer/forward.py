@@ -24,8 +24,8 @@ def load_model(path: str, dtype: str, attention: str) -> Any:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise CannotTestError("replay trainer scores with transformers, which is not installed: "
-                              "pip install 'replay[trainer]'") from None
+        raise CannotTestError("replay trainer scores with transformers, which is not installed: pip install "
+                              "'vllm-replay[trainer]' (in a checkout: pip install -e '.[trainer]')") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attention)
     except OSError as e:

