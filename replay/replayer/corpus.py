@@ -24,7 +24,7 @@ from replay.capture import CaptureReader
 from replay.capture.format.records import PROLOGUE_MAGIC
 from replay.diff import Tolerance
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, UsageError
-from replay.integrations.vllm.engines import Engines
+from replay.integrations.vllm.engines import Engines, process_engines
 from replay.processes.fanout import FanOut, fan_out
 from replay.replayer.check import check_capture
 from replay.replayer.replay_capture import ReplayOptions
@@ -64,6 +64,7 @@ class CorpusRow(msgspec.Struct, omit_defaults=True):
     first_divergence: str = ""  # "step 3, request req-0 (logprobs)"
     suspect: str = ""  # the leading difference between the recording and this runner, on a divergence
     differences: list[str] = []  # every numerics-relevant difference between the recording and this runner
+    engine_starts: int = 0  # vLLM engines this check started (0: it reused one, or ran on the builtin runner)
 
 
 class CorpusGroup(msgspec.Struct):
@@ -88,7 +89,8 @@ class CorpusResult(msgspec.Struct):
     resumed: int  # rows taken from the results file instead of re-run
     seconds: float
     code: int
-    engine_starts: int = 0  # vLLM engines started in this process (one serves every capture of one layout)
+    # vLLM engines this run started: one per layout in this process or in each `--jobs` worker, one per capture on Ray
+    engine_starts: int = 0
 
 
 def corpus_paths(spec: str | os.PathLike) -> list[Path]:
@@ -140,10 +142,16 @@ def _key(p: Path) -> str:
 
 def check_one(task: tuple[str, CheckSpec], engines: Engines | None = None) -> CorpusRow:
     """Check one capture (in whichever process or Ray worker runs it; `engines`: vLLM engines started for earlier
-    captures of this process, to reuse); never raises for the capture."""
+    captures of this process, to reuse, else one started for this capture alone); never raises for the capture."""
     path, spec = task
     t = time.perf_counter()
-    res = check_capture(path, dataclasses.replace(spec.options(), engines=engines))
+    pool = engines if engines is not None or not _on_vllm(spec) else Engines()
+    before = pool.starts if pool is not None else 0
+    try:
+        res = check_capture(path, dataclasses.replace(spec.options(), engines=pool))
+    finally:
+        if engines is None and pool is not None:
+            pool.close()
     rep = res.report
     first = suspect = ""
     differences: list[str] = []
@@ -154,7 +162,18 @@ def check_one(task: tuple[str, CheckSpec], engines: Engines | None = None) -> Co
             first = f"step {d.step}, request {d.request_id} ({d.kind})"
         suspect = rep.suspect
     return CorpusRow(path, res.verdict, res.code, res.reason, round(time.perf_counter() - t, 3), _key(Path(path)),
-                     first, suspect, differences)
+                     first, suspect, differences, pool.starts - before if pool is not None else 0)
+
+
+def check_in_worker(task: tuple[str, CheckSpec]) -> CorpusRow:
+    """`check_one` in a local worker process (`--jobs N`): the worker's own vLLM engines serve every capture it
+    checks, and are shut down as it exits. (Ray tasks start their own: a Ray worker outlives its task, and an idle
+    engine there would hold memory the scheduler has already handed to the next task.)"""
+    return check_one(task, process_engines() if _on_vllm(task[1]) else None)
+
+
+def _on_vllm(spec: CheckSpec) -> bool:
+    return spec.overrides.get("runner") == "vllm"
 
 
 def _resources(spec: CheckSpec) -> Callable[[tuple[str, CheckSpec]], dict[str, float]]:
@@ -230,11 +249,16 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     out = open(results, "ab") if results is not None else None
     if out is not None and out.tell() and not _ends_with_newline(Path(results)):
         out.write(b"\n")  # a run killed mid-row left a torn line: the next row starts on its own
-    in_here = not how.ray and how.jobs <= 1  # then one vLLM engine serves every capture of one layout
-    engines = Engines() if in_here and spec.overrides.get("runner") == "vllm" else None
+    in_here = not how.ray and (how.jobs <= 1 or len(todo) <= 1)  # then one vLLM engine serves each layout
+    engines = Engines() if in_here and _on_vllm(spec) else None
+    if engines is not None:
+        task = functools.partial(check_one, engines=engines)
+    else:
+        task = check_one if how.ray else check_in_worker
+    started = 0
     try:
-        for _, row in fan_out(functools.partial(check_one, engines=engines) if engines else check_one, todo, how,
-                              _resources(spec)):
+        for _, row in fan_out(task, todo, how, _resources(spec)):
+            started += row.engine_starts
             rows[row.capture] = row
             if out is not None:
                 out.write(msgspec.json.encode(row) + b"\n")
@@ -252,4 +276,4 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     cannot = len(ordered) - good - bad
     code = EXIT_DIVERGED if bad else EXIT_OK if good else EXIT_CANNOT_TEST
     return CorpusResult(str(corpus), how.describe(), ordered, corpus_groups(ordered), good, bad, cannot, resumed,
-                        round(time.perf_counter() - t, 3), code, engines.starts if engines is not None else 0)
+                        round(time.perf_counter() - t, 3), code, started)

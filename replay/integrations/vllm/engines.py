@@ -12,6 +12,7 @@ Used explicitly (`with Engines() as engines: replay_capture(path, ReplayOptions(
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,11 +79,14 @@ _PROCESS: Engines | None = None
 
 def process_engines() -> Engines:
     """This process's own pool, for the calls sent to a process of their own (`replay.processes.in_environment
-    .Environments`): it keeps their engines from one call to the next, and shuts them down as the process exits."""
+    .Environments`, `check --jobs N`'s workers): it keeps their engines from one call to the next, and shuts them
+    down as the process exits."""
     global _PROCESS
     if _PROCESS is None:
         _PROCESS = Engines()
         atexit.register(_PROCESS.close)
+        # a multiprocessing worker leaves through os._exit, past atexit; its finalizers still run
+        multiprocessing.util.Finalize(None, _PROCESS.close, exitpriority=10)
     return _PROCESS
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from replay.bisect.batch import bisect_batch  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from replay.processes.fanout import FanOut  # noqa: E402
 from replay.replayer.corpus import check_corpus  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
@@ -48,3 +49,15 @@ def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
         shutil.copy(mixed, corpus / f"run-{i}.capture")
     res = check_corpus(corpus, ReplayOptions(overrides=VLLM))
     assert res.good == 3 and res.bad == 0 and res.engine_starts == 1, res
+    assert [r.engine_starts for r in res.rows] == [1, 0, 0]
+
+
+def test_each_local_worker_keeps_its_engine_for_the_captures_it_checks(mixed, tmp_path):
+    """`check --jobs 2`: an engine per worker, not per capture (three captures, two workers: at most two starts)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        shutil.copy(mixed, corpus / f"run-{i}.capture")
+    res = check_corpus(corpus, ReplayOptions(overrides=VLLM), how=FanOut(jobs=2))
+    assert res.good == 3 and res.how == "2 local processes", res
+    assert 1 <= res.engine_starts <= 2 and sorted(r.engine_starts for r in res.rows)[0] == 0, res.rows
