@@ -59,14 +59,14 @@ def render_trainer(r: TrainerReport) -> str:
 def render_layers(t: TrainerLayers) -> str:
     """The bisect's verdict and its module table, replay side against the trainer's."""
     width = max(len(m.module) for m in t.modules) + 2
-    lines = [t.verdict, f"  {'module':<{width}} {'max |Δ|':>10} {'relative':>10} {'ULPs':>10}  the trainer's"]
+    lines = [t.verdict, f"  {'module':<{width}} {'max |Δ|':>10} {'relative':>10} {'ULPs':>10}  {t.other}'s"]
     for m in t.modules:
         mark = "  <- beyond" if m.module == t.first_module else ""
         mine = "" if m.trainer == m.module.removeprefix("model.") else m.trainer
         row = f"  {m.module:<{width}} {m.max_abs:>10.3g} {m.relative:>10.3g} {m.max_ulps:>10.3g}  {mine}{mark}"
         lines.append(row.rstrip())
     if t.unmatched:
-        lines.append(f"  ({t.unmatched} module(s) of the replay have no counterpart in the trainer's model)")
+        lines.append(f"  ({t.unmatched} module(s) of the replay have no counterpart on {t.other}'s side)")
     lines += [f"  note: {n}" for n in t.notes]
     if t.dump:
         lines.append(f"  dumped to {t.dump}")

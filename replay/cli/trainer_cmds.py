@@ -28,6 +28,9 @@ def trainer(
     plant: str | None = PlantOpt,
     runner: str | None = RunnerOpt,
     dump: Path | None = typer.Option(None, "--dump", help="With --bisect: write both sides' module outputs here."),
+    against: str = typer.Option("transformers", "--against", help="With --bisect, the trainer's side: transformers "
+                                                                  "(its forward) | builtin (the builtin runner's "
+                                                                  "replay of the step, beside vLLM's runner)."),
     json: bool = JsonOpt,
 ) -> None:
     """Score every rollout as an RL trainer does (one teacher-forced transformers forward, log_softmax(logits / T)
@@ -48,5 +51,5 @@ def trainer(
         where = (name, int(pos))
     res = score_capture(capture, TrainerOptions(
         model, dtype, attn, micro_batch, request or None, pack, clip, worst, bisect or where is not None, where,
-        Plant.parse(plant) if plant else None, runner, str(dump) if dump else None))
+        Plant.parse(plant) if plant else None, runner, str(dump) if dump else None, against))
     emit(res, render_trainer, json=json)

@@ -18,7 +18,7 @@ from replay.replayer import Plant
 from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
 from replay.trainer.figures import Bin, Bucket, Figures, by_position, figures, histogram
 from replay.trainer.forward import load_model, teacher_forced
-from replay.trainer.layers import TrainerLayers, trainer_layers
+from replay.trainer.layers import AGAINST, TrainerLayers, trainer_layers
 from replay.trainer.rollouts import Rollout, read_rollouts
 from replay.trainer.routing import RoutingAgreement, RoutingTally
 from replay.trainer.semantics import Semantics, like_vllm, semantics, trainer_logprobs
@@ -42,6 +42,7 @@ class TrainerOptions:
     plant: Plant | None = None  # a fault on the replay side of the bisect
     runner: str | None = None  # the replay side of the bisect (default: the capture's engine's runner)
     dump: str | None = None  # the bisect's module outputs, both sides
+    against: str = "transformers"  # the bisect's trainer side: the trainer's forward, or "builtin" (our runner)
 
 
 class WorstToken(msgspec.Struct):
@@ -106,6 +107,8 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     opts = opts or TrainerOptions()
     if opts.micro_batch < 1 or opts.clip <= 0:
         raise UsageError("--micro-batch must be at least 1 and --clip above 0")
+    if opts.against not in AGAINST:
+        raise UsageError(f"--against {opts.against}: expected one of {', '.join(AGAINST)}")
     data = read_rollouts(path, opts.requests)
     header = data.header
     mode = header.engine_config.logprobs_mode
@@ -173,7 +176,7 @@ def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str
     try:
         return trainer_layers(path, request, position, model_path=model_path, dtype=dtype,
                               attention=opts.attention, runner=opts.runner, plant=opts.plant, engines=own,
-                              dump=opts.dump, model=model)
+                              dump=opts.dump, model=model, against=opts.against)
     finally:
         if own is not engines:
             own.close()

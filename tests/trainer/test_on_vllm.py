@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from replay.cli import main  # noqa: E402
-from replay.cli.render_trainer import render_trainer  # noqa: E402
+from replay.cli.render_trainer import render_layers, render_trainer  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import Plant, ReplayOptions, replay_capture  # noqa: E402
@@ -85,6 +85,14 @@ def test_logits_agree_as_logits_and_only_raw_ones_name_the_temperature(runs, mod
     assert scores["top-p#0"].semantics == (tempered if mode == "raw_logits" else logits)  # a kept token's z / T
 
 
+def test_vllms_runner_replays_each_mode_it_recorded(runs):
+    """vLLM's runner starts its engine in the recorded logprobs mode: every returned number compared, bitwise."""
+    with Engines(keep=1) as engines:
+        for mode in ("processed", "raw_logits", "processed_logits"):
+            rep = replay_capture(succeeded(runs, mode), ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
+            assert not rep.diverged and rep.tokens_compared == 4 * 12, (mode, rep.first_divergence)
+
+
 def test_bfloat16_on_both_sides_gives_nonzero_figures(runs, capsys):
     capture = succeeded(runs, "bfloat16")
     assert main(["trainer", str(capture), "--json"]) == 0
@@ -126,6 +134,16 @@ def test_bisect_names_the_first_module_apart_and_a_fault_planted_on_either_side(
                                       engines=engines)
         assert trainer_side.first_module == "model.layers.0.mlp.gate_up_proj", trainer_side.verdict
         assert "(the trainer's layers.0.mlp.gate_proj|up_proj;" in trainer_side.verdict
+
+        # the builtin runner on the trainer's side: our modules, put together as the trainer's are
+        ours = trainer_layers(capture, *where, model_path=res.model, dtype="bfloat16", plant=planted,
+                              against="builtin", engines=engines)
+        assert ours.first_module == "model.layers.1.mlp.down_proj" and ours.against == "builtin", ours.verdict
+        assert " against the builtin runner is model.layers.1.mlp.down_proj" in ours.verdict
+        matched = {m.module: m for m in ours.modules}
+        assert matched["model.embed_tokens"].max_abs == 0 and not matched["model.layers.0.mlp.act_fn"].beyond
+        assert {"model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.act_fn", "logits_processor"} <= set(matched)
+        assert "the builtin runner's" in render_layers(ours)
         assert engines.starts == 1
     out = render_trainer(res)
     assert t.verdict in out and "  model.norm " in out and out.count("logits_processor") == 1

@@ -247,14 +247,16 @@ class VllmRunner:
     @staticmethod
     def _engine_kwargs(model, m, ec, overrides, layout: dict) -> dict[str, Any]:
         """`LLM`'s arguments for an engine configured like the recording (block size, pool, budget, seed, prefix
-        caching), on the recorded layout (`layout`: LLM keyword arguments, see `engine_layout_kwargs`), with the
-        `vllm.ARG` knobs last: they win over both."""
+        caching, logprobs mode), on the recorded layout (`layout`: LLM keyword arguments, see
+        `engine_layout_kwargs`), with the `vllm.ARG` knobs last: they win over both."""
         kwargs = dict(model=model, skip_tokenizer_init=True, dtype=overrides.get("dtype", m.dtype or "float32"),
                       max_model_len=max(ec.max_model_len or 512, 16), seed=ec.seed or 0, **layout,
                       max_num_seqs=max(ec.max_num_seqs or 16, 1),
                       max_num_batched_tokens=max(ec.max_num_batched_tokens or 512, 16),
                       enable_prefix_caching=ec.enable_prefix_caching, block_size=ec.block_size or None,
                       num_gpu_blocks_override=ec.num_gpu_blocks or None)
+        if ec.logprobs_mode and ec.logprobs_mode != "raw_logprobs":  # what its logprobs hold: logits, processed
+            kwargs["logprobs_mode"] = ec.logprobs_mode
         if kwargs.get("enable_return_routed_experts") and not _returns_routing():
             del kwargs["enable_return_routed_experts"]  # the replay says the routing went uncompared
         kwargs.update(checked_engine_args(overrides))

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from replay.bisect.batch import bisect_batch  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
-from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from replay.processes.fanout import FanOut  # noqa: E402
+from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from replay.replayer.corpus import check_corpus  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
