@@ -11,6 +11,7 @@ tests/vllm_server.py.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -335,6 +336,7 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     def watch() -> None:  # until a marked request and a snapshot pin segments, which the ring must then keep
         while not stop.is_set() and not pinned.is_set():
             peak[0] = max(peak[0], _ring_bytes(ring))
+            _keep_closed_segments(ring)
             time.sleep(0.05)
 
     def wave(k: int) -> None:
@@ -371,6 +373,7 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
             wave(k)
             k += 1
         out, err = asked.communicate(timeout=300)
+        _keep_closed_segments(ring)
     finally:
         stop.set()
         watcher.join()
@@ -411,6 +414,20 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
     assert rep.crash is not None and rep.crash.reproduced and not rep.diverged, rep.crash
     with pytest.raises(UsageError, match="crashed when it was recorded"):
         bisect_batch(crash, rep.crash.step, "0")
+
+
+def _keep_closed_segments(ring: Path) -> None:
+    """Copies of the ring's closed segments while the traffic's waves fill them, for the test below: by the time it
+    runs the ring holds one or two, the last perhaps with the crash's request alone."""
+    kept = ring.parent / "closed-segments"
+    kept.mkdir(exist_ok=True)
+    for p in ring.glob("segment-*.capture"):
+        if (kept / p.name).exists():
+            continue
+        try:
+            shutil.copy(p, kept / p.name)
+        except FileNotFoundError:  # the ring dropped it meanwhile
+            pass
 
 
 def _fresh_pair(capture: Path) -> tuple[int, str] | None:
@@ -470,7 +487,8 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
 
     ring = started["ring"].capture
     snapshots = sorted((ring / "snapshots").glob("*on-demand*.capture"))
-    segments = sorted(ring.glob("segment-*.capture"))
+    segments = sorted([*ring.glob("segment-*.capture"), *(ring.parent / "closed-segments").glob("*.capture")],
+                      key=lambda p: p.name, reverse=True)  # the latest first: the ring had wrapped
     if not snapshots or not segments:
         pytest.skip("the ring test above did not run")
     segment = next((p for p in segments if _fresh_step(p) is not None and _fresh_pair(p) is not None), None)
