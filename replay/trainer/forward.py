@@ -68,16 +68,24 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, 
         batch = rollouts[first:first + micro_batch]
         seqs = [r.prompt + r.tokens for r in batch]
         inputs, places, shape = (_packed if pack else _padded)(seqs)
+        # the positions that predict a generated token: a trainer scores those alone (the prompt's logits over
+        # the whole vocabulary would be most of the memory: [rows, width, V])
+        keep = sorted({c for r, (_, start) in zip(batch, places)
+                       for c in range(start + len(r.prompt) - 1, start + len(r.prompt) - 1 + len(r.tokens))})
         picked.clear()
         with torch.inference_mode():
-            logits = model(**inputs).logits  # [rows, width, V]
+            try:
+                logits = model(**inputs, logits_to_keep=torch.tensor(keep)).logits  # [rows, len(keep), V]
+            except TypeError:  # a model whose forward takes no logits_to_keep: every position
+                logits, keep = model(**inputs).logits, list(range(shape[1]))
+        column = {c: i for i, c in enumerate(keep)}
         experts = None
         if routers and len(picked) == len(routers):  # each router's logits: [rows * width, experts]
             experts = torch.stack([x.reshape(*shape, -1).topk(top_k, dim=-1).indices for x in picked],
                                   dim=2)  # [rows, width, MoE layers, top-k]
         for r, seq, (row, start) in zip(batch, seqs, places):
-            p = start + len(r.prompt)
-            yield r, logits[row, p - 1:p - 1 + len(r.tokens)].float(), \
+            first = column[start + len(r.prompt) - 1]  # its positions are consecutive in `keep`
+            yield r, logits[row, first:first + len(r.tokens)].float(), \
                 None if experts is None else experts[row, start:start + len(seq)]
 
 
