@@ -30,7 +30,8 @@ def trainer(
     dump: Path | None = typer.Option(None, "--dump", help="With --bisect: write both sides' module outputs here."),
     against: str = typer.Option("transformers", "--against", help="With --bisect, the trainer's side: transformers "
                                                                   "(its forward) | builtin (the builtin runner's "
-                                                                  "replay of the step, beside vLLM's runner)."),
+                                                                  "replay of the step, beside vLLM's runner; "
+                                                                  "implies --bisect)."),
     json: bool = JsonOpt,
 ) -> None:
     """Score every rollout as an RL trainer does (one teacher-forced transformers forward, log_softmax(logits / T)
@@ -50,6 +51,7 @@ def trainer(
             raise UsageError(f"--token {token}: expected REQUEST:POSITION")
         where = (name, int(pos))
     res = score_capture(capture, TrainerOptions(
-        model, dtype, attn, micro_batch, request or None, pack, clip, worst, bisect or where is not None, where,
+        model, dtype, attn, micro_batch, request or None, pack, clip, worst,
+        bisect or where is not None or against != "transformers", where,
         Plant.parse(plant) if plant else None, runner, str(dump) if dump else None, against))
     emit(res, render_trainer, json=json)

@@ -166,10 +166,11 @@ def check_one(task: tuple[str, CheckSpec], engines: Engines | None = None) -> Co
 
 
 def check_in_worker(task: tuple[str, CheckSpec]) -> CorpusRow:
-    """`check_one` in a local worker process (`--jobs N`): the worker's own vLLM engines serve every capture it
-    checks, and are shut down as it exits. (Ray tasks start their own: a Ray worker outlives its task, and an idle
-    engine there would hold memory the scheduler has already handed to the next task.)"""
-    return check_one(task, process_engines() if _on_vllm(task[1]) else None)
+    """`check_one` in a local worker process (`--jobs N`): the worker's own vLLM engine serves every capture of its
+    layout it checks (one engine at a time: N workers hold N), and is shut down as the worker exits. (Ray tasks
+    start their own: a Ray worker outlives its task, and an idle engine there would hold memory the scheduler has
+    already handed to the next task.)"""
+    return check_one(task, process_engines(keep=1) if _on_vllm(task[1]) else None)
 
 
 def _on_vllm(spec: CheckSpec) -> bool:

@@ -77,7 +77,10 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, 
             try:
                 logits = model(**inputs, logits_to_keep=torch.tensor(keep)).logits  # [rows, len(keep), V]
             except TypeError:  # a model whose forward takes no logits_to_keep: every position
-                logits, keep = model(**inputs).logits, list(range(shape[1]))
+                picked.clear()
+                logits = model(**inputs).logits
+            if logits.shape[1] != len(keep):  # (one that took it into **kwargs and computed every position)
+                keep = list(range(shape[1]))
         column = {c: i for i, c in enumerate(keep)}
         experts = None
         if routers and len(picked) == len(routers):  # each router's logits: [rows * width, experts]

@@ -59,7 +59,7 @@ class TrainerLayers(msgspec.Struct):
     first_module: str | None  # the first beyond the tolerance
     first_differs: str | None  # the first whose output is not bitwise the trainer's (within tolerance or not)
     modules: list[ModuleGap]  # in the replay side's execution order
-    unmatched: int = 0  # replay-side modules with no counterpart in the trainer's model
+    unmatched: int = 0  # replay-side modules with no counterpart on the trainer's side
     notes: list[str] = []
     dump: str | None = None
     against: str = "transformers"  # the trainer's side: its transformers forward, or the builtin runner
@@ -80,8 +80,8 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
                    engines: Engines | None = None, hook: Callable[[Any], None] | None = None,
                    dump: str | os.PathLike | None = None, model: Any | None = None,
                    against: str = "transformers") -> TrainerLayers:
-    """See the module docstring. `plant`: a fault on the replay side (`--plant`); `hook(model)`: called on the
-    trainer's model once loaded (a test plants the trainer side's fault with it); `dump`: a directory for both
+    """See the module docstring. `plant`: a fault on the replay side (`--plant`); `hook(model)`: called on the trainer's
+    transformers model once loaded (a test plants the trainer side's fault with it); `dump`: a directory for both
     sides' outputs of the modules around the first one beyond the tolerance; `model`: the trainer's model, already
     loaded from `model_path` in `dtype` (else it is loaded here); `against`: "transformers" (the trainer's forward)
     or "builtin" (the builtin runner's replay of the step, in `dtype`, on the trainer's side)."""
@@ -92,6 +92,8 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
     if not data.rollouts:
         raise UsageError(f"{path}: no request {request!r} generated a token")
     r = data.rollouts[0]
+    if not r.prompt:
+        raise UsageError(f"--token {request}:{position}: its prompt has no token ids (prompt embeddings)")
     if not 0 <= position < len(r.tokens):
         raise UsageError(f"--token {request}:{position}: it generated {len(r.tokens)} tokens (positions 0-"
                          f"{len(r.tokens) - 1})")

@@ -131,12 +131,14 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     for r in data.rollouts:
         why = meaning[r.name].set_aside or ("" if r.params.logprobs is not None and any(v is not None for v in r.values)
                                             else "it asked for no logprobs, so vLLM returned none")
+        if not r.prompt:
+            why = "its prompt has no token ids (prompt embeddings): a trainer has no sequence to score"
         if why:
             scores[r.name] = RequestScore(r.name, len(r.tokens), set_aside=why)
     if hook is not None:
         hook(model)
     tally = RoutingTally()
-    forwarded = [r for r in data.rollouts if r.name not in scores or r.routing]
+    forwarded = [r for r in data.rollouts if r.prompt and (r.name not in scores or r.routing)]
     for r, z, experts in teacher_forced(model, forwarded, opts.micro_batch, opts.pack):
         if r.routing and experts is not None:
             tally.add(r.name, r.routing, experts)

@@ -5,7 +5,9 @@ vLLM's sampler (v1) returns, per `logprobs_mode`:
   top-k/top-p;
 - `processed_logprobs`: `log_softmax` after penalties, temperature (`z / T`; greedy rows at T = 1), min-p and
   top-k/top-p (tokens outside the kept set at -inf, the kept ones renormalised);
-- `raw_logits`, `processed_logits`: the same before the `log_softmax`.
+- `raw_logits`: the model's logits `z`;
+- `processed_logits`: `z / T` after penalties, the tokens top-k/top-p/min-p drop at -inf (nothing renormalised: a
+  sampled token's is its `z / T`).
 
 A trainer scores `log_softmax(z / T)` over the whole vocabulary. Where vLLM's number means something else (raw
 logprobs of a tempered request, processed logprobs renormalised after top-p), the difference is one of *semantics*:

@@ -120,7 +120,7 @@ def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(capture
     assert "not a checkpoint here" in capsys.readouterr().err
     assert main(["trainer", str(captures["raw_logprobs"]), "--against", "megatron"]) == 2
     assert "--against megatron: expected one of transformers, builtin" in capsys.readouterr().err
-    assert main(["trainer", str(captures["raw_logprobs"]), "--bisect", "--against", "builtin"]) == 2
+    assert main(["trainer", str(captures["raw_logprobs"]), "--against", "builtin"]) == 2  # (implies --bisect)
     assert "the replay side is the builtin runner already" in capsys.readouterr().err  # a builtin capture
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
     assert main(["trainer", str(captures["raw_logprobs"])]) == 125

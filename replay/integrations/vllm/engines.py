@@ -77,15 +77,16 @@ class Engines:
 _PROCESS: Engines | None = None
 
 
-def process_engines() -> Engines:
+def process_engines(keep: int = 2) -> Engines:
     """This process's own pool, for the calls sent to a process of their own (`replay.processes.in_environment
     .Environments`, `check --jobs N`'s workers): it keeps their engines from one call to the next, and shuts them
-    down as the process exits."""
+    down as the process exits. `keep`: how many it holds, set by the process's first call."""
     global _PROCESS
     if _PROCESS is None:
-        _PROCESS = Engines()
+        _PROCESS = Engines(keep)
         atexit.register(_PROCESS.close)
-        # a multiprocessing worker leaves through os._exit, past atexit; its finalizers still run
+        # in a multiprocessing worker the finalizers run before it joins its own children (vLLM's workers), and
+        # a forked one never runs atexit
         multiprocessing.util.Finalize(None, _PROCESS.close, exitpriority=10)
     return _PROCESS
 
