@@ -70,6 +70,12 @@ class TrainerLayers(msgspec.Struct):
         return side_name(self.against)
 
 
+def check_against(against: str) -> None:
+    """Refuse, in one line, a trainer's side that is neither of `AGAINST`."""
+    if against not in AGAINST:
+        raise UsageError(f"--against {against}: expected one of {', '.join(AGAINST)}")
+
+
 def side_name(against: str) -> str:
     """"the trainer" (transformers) or "the builtin runner": what stands on the trainer's side."""
     return "the trainer" if against == "transformers" else "the builtin runner"
@@ -86,8 +92,7 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
     loaded from `model_path` in `dtype` (else it is loaded here); `against`: "transformers" (the trainer's forward)
     or "builtin" (the builtin runner's replay of the step, in `dtype`, on the trainer's side)."""
     path = str(path)
-    if against not in AGAINST:
-        raise UsageError(f"--against {against}: expected one of {', '.join(AGAINST)}")
+    check_against(against)
     data = read_rollouts(path, [request])
     if not data.rollouts:
         raise UsageError(f"{path}: no request {request!r} generated a token")

@@ -18,7 +18,7 @@ from replay.replayer import Plant
 from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
 from replay.trainer.figures import Bin, Bucket, Figures, by_position, figures, histogram
 from replay.trainer.forward import load_model, teacher_forced
-from replay.trainer.layers import AGAINST, TrainerLayers, trainer_layers
+from replay.trainer.layers import TrainerLayers, check_against, trainer_layers
 from replay.trainer.rollouts import Rollout, read_rollouts
 from replay.trainer.routing import RoutingAgreement, RoutingTally
 from replay.trainer.semantics import Semantics, like_vllm, semantics, trainer_logprobs
@@ -107,8 +107,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     opts = opts or TrainerOptions()
     if opts.micro_batch < 1 or opts.clip <= 0:
         raise UsageError("--micro-batch must be at least 1 and --clip above 0")
-    if opts.against not in AGAINST:
-        raise UsageError(f"--against {opts.against}: expected one of {', '.join(AGAINST)}")
+    check_against(opts.against)
     data = read_rollouts(path, opts.requests)
     header = data.header
     mode = header.engine_config.logprobs_mode
