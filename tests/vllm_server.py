@@ -21,12 +21,20 @@ from pathlib import Path
 from replay.inspect import capture_info
 
 ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+_GIVEN: set[int] = set()
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no process listens on, and none this process handed out before: servers started together each bind
+    theirs only as they come up, and the kernel may offer a just-released port again (two servers of one module once
+    got the same one, and the second's requests reached the first)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 class Server:
     """A vLLM OpenAI server started with REPLAY_CAPTURE=capture; `up()` waits for it to answer."""
