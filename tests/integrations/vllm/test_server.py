@@ -106,7 +106,9 @@ def _traffic(port: int, model: Path, seeded: bool = True) -> int:
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
-    post(port, {"model": str(model), "prompt": [9, 8, 7, 6], "max_tokens": 300, "temperature": 0, "stream": True,
+    # as long as the model's length allows: with speculative decoding 300 tokens once finished before the server
+    # saw the client hang up
+    post(port, {"model": str(model), "prompt": [9, 8, 7, 6], "max_tokens": 500, "temperature": 0, "stream": True,
                  "ignore_eos": True}, drop_stream=True)
     for t in threads:
         t.join()
