@@ -62,6 +62,14 @@ class Engines:
         self.starts += 1
         return engine, True
 
+    def discard(self, engine: StartedEngine) -> None:
+        """Shut `engine` down and forget it: it failed in a way a reset cannot vouch for, and the next replay of its
+        arguments starts a fresh one."""
+        for key, held in list(self._started.items()):
+            if held is engine:
+                del self._started[key]
+        _shutdown(engine)
+
     def close(self) -> None:
         """Shut every engine down (KV caches, weights, worker processes)."""
         while self._started:

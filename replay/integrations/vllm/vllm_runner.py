@@ -160,6 +160,7 @@ class VllmRunner:
         self._emitted: dict[str, int] = {}  # tokens each request emitted in the last step run (several with drafts)
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
         self._plant: tuple[str, float, str] | None = None  # the fault the installed taps add
+        self.raised = False  # the engine raised in a step: `close` gives it back to `engines` only if it still steps
 
     @staticmethod
     def _plan(model: str, m, ec, overrides: dict[str, str], header: Header) -> tuple[dict[str, Any], str | None]:
@@ -216,15 +217,16 @@ class VllmRunner:
                 set_torch_threads(threads, pin=False)
 
     def close(self) -> None:
-        """Free the engine (KV cache, weights), or leave it to `engines` having made it forget every request; give
-        the terminal back."""
+        """Free the engine (KV cache, weights), or leave it to `engines` having made it forget every request (one
+        that cannot, having raised in a step, is shut down instead); give the terminal back."""
         try:
             if self._engines is not None:
-                self.reset()
+                self.reset(probe=self.raised)
             else:
                 self.llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort: the replay is over
-            pass
+        except Exception:  # noqa: BLE001 - the replay is over; an engine that cannot forget its requests goes
+            if self._engines is not None:
+                self._engines.discard(self._engine)
         self.log.stop()
 
     @property
@@ -274,11 +276,15 @@ class VllmRunner:
     def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
         """execute_model + sample_tokens (with the recorded grammar bitmask) on the executor, as EngineCore.step
         does: every worker runs the step, the output comes from the rank vLLM reads it from (the last PP stage)."""
-        out = self.executor.execute_model(self._so)
-        if out is None:
-            out = self.executor.sample_tokens(_grammar_to_vllm(grammar_output))
-        if hasattr(out, "get_output"):
-            out = out.get_output()
+        try:
+            out = self.executor.execute_model(self._so)
+            if out is None:
+                out = self.executor.sample_tokens(_grammar_to_vllm(grammar_output))
+            if hasattr(out, "get_output"):
+                out = out.get_output()
+        except BaseException:
+            self.raised = True  # (a reproduced crash too): `close` sees whether the engine still steps
+            raise
         mro = self.conv.convert(out, ModelRunnerOutput[str])
         self._emitted = {rid: len(toks) for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
         return mro
@@ -316,13 +322,14 @@ class VllmRunner:
                                draws=live.num_draws))
         self.executor.collective_rpc(restore_request_states, args=(states, list(keyframe.batch)))
 
-    def reset(self) -> None:
+    def reset(self, probe: bool = False) -> None:
         """Forget every request (each worker drops them as vLLM drops finished ones): the engine is as a fresh one
         for a replay from step 0, without building it again. The KV blocks keep stale values: a replay from step 0
         writes a block before a request reads it, unless the request that wrote it is left out of the replay
-        (`replay.bisect.vllm_session` keeps those)."""
+        (`replay.bisect.vllm_session` keeps those). `probe`: run that step even with nothing to finish, to see that
+        the engine still steps after raising in one (raises if it does not)."""
         live = self.executor.collective_rpc(live_requests)[0]
-        if live:
+        if live or probe:
             finish = SchedulerOutput.make_empty()
             finish.finished_req_ids = set(live)
             self.executor.execute_model(self._to_vllm(finish))

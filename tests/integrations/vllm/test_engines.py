@@ -61,3 +61,18 @@ def test_each_local_worker_keeps_its_engine_for_the_captures_it_checks(mixed, tm
     res = check_corpus(corpus, ReplayOptions(overrides=VLLM), how=FanOut(jobs=2))
     assert res.good == 3 and res.how == "2 local processes", res
     assert 1 <= res.engine_starts <= 2 and sorted(r.engine_starts for r in res.rows)[0] == 0, res.rows
+
+
+def test_an_engine_that_stops_stepping_is_not_handed_out_again(mixed):
+    """An engine of the pool dies (here its core is shut down behind the pool's back, as a worker lost would leave
+    it): the replay on it fails, and the next replay of that layout runs on a fresh engine rather than on the dead
+    one. (An engine that raised in a step and still steps, as after a reproduced crash, stays: test_plugin's corpus.)"""
+    with Engines() as engines:
+        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
+        [dead] = engines._started.values()
+        dead.llm.llm_engine.engine_core.shutdown()
+        with pytest.raises(Exception):  # noqa: B017 - whatever vLLM raises for a step on a shut-down engine
+            replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+        rep = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+        assert not rep.diverged and rep.tokens_compared > 0 and engines.starts == 2
+        assert dead not in engines._started.values()

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
+from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.provenance import current_hardware  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
@@ -357,8 +358,11 @@ def test_a_real_vllm_crash_is_recorded_and_reproduced(recorded):
     info = capture_info(capture)
     assert info.complete and not info.damage and info.status.startswith("crashed at step "), info.status
     step = int(info.status.split()[3].rstrip(":"))
-    rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
-    assert not rep.diverged and rep.crash.reproduced and rep.crash.step == step, rep.crash
+    with Engines() as engines:  # the engine raised the crash and still steps: the pool keeps it for the next replay
+        for _ in range(2):
+            rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
+            assert not rep.diverged and rep.crash.reproduced and rep.crash.step == step, rep.crash
+        assert engines.starts == 1
     assert "CPU Generator does not use offset" in rep.crash.recorded
     # the crashing step alone, from the command line, as a user puts it under a debugger: 0..N-1 replay unchecked
     alone = subprocess.run([sys.executable, "-m", "replay.cli", "run", str(capture), "--runner", "vllm", "--steps",
