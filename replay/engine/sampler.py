@@ -26,6 +26,7 @@ import torch
 
 from replay.contracts import SAMPLING_EPS, SamplingParams
 from replay.engine import vllm_cpu_draw
+from replay.engine.top_p import top_p_dropped
 
 
 @dataclass(slots=True)
@@ -117,20 +118,17 @@ def process(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
 
 
 def filtered(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """A processed row divided by the temperature, with min-p, top-k and top-p applied (-inf where dropped)."""
+    """Processed rows [..., V] divided by the temperature, with min-p, top-k and top-p applied (-inf where
+    dropped)."""
     x = x / p.temperature
     if p.min_p > 0:
         probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        x = x.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if 0 < p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=False)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - p.top_p
-        drop[-1] = False  # always keep the most likely token
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        x = x.masked_fill(top_p_dropped(x, p.top_p), float("-inf"))
     return x
 
 

@@ -89,10 +89,14 @@ def trainer_logprobs(z: torch.Tensor, s: Semantics) -> torch.Tensor:
     return torch.log_softmax(z / s.temperature, dim=-1)
 
 
+ROWS = 64  # rows `like_vllm` filters at once
+
+
 def like_vllm(z: torch.Tensor, s: Semantics) -> torch.Tensor:
     """[G, V] vLLM's quantity (its `logprobs_mode`, this request's parameters) computed from the trainer's logits,
     processed as the builtin engine's sampler processes a row (vLLM's order: temperature, min-p, top-k, top-p)."""
     if s.mode.startswith("raw") or s.params.temperature < SAMPLING_EPS:
         return z if s.logits else torch.log_softmax(z, dim=-1)
-    x = torch.stack([filtered(row, s.params) for row in z]) if len(z) else z
+    # rows a block at a time: filtering holds a few [rows, V] temporaries (a sort's indices are 8 bytes a logit)
+    x = torch.cat([filtered(block, s.params) for block in z.split(ROWS)]) if len(z) else z
     return x if s.logits else torch.log_softmax(x, dim=-1)
