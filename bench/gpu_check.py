@@ -23,6 +23,9 @@ Rows, in order (each says what it ran, its result, and its wall time):
   explain --pairs        the llama workload holds twins (one greedy prompt sent again later, into another batch):
                          the twins that part, classed (expect BATCH VARIANCE or nothing; never a bug)
   explain cpu capture    the `tiny` CPU capture replayed on the device, explained (expect CONFIG, no bug)
+  trainer on DEVICE      `replay trainer --device DEVICE` on the llama capture: transformers' forward in bfloat16 on
+                         the device against the builtin engine's logprobs (expect the rounding level; skipped where
+                         transformers is not installed)
   tap overhead           the llama workload with and without the tap, interleaved rounds: per-step wall time (median
                          and spread) and the process's CPU time, on and off
 
@@ -219,6 +222,22 @@ def _explain_row(name: str, path: Path, overrides: dict) -> Row:
     return Row(name, res.verdict[:400], time.perf_counter() - t, res.found == CONFIG and not res.bug)
 
 
+def _trainer_row(name: str, path: Path, device: str) -> Row:
+    """`replay trainer` on a capture, the trainer's forward (transformers, the recording's dtype) on `device`."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return Row(name, "skipped: transformers is not installed here (bench/gpu_wheels.sh carries it)", 0.0, None)
+    from replay.trainer import TrainerOptions, score_capture
+
+    t = time.perf_counter()
+    res = score_capture(path, TrainerOptions(device=device))
+    o = res.overall
+    return Row(name, f"{o.tokens} tokens, max |Δlogprob| {o.max_abs:.3g}, mean {o.mean_abs:.2g} ({res.dtype}: "
+                     f"{'within' if res.rounding else 'BEYOND'} its rounding tolerance {res.tolerance:g})",
+               time.perf_counter() - t, res.rounding and o.tokens > 0)
+
+
 def _overhead_row(engine: EngineOptions, reqs: list, out: Path, rounds: int) -> Row:
     """Interleaved rounds of the same workload, tap off and on: per-step wall and process CPU time."""
     t = time.perf_counter()
@@ -286,6 +305,7 @@ def run(device: str, budget: float, rounds: int) -> list[Row]:
         step(_pairs_row, "explain --pairs", d / "llama.capture")
         if cuda:
             step(_explain_row, "explain cpu capture", d / "tiny-cpu.capture", {"device": device})
+        step(_trainer_row, f"trainer on {device}", d / "llama.capture", device)
         step(_overhead_row, llama, big_reqs, d / "overhead.capture", rounds)
     return rows
 

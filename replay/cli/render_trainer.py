@@ -19,7 +19,8 @@ def render_trainer(r: TrainerReport) -> str:
     """The verdict, the figures, Δ by position, the worst tokens, what was set aside and why."""
     lines = [r.verdict,
              f"  trainer: transformers {r.model} ({r.dtype}, {r.attention}, micro-batch {r.micro_batch}"
-             f"{', packed' if r.pack else ''}); vLLM's numbers: {r.logprobs_mode}"]
+             f"{', packed' if r.pack else ''}{'' if r.device == 'cpu' else f', on {r.device}'}); vLLM's numbers: "
+             f"{r.logprobs_mode}"]
     lines.append("  like for like:      " + _figures(r.overall, f"Δ{r.units}"))
     if r.as_trainer is not None:
         lines.append("  as a trainer sees:  " + _figures(r.as_trainer, "Δlogprob")

@@ -16,6 +16,8 @@ def trainer(
     dtype: str | None = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the "
                                                            "recording's)."),
     attn: str = typer.Option("sdpa", "--attn", help="The trainer's attention: sdpa | eager."),
+    device: str = typer.Option("cpu", "--device", help="Where the trainer's forward runs: cpu | cuda | cuda:N (as "
+                                                       "the trainer runs it)."),
     micro_batch: int = typer.Option(8, "--micro-batch", min=1, help="Sequences per forward (right-padded)."),
     pack: bool = typer.Option(False, "--pack", help="Pack each micro-batch into one row (position ids restarting, a "
                                                     "block-diagonal causal mask) instead of padding."),
@@ -53,5 +55,5 @@ def trainer(
     res = score_capture(capture, TrainerOptions(
         model, dtype, attn, micro_batch, request or None, pack, clip, worst,
         bisect or where is not None or against != "transformers", where,
-        Plant.parse(plant) if plant else None, runner, str(dump) if dump else None, against))
+        Plant.parse(plant) if plant else None, runner, str(dump) if dump else None, against, device))
     emit(res, render_trainer, json=json)

@@ -23,8 +23,8 @@ def top_p_dropped(x: torch.Tensor, top_p: float) -> torch.Tensor:
     """[..., V] bool: True where top-p drops the token of `x` [..., V] (logits after temperature, -inf where
     already dropped)."""
     rows = x.reshape(-1, x.shape[-1])
-    dropped = torch.empty(rows.shape, dtype=torch.bool)
-    wider = torch.arange(len(rows))  # rows the next, wider look may decide
+    dropped = torch.empty(rows.shape, dtype=torch.bool, device=x.device)
+    wider = torch.arange(len(rows), device=x.device)  # rows the next, wider look may decide
     sort = [wider[:0]]  # rows no look decides: a boundary too close to top_p or tied, or beyond every look
     tops = [k for k in TOPS if k < rows.shape[-1]]
     if 0 < top_p and rows.shape[-1] > 1 and len(rows) and tops:
@@ -66,6 +66,7 @@ def _short(x: torch.Tensor, lse: torch.Tensor, k: int, wide: int, top_p: float
     # a wider look only where the top k hold half of top_p: a flat row's boundary lies far beyond any (that row
     # goes to the sort; whichever way a row goes, its mask is the sort's)
     wider = beyond & (wide > k) & (above[:, -1] + p[:, -1] >= top_p / 2)
-    keep = torch.arange(k)[None, :] < m[decided][:, None]  # [decided, k]
-    masks = torch.ones((int(decided.sum()), x.shape[-1]), dtype=torch.bool).scatter(-1, ids[decided], ~keep)
+    keep = torch.arange(k, device=x.device)[None, :] < m[decided][:, None]  # [decided, k]
+    masks = torch.ones((int(decided.sum()), x.shape[-1]), dtype=torch.bool, device=x.device).scatter(
+        -1, ids[decided], ~keep)
     return decided, wider, masks

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from replay.engine.config import device_problem
 from replay.errors import CannotTestError, UsageError
 from replay.trainer.rollouts import Rollout
 
@@ -15,12 +16,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ATTENTION = ("sdpa", "eager")
 
 
-def load_model(path: str, dtype: str, attention: str) -> Any:
-    """The checkpoint at `path` as a `transformers` causal LM, in eval mode on CPU."""
+def load_model(path: str, dtype: str, attention: str, device: str = "cpu") -> Any:
+    """The checkpoint at `path` as a `transformers` causal LM, in eval mode on `device`."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if attention not in ATTENTION:
         raise UsageError(f"--attn {attention}: expected one of {', '.join(ATTENTION)}")
+    check_device(device)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -30,16 +32,27 @@ def load_model(path: str, dtype: str, attention: str) -> Any:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attention)
     except OSError as e:
         raise UsageError(f"--model {path}: not a checkpoint transformers can load ({str(e).splitlines()[0]})") from None
-    return model.eval()
+    return model.to(device).eval()
+
+
+def check_device(device: str) -> None:
+    """Raises UsageError, in one line, where the trainer's forward cannot run on `device` here."""
+    if device != "cpu" and (problem := device_problem(device)):
+        raise UsageError(f"--device {device}: {problem}")
+
+
+def model_device(model: Any) -> torch.device:
+    """Where the model's weights are (its inputs go there)."""
+    return next(model.parameters()).device
 
 
 def teacher_forced(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool = False
                    ) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
-    """Each rollout with its logits at the positions that predicted its generated tokens: [G, V] float32 (the
-    trainer casts before its log_softmax), and for a mixture of experts the experts its router picked for every
-    token: [L, MoE layers, top-k] (else None). Rollouts go `micro_batch` at a time, right-padded; with `pack`, each
-    micro-batch is one row (position ids restarting per sequence, a block-diagonal causal mask), as trainers that
-    remove padding run them."""
+    """Each rollout with its logits at the positions that predicted its generated tokens: [G, V] float32 on the
+    model's device (the trainer casts before its log_softmax), and for a mixture of experts the experts its router
+    picked for every token: [L, MoE layers, top-k] on the CPU (else None). Rollouts go `micro_batch` at a time,
+    right-padded; with `pack`, each micro-batch is one row (position ids restarting per sequence, a block-diagonal
+    causal mask), as trainers that remove padding run them."""
     routers = _routers(model)
     picked: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda mod, a, o: picked.append(o[0] if isinstance(o, tuple) else o))
@@ -64,10 +77,12 @@ def _routers(model: Any) -> list[Any]:
 def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, picked: list[torch.Tensor],
              routers: list[Any]) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
     top_k = getattr(model.config, "num_experts_per_tok", 0)
+    device = model_device(model)
     for first in range(0, len(rollouts), micro_batch):
         batch = rollouts[first:first + micro_batch]
         seqs = [r.prompt + r.tokens for r in batch]
         inputs, places, shape = (_packed if pack else _padded)(seqs)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
         # the positions that predict a generated token: a trainer scores those alone (the prompt's logits over
         # the whole vocabulary would be most of the memory: [rows, width, V])
         keep = sorted({c for r, (_, start) in zip(batch, places)
@@ -75,7 +90,7 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, 
         picked.clear()
         with torch.inference_mode():
             try:
-                logits = model(**inputs, logits_to_keep=torch.tensor(keep)).logits  # [rows, len(keep), V]
+                logits = model(**inputs, logits_to_keep=torch.tensor(keep, device=device)).logits  # [rows, keep, V]
             except TypeError:  # a model whose forward takes no logits_to_keep: every position
                 picked.clear()
                 logits = model(**inputs).logits
@@ -85,7 +100,7 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, 
         experts = None
         if routers and len(picked) == len(routers):  # each router's logits: [rows * width, experts]
             experts = torch.stack([x.reshape(*shape, -1).topk(top_k, dim=-1).indices for x in picked],
-                                  dim=2)  # [rows, width, MoE layers, top-k]
+                                  dim=2).cpu()  # [rows, width, MoE layers, top-k]
         for r, seq, (row, start) in zip(batch, seqs, places):
             first = column[start + len(r.prompt) - 1]  # its positions are consecutive in `keep`
             yield r, logits[row, first:first + len(r.tokens)].float(), \

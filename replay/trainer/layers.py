@@ -26,7 +26,7 @@ from replay.bisect.session import Run
 from replay.errors import UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.replayer import Plant
-from replay.trainer.forward import load_model
+from replay.trainer.forward import load_model, model_device
 from replay.trainer.rollouts import read_rollouts
 
 # |Δ| / the module's largest |output| beyond which a module has moved: ~100 float32 ULPs; a few bfloat16 ones
@@ -85,12 +85,13 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
                    attention: str = "sdpa", runner: str | None = None, plant: Plant | None = None,
                    engines: Engines | None = None, hook: Callable[[Any], None] | None = None,
                    dump: str | os.PathLike | None = None, model: Any | None = None,
-                   against: str = "transformers") -> TrainerLayers:
+                   against: str = "transformers", device: str = "cpu") -> TrainerLayers:
     """See the module docstring. `plant`: a fault on the replay side (`--plant`); `hook(model)`: called on the trainer's
     transformers model once loaded (a test plants the trainer side's fault with it); `dump`: a directory for both
     sides' outputs of the modules around the first one beyond the tolerance; `model`: the trainer's model, already
     loaded from `model_path` in `dtype` (else it is loaded here); `against`: "transformers" (the trainer's forward)
-    or "builtin" (the builtin runner's replay of the step, in `dtype`, on the trainer's side)."""
+    or "builtin" (the builtin runner's replay of the step, in `dtype`, on the trainer's side); `device`: where the
+    trainer's forward runs (the builtin runner's replay stays on the CPU)."""
     path = str(path)
     check_against(against)
     data = read_rollouts(path, [request])
@@ -119,7 +120,7 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
     if against == "builtin":
         trainer_side, sources = _builtin_modules(path, step, r.name, dtype)
     else:
-        model = model if model is not None else load_model(model_path, dtype, attention)
+        model = model if model is not None else load_model(model_path, dtype, attention, device)
         if hook is not None:
             hook(model)
         seq = r.prompt + r.tokens[:position]
@@ -171,12 +172,13 @@ def _trainer_modules(model: Any, seq: list[int], rows: range) -> tuple[dict[str,
     which of the trainer's modules each is made of."""
     out: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.Tensor] = {}
-    sel = torch.tensor(list(rows))
+    device = model_device(model)
+    sel = torch.tensor(list(rows), device=device)
 
     def keep(name: str, into: dict, value: Any) -> None:
         t = value[0] if isinstance(value, tuple) else value
-        if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == len(seq):
-            into[name.removeprefix("model.")] = t[0, sel].detach().clone()
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == len(seq):  # (compared on the CPU)
+            into[name.removeprefix("model.")] = t[0, sel].detach().to("cpu", copy=True)
 
     handles = []
     for name, m in model.named_modules():
@@ -186,7 +188,7 @@ def _trainer_modules(model: Any, seq: list[int], rows: range) -> tuple[dict[str,
             handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: keep(n, inputs, a)))
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([seq]))
+            model(input_ids=torch.tensor([seq], device=device))
     finally:
         for h in handles:
             h.remove()

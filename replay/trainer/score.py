@@ -17,7 +17,7 @@ from replay.integrations.vllm.engines import Engines
 from replay.replayer import Plant
 from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
 from replay.trainer.figures import Bin, Bucket, Figures, by_position, figures, histogram
-from replay.trainer.forward import load_model, teacher_forced
+from replay.trainer.forward import check_device, load_model, teacher_forced
 from replay.trainer.layers import TrainerLayers, check_against, trainer_layers
 from replay.trainer.rollouts import Rollout, read_rollouts
 from replay.trainer.routing import RoutingAgreement, RoutingTally
@@ -43,6 +43,7 @@ class TrainerOptions:
     runner: str | None = None  # the replay side of the bisect (default: the capture's engine's runner)
     dump: str | None = None  # the bisect's module outputs, both sides
     against: str = "transformers"  # the bisect's trainer side: the trainer's forward, or "builtin" (our runner)
+    device: str = "cpu"  # where the trainer's forward runs (cuda: as the trainer runs it)
 
 
 class WorstToken(msgspec.Struct):
@@ -98,6 +99,7 @@ class TrainerReport(msgspec.Struct):
     notes: list[str] = []
     routing: RoutingAgreement | None = None  # where the capture kept MoE routing: the trainer's router against it
     layers: TrainerLayers | None = None  # with `bisect`: the module where they part
+    device: str = "cpu"  # where the trainer's forward ran
 
 
 def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *,
@@ -108,6 +110,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     if opts.micro_batch < 1 or opts.clip <= 0:
         raise UsageError("--micro-batch must be at least 1 and --clip above 0")
     check_against(opts.against)
+    check_device(opts.device)
     data = read_rollouts(path, opts.requests)
     header = data.header
     mode = header.engine_config.logprobs_mode
@@ -120,7 +123,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     if opts.requests is not None and not data.rollouts:
         raise UsageError(f"{path}: no request {', '.join(opts.requests)} generated a token")
     notes = _checkpoint_notes(model_path, model_id, dtype)
-    model = load_model(model_path, dtype, opts.attention)
+    model = load_model(model_path, dtype, opts.attention, opts.device)
 
     scores: dict[str, RequestScore] = {}
     deltas: list[np.ndarray] = []
@@ -159,8 +162,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, opts.pack, mode,
                         _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
                         figures(naive, opts.clip) if differs else None, by_position(deltas), histogram(deltas),
-                        worst, ordered, notes,
-                        tally.result())
+                        worst, ordered, notes, tally.result(), device=opts.device)
     if opts.bisect:
         res.layers = _bisect(path, opts, worst, model_path, dtype, engines, model)
     return res
@@ -177,7 +179,7 @@ def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str
     try:
         return trainer_layers(path, request, position, model_path=model_path, dtype=dtype,
                               attention=opts.attention, runner=opts.runner, plant=opts.plant, engines=own,
-                              dump=opts.dump, model=model, against=opts.against)
+                              dump=opts.dump, model=model, against=opts.against, device=opts.device)
     finally:
         if own is not engines:
             own.close()
@@ -187,9 +189,9 @@ def _compare(r: Rollout, z: torch.Tensor, s: Semantics, batches: dict[int, tuple
              ) -> tuple[RequestScore, np.ndarray, np.ndarray | None, list[WorstToken]]:
     """One rollout against vLLM's numbers: its score, Δ per compared token, the trainer's own logprob minus vLLM's
     (None where vLLM returned logits), and every compared token as a `WorstToken` candidate."""
-    at, tok = torch.arange(len(r.tokens)), torch.tensor(r.tokens)
-    like = like_vllm(z, s)[at, tok].double().numpy()
-    mine = trainer_logprobs(z, s)[at, tok].double().numpy()
+    at, tok = torch.arange(len(r.tokens), device=z.device), torch.tensor(r.tokens, device=z.device)
+    like = like_vllm(z, s)[at, tok].double().cpu().numpy()
+    mine = trainer_logprobs(z, s)[at, tok].double().cpu().numpy()
     keep = [i for i, v in enumerate(r.values) if v is not None]
     vllm = np.array([r.values[i] for i in keep])
     d = like[keep] - vllm

@@ -11,6 +11,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -122,6 +123,14 @@ def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(capture
     assert "--against megatron: expected one of transformers, builtin" in capsys.readouterr().err
     assert main(["trainer", str(captures["raw_logprobs"]), "--against", "builtin"]) == 2  # (implies --bisect)
     assert "the replay side is the builtin runner already" in capsys.readouterr().err  # a builtin capture
+    # --device: the trainer's forward where the trainer runs it. Only the CPU is here: on it the figures are the
+    # default run's; a CUDA device is refused in one line before anything loads (bench/gpu_check runs it on one)
+    assert main(["trainer", str(captures["raw_logprobs"]), "--json", "--request", "greedy", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"] == res["overall"]
+    if not torch.cuda.is_available():
+        assert main(["trainer", str(captures["raw_logprobs"]), "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("replay: --device cuda: no CUDA device here"), err
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
     assert main(["trainer", str(captures["raw_logprobs"])]) == 125
     err = capsys.readouterr().err.strip().splitlines()
