@@ -15,7 +15,8 @@ def trainer(
     model: str | None = typer.Option(None, "--model", help="The trainer's checkpoint (default: the recording's)."),
     dtype: str | None = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the "
                                                            "recording's)."),
-    attn: str = typer.Option("sdpa", "--attn", help="The trainer's attention: sdpa | eager."),
+    attn: str = typer.Option("sdpa", "--attn", help="The trainer's attention: sdpa | eager | flash_attention_2 "
+                                                    "(flash-attn installed, on a GPU)."),
     device: str = typer.Option("cpu", "--device", help="Where the trainer's forward runs: cpu | cuda | cuda:N (as "
                                                        "the trainer runs it)."),
     micro_batch: int = typer.Option(8, "--micro-batch", min=1, help="Sequences per forward (right-padded)."),

@@ -13,7 +13,7 @@ from replay.errors import CannotTestError, UsageError
 from replay.trainer.rollouts import Rollout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 
 def load_model(path: str, dtype: str, attention: str, device: str = "cpu") -> Any:
@@ -32,6 +32,8 @@ def load_model(path: str, dtype: str, attention: str, device: str = "cpu") -> An
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attention)
     except OSError as e:
         raise UsageError(f"--model {path}: not a checkpoint transformers can load ({str(e).splitlines()[0]})") from None
+    except ImportError as e:  # an attention whose kernels are not installed here (flash-attn)
+        raise CannotTestError(f"--attn {attention}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval()
 
 
@@ -78,10 +80,11 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, 
              routers: list[Any]) -> Iterator[tuple[Rollout, torch.Tensor, torch.Tensor | None]]:
     top_k = getattr(model.config, "num_experts_per_tok", 0)
     device = model_device(model)
+    attention = getattr(model.config, "_attn_implementation", None) or ""
     for first in range(0, len(rollouts), micro_batch):
         batch = rollouts[first:first + micro_batch]
         seqs = [r.prompt + r.tokens for r in batch]
-        inputs, places, shape = (_packed if pack else _padded)(seqs)
+        inputs, places, shape = _packed(seqs, "flash" not in attention) if pack else _padded(seqs)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         # the positions that predict a generated token: a trainer scores those alone (the prompt's logits over
         # the whole vocabulary would be most of the memory: [rows, width, V])
@@ -89,11 +92,14 @@ def _batches(model: Any, rollouts: list[Rollout], micro_batch: int, pack: bool, 
                        for c in range(start + len(r.prompt) - 1, start + len(r.prompt) - 1 + len(r.tokens))})
         picked.clear()
         with torch.inference_mode():
+            # (no KV cache: a trainer's forward keeps none, and transformers reads packing from the position ids
+            # only without one)
             try:
-                logits = model(**inputs, logits_to_keep=torch.tensor(keep, device=device)).logits  # [rows, keep, V]
+                logits = model(**inputs, use_cache=False,
+                               logits_to_keep=torch.tensor(keep, device=device)).logits  # [rows, keep, V]
             except TypeError:  # a model whose forward takes no logits_to_keep: every position
                 picked.clear()
-                logits = model(**inputs).logits
+                logits = model(**inputs, use_cache=False).logits
             if logits.shape[1] != len(keep):  # (one that took it into **kwargs and computed every position)
                 keep = list(range(shape[1]))
         column = {c: i for i, c in enumerate(keep)}
@@ -119,14 +125,18 @@ def _padded(seqs: list[list[int]]) -> tuple[dict, list[tuple[int, int]], tuple[i
     return {"input_ids": ids, "attention_mask": mask}, [(i, 0) for i in range(len(seqs))], (len(seqs), width)
 
 
-def _packed(seqs: list[list[int]]) -> tuple[dict, list[tuple[int, int]], tuple[int, int]]:
-    """Every sequence in one row: position ids restarting per sequence, a block-diagonal causal mask."""
+def _packed(seqs: list[list[int]], mask: bool = True) -> tuple[dict, list[tuple[int, int]], tuple[int, int]]:
+    """Every sequence in one row, position ids restarting per sequence, and with `mask` a block-diagonal causal
+    mask; without, transformers reads the sequences from the position ids, as padding-free trainers feed it for
+    flash-attention's variable-length kernels. (For sdpa and eager it would build the same mask, bit for bit, more
+    slowly.)"""
     starts = [sum(map(len, seqs[:i])) for i in range(len(seqs) + 1)]
-    width = starts[-1]
-    seg = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
-    at = torch.arange(width)
-    mask = (seg[:, None] == seg[None, :]) & (at[:, None] >= at[None, :])  # [width, width]: causal, per sequence
     pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    inputs = {"input_ids": torch.tensor([sum(seqs, [])]), "position_ids": pos[None],
-              "attention_mask": mask[None, None]}
-    return inputs, [(0, x) for x in starts[:-1]], (1, width)
+    inputs = {"input_ids": torch.tensor([sum(seqs, [])]), "position_ids": pos[None]}
+    if mask:
+        width = starts[-1]
+        seg = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
+        at = torch.arange(width)
+        block = (seg[:, None] == seg[None, :]) & (at[:, None] >= at[None, :])  # [width, width]: causal, per sequence
+        inputs["attention_mask"] = block[None, None]
+    return inputs, [(0, x) for x in starts[:-1]], (1, starts[-1])

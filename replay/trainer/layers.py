@@ -188,7 +188,7 @@ def _trainer_modules(model: Any, seq: list[int], rows: range) -> tuple[dict[str,
             handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: keep(n, inputs, a)))
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([seq], device=device))
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -7,6 +7,7 @@ as vLLM does, so its captures stand in for vLLM's here (vLLM's server: tests/int
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -131,6 +132,10 @@ def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(capture
         assert main(["trainer", str(captures["raw_logprobs"]), "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("replay: --device cuda: no CUDA device here"), err
+    if importlib.util.find_spec("flash_attn") is None:  # (the trainer's attention on a GPU: its kernels are not here)
+        assert main(["trainer", str(captures["raw_logprobs"]), "--attn", "flash_attention_2"]) == 125
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--attn flash_attention_2: FlashAttention2" in err[0], err
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
     assert main(["trainer", str(captures["raw_logprobs"])]) == 125
     err = capsys.readouterr().err.strip().splitlines()
