@@ -27,8 +27,12 @@ def top_p_dropped(x: torch.Tensor, top_p: float) -> torch.Tensor:
     wider = torch.arange(len(rows), device=x.device)  # rows the next, wider look may decide
     sort = [wider[:0]]  # rows no look decides: a boundary too close to top_p or tied, or beyond every look
     tops = [k for k in TOPS if k < rows.shape[-1]]
-    if 0 < top_p and rows.shape[-1] > 1 and len(rows) and tops:
-        lse = torch.logsumexp(rows, dim=-1, keepdim=True).double()  # (float32: ~1e-6 off, far under MARGIN)
+    # (float32 and float64 rows only: in a half type the sort's own sums are too coarse to decide by mass)
+    if 0 < top_p and rows.shape[-1] > 1 and len(rows) and tops and rows.dtype in (torch.float32, torch.float64):
+        # the log-sum-exp about the row's maximum: logits / T reach 1e5 at a near-greedy temperature, where one
+        # float32 step is ~0.01 and would move every mass below by more than MARGIN
+        top = rows.amax(dim=-1, keepdim=True)
+        lse = top.double() + torch.logsumexp(rows - top, dim=-1, keepdim=True).double()
         for k, wide in zip(tops, [*tops[1:], 0]):
             decided, wider_may, masks = _short(rows[wider], lse[wider], k, wide, top_p)
             dropped[wider[decided]] = masks

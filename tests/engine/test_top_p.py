@@ -59,3 +59,23 @@ def test_filtered_rows_at_once_equal_one_at_a_time(monkeypatch):
         monkeypatch.setattr(top_p, "TOPS", ())
         assert torch.equal(block, filtered(z, params))
         monkeypatch.undo()
+
+
+def test_a_near_greedy_temperature_is_decided_as_the_sort_decides_it():
+    """logits / T reach 7e4 at T = 0.001, where one float32 step is ~0.008: the masses are taken about the row's
+    maximum, and a boundary 0.0007 from top_p still goes to the sort."""
+    x = torch.full((V,), 10.0)
+    x[3], x[5] = 70.0, 70.0 - 0.0021797  # the most likely holds 0.8984 of the mass
+    params = SamplingParams(temperature=0.001, top_p=0.8977)
+    assert torch.isfinite(filtered(x, params)).sum() == 1
+    for magnitude in (4e4, 2e5, 1e6):
+        for p in (0.5, 0.8977, 0.95):
+            z = torch.full((3, V), magnitude - 200)
+            z[:, 3] = magnitude
+            z[:, 5] = magnitude - torch.tensor([0.01, 1.0, 3.0])
+            assert torch.equal(top_p_dropped(z, p), _sorted(z, p))
+
+
+def test_half_precision_rows_are_sorted():
+    z = peaked_logits(4, 6).to(torch.bfloat16)
+    assert torch.equal(top_p_dropped(z, 0.9), _sorted(z, 0.9))

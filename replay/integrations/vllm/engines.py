@@ -47,7 +47,7 @@ class Engines:
             engine.replays += 1
             return engine, False
         while len(self._started) >= self.keep:
-            _shutdown(self._started.popitem(last=False)[1])
+            shutdown(self._started.popitem(last=False)[1])
         try:
             engine = start()
         except Exception:
@@ -62,18 +62,22 @@ class Engines:
         self.starts += 1
         return engine, True
 
+    def held(self) -> list[StartedEngine]:
+        """The engines it holds now, the least recently used first."""
+        return list(self._started.values())
+
     def discard(self, engine: StartedEngine) -> None:
         """Shut `engine` down and forget it: it failed in a way a reset cannot vouch for, and the next replay of its
         arguments starts a fresh one."""
         for key, held in list(self._started.items()):
             if held is engine:
                 del self._started[key]
-        _shutdown(engine)
+        shutdown(engine)
 
     def close(self) -> None:
         """Shut every engine down (KV caches, weights, worker processes)."""
         while self._started:
-            _shutdown(self._started.popitem()[1])
+            shutdown(self._started.popitem()[1])
 
     def __enter__(self) -> Engines:
         return self
@@ -99,7 +103,8 @@ def process_engines(keep: int = 2) -> Engines:
     return _PROCESS
 
 
-def _shutdown(engine: StartedEngine) -> None:
+def shutdown(engine: StartedEngine) -> None:
+    """Shut `engine` down (best effort: its replays are over), what vLLM prints meanwhile into its capture's log."""
     from replay.integrations.vllm.logs import VllmLog
 
     try:

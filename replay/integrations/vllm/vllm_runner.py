@@ -25,7 +25,7 @@ from replay.integrations.vllm.convert import (
     to_vllm_lora_request,
     to_vllm_sampling_params,
 )
-from replay.integrations.vllm.engines import Engines, StartedEngine
+from replay.integrations.vllm.engines import Engines, StartedEngine, shutdown
 from replay.integrations.vllm.header import vllm_header
 from replay.integrations.vllm.layout import engine_args, engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
@@ -138,29 +138,46 @@ class VllmRunner:
             threads = [env.num_threads, env.env.get("OMP_NUM_THREADS"), env.env.get("MKL_DYNAMIC")]
             key = json.dumps([kwargs, bind, threads, os.environ.get(FAULT_ENV)], sort_keys=True, default=str)
             start = lambda: StartedEngine(self._start(kwargs, bind, header, ec))  # noqa: E731
-            self._engine, fresh = engines.take(key, start) if engines is not None else (start(), True)
+            while True:
+                self._engine, fresh = engines.take(key, start) if engines is not None else (start(), True)
+                try:
+                    self._attach(header, fresh, str(log_beside))
+                    break
+                except BaseException:
+                    # an engine that cannot take a replay (a worker lost while it sat in the pool) is dropped; one
+                    # taken from the pool is then started afresh, once
+                    if engines is not None:
+                        engines.discard(self._engine)
+                    else:
+                        shutdown(self._engine)
+                    if fresh:
+                        raise
         except BaseException:
             self.log.stop()
             raise
-        if fresh:
-            self._engine.warnings = list(self.log.warnings)
-            self._engine.beside = str(log_beside)
-        self.llm = self._engine.llm
-        self.log.ours()
-        core = self.llm.llm_engine.engine_core.engine_core
-        self.executor = core.model_executor  # uniproc (one worker in this process) or multiproc (TP x PP workers)
-        self._recorded_threads(header)
-        if engines is not None and fresh:  # what a reuse puts back: the generators as the engine started
-            self._engine.rng = self.executor.collective_rpc(rng_state)
-        elif engines is not None:
-            self.executor.collective_rpc(set_rng_state, args=(self._engine.rng,))
-        self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
         self.conv = Converter()
         self._so = None
         self._emitted: dict[str, int] = {}  # tokens each request emitted in the last step run (several with drafts)
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
         self._plant: tuple[str, float, str] | None = None  # the fault the installed taps add
         self.raised = False  # the engine raised in a step: `close` gives it back to `engines` only if it still steps
+
+    def _attach(self, header: Header, fresh: bool, log_beside: str) -> None:
+        """Take `self._engine` for this replay: its executor, the recorded thread count, and on a pooled engine its
+        workers' generators (kept as it started, or put back as they were then)."""
+        if fresh:
+            self._engine.warnings = list(self.log.warnings)
+            self._engine.beside = log_beside
+        self.llm = self._engine.llm
+        self.log.ours()
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.executor = core.model_executor  # uniproc (one worker in this process) or multiproc (TP x PP workers)
+        self._recorded_threads(header)
+        if self._engines is not None and fresh:  # what a reuse puts back: the generators as the engine started
+            self._engine.rng = self.executor.collective_rpc(rng_state)
+        elif self._engines is not None:
+            self.executor.collective_rpc(set_rng_state, args=(self._engine.rng,))
+        self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()
 
     @staticmethod
     def _plan(model: str, m, ec, overrides: dict[str, str], header: Header) -> tuple[dict[str, Any], str | None]:

@@ -69,10 +69,10 @@ def test_an_engine_that_stops_stepping_is_not_handed_out_again(mixed):
     one. (An engine that raised in a step and still steps, as after a reproduced crash, stays: test_plugin's corpus.)"""
     with Engines() as engines:
         assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
-        [dead] = engines._started.values()
+        [dead] = engines.held()
         dead.llm.llm_engine.engine_core.shutdown()
         with pytest.raises(Exception):  # noqa: B017 - whatever vLLM raises for a step on a shut-down engine
             replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
         rep = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
         assert not rep.diverged and rep.tokens_compared > 0 and engines.starts == 2
-        assert dead not in engines._started.values()
+        assert dead not in engines.held()

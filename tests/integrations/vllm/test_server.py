@@ -311,6 +311,15 @@ def test_a_tensor_parallel_real_vocabulary_server_shows_no_false_contamination(v
         assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence
         _no_false_contamination(capture, engines)
         res = _trainer_agrees(capture, engines)
+        # a worker of the pooled engine dies while it waits (OOM-killed, say): the next replay is refused by that
+        # engine ("Executor failed.") and runs on a fresh one, rather than failing and leaving it in the pool
+        [pooled] = engines.held()
+        pooled.llm.llm_engine.engine_core.engine_core.model_executor.workers[-1].proc.kill()
+        time.sleep(1)  # (vLLM's monitor thread sees the death and marks the executor failed)
+        before = engines.starts
+        again = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
+        assert not again.diverged and again.tokens_compared == rep.tokens_compared and engines.starts == before + 1
+        assert pooled not in engines.held()
     t = res.layers  # vLLM's modules in both workers, the sharded ones put back together, against the trainer's
     assert t.runner == "vllm" and t.first_module is None and len(t.modules) > 20, t.verdict
     assert t.modules[0].module == "model.embed_tokens" and t.modules[-1].module == "logits_processor"
