@@ -29,10 +29,14 @@ def top_p_dropped(x: torch.Tensor, top_p: float) -> torch.Tensor:
     tops = [k for k in TOPS if k < rows.shape[-1]]
     # (float32 and float64 rows only: in a half type the sort's own sums are too coarse to decide by mass)
     if 0 < top_p and rows.shape[-1] > 1 and len(rows) and tops and rows.dtype in (torch.float32, torch.float64):
-        # the log-sum-exp about the row's maximum: logits / T reach 1e5 at a near-greedy temperature, where one
-        # float32 step is ~0.01 and would move every mass below by more than MARGIN
-        top = rows.amax(dim=-1, keepdim=True)
-        lse = top.double() + torch.logsumexp(rows - top, dim=-1, keepdim=True).double()
+        lse = torch.logsumexp(rows, dim=-1, keepdim=True).double()
+        # float32 holds a log-sum-exp under 100 to ~4e-6, which moves a mass far less than MARGIN; logits / T reach
+        # 1e5 at a near-greedy temperature, where one float32 step is ~0.01: those rows' sums are taken about their
+        # maximum
+        big = (lse.abs() > 100).flatten().nonzero().flatten()
+        if len(big):
+            top = rows[big].amax(dim=-1, keepdim=True)
+            lse[big] = top.double() + torch.logsumexp(rows[big] - top, dim=-1, keepdim=True).double()
         for k, wide in zip(tops, [*tops[1:], 0]):
             decided, wider_may, masks = _short(rows[wider], lse[wider], k, wide, top_p)
             dropped[wider[decided]] = masks
