@@ -301,13 +301,16 @@ class VllmRunner:
         """Forget every request (each worker drops them as vLLM drops finished ones): the engine is as a fresh one
         for a replay from step 0, without building it again. The KV blocks keep stale values: a replay from step 0
         writes a block before a request reads it, unless the request that wrote it is left out of the replay
-        (`replay.bisect.vllm_session` keeps those). `probe`: run that step even with nothing to finish, to see that
-        the engine still steps after raising in one (raises if it does not)."""
+        (`replay.bisect.vllm_session` keeps those). `probe`: after raising in a step, see that the engine still
+        steps and still runs its model (raises if it does not): that step even with nothing to finish (vLLM returns
+        from an empty step before any forward), then vLLM's own one-token dummy forward on every worker."""
         live = self.executor.collective_rpc(live_requests)[0]
         if live or probe:
             finish = SchedulerOutput.make_empty()
             finish.finished_req_ids = set(live)
             self.executor.execute_model(self._to_vllm(finish))
+        if probe:
+            self.executor.collective_rpc("execute_dummy_batch")
         self._so, self._emitted = None, {}
 
     def start_taps(self, watch: str, modules: bool = True, plant: tuple[str, float, str] | None = None) -> None:

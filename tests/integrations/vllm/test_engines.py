@@ -76,3 +76,25 @@ def test_an_engine_that_stops_stepping_is_not_handed_out_again(mixed):
         rep = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
         assert not rep.diverged and rep.tokens_compared > 0 and engines.starts == 2
         assert dead not in engines.held()
+
+
+def _fail_every_forward(worker) -> None:
+    """In a worker: the model's forward raises from now on, while the engine still takes steps with no forward."""
+    def boom(*_):
+        raise RuntimeError("planted: this worker's forward fails")
+
+    worker.model_runner.model.register_forward_pre_hook(boom)
+
+
+def test_an_engine_whose_forward_fails_is_not_handed_out_again(mixed):
+    """The engine still steps (an empty step returns before any forward) but its model fails: the probe at close
+    runs a forward, so the pool drops it, and the next replay of that layout runs on a fresh engine."""
+    with Engines() as engines:
+        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
+        [broken] = engines.held()
+        broken.llm.collective_rpc(_fail_every_forward)
+        with pytest.raises(Exception, match="planted"):
+            replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+        assert broken not in engines.held()
+        rep = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+        assert not rep.diverged and rep.tokens_compared > 0 and engines.starts == 2
