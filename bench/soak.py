@@ -120,7 +120,7 @@ class Server:
         if self.capture is not None:
             for p in psutil.process_iter(["cmdline"]):
                 cmd = " ".join(p.info["cmdline"] or ())
-                if "replay.capture.writing.writer_process" in cmd and str(self.capture) in cmd:
+                if "replay.capture.writing.writer_child" in cmd and str(self.capture) in cmd:
                     out["writer"] = p.pid
         return out
 

@@ -37,7 +37,7 @@ def _writers(out: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "replay.capture.writing.writer_process" in cmd and str(out) in cmd:
+        if "replay.capture.writing.writer_child" in cmd and str(out) in cmd:
             pids.append(int(proc.name))
     return pids
 

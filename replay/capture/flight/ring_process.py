@@ -1,6 +1,6 @@
 """The ring's writer process, and the engine-side writer that starts it (`ring_writer`).
 
-The same frames, the same loop as a capture's writer process (`replay.capture.writing.writer_process.serve`), into a
+The same frames, the same loop as a capture's writer process (`replay.capture.writing.writer_child.serve`), into a
 `SegmentRing`; plus the control thread that answers `replay snapshot` (`replay.capture.flight.control`). The frames
 are handled under one lock, which the control thread takes between two of them.
 """
@@ -16,7 +16,8 @@ from typing import Any
 from replay.capture.flight.control import start_control
 from replay.capture.flight.segments import SegmentRing
 from replay.capture.format import records as fmt
-from replay.capture.writing.writer_process import ProcessCaptureWriter, serve
+from replay.capture.writing.writer_child import serve
+from replay.capture.writing.writer_process import ProcessCaptureWriter
 
 CHILD = "replay.capture.flight.ring_process"
 

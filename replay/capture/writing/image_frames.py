@@ -1,4 +1,4 @@
-"""The writer process's side of image frames (`writer_process`): a step's images kept as they are until the step
+"""The writer process's side of image frames (`writer_child`): a step's images kept as they are until the step
 ends, then stored (`StepImage`); arrivals converted into contracts. Frame kinds and payloads: `frame_protocol`."""
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """`ProcessCaptureWriter`: the `CaptureWriter` API, with interning, compression and I/O in a child process.
 
-The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (shared memory, or a
-pipe; below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python
-process, so it can never take the engine's interpreter lock: a background *thread* doing the same Python work
-measurably slows a Python-heavy engine step. A bonus: if the engine process goes away without
-closing the capture (a server stopped with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a
-SIGKILL; an interpreter exit that skipped our hooks), the writer process reads the end of its pipe and seals the
-capture itself: footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs
-in its own session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C,
-nor a kill of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has
-sealed; it exits as soon as it has.
+The engine thread only msgspec-encodes each record (tens of µs) and hands the bytes over (shared memory, or a pipe;
+below). Everything else (id interning, the logprob transforms, zstd, the file) runs in a separate Python process, so
+it can never take the engine's interpreter lock: a background *thread* doing the same Python work measurably slows a
+Python-heavy engine step. A bonus: if the engine process goes away without closing the capture (a server stopped
+with SIGINT or SIGTERM, whose EngineCore vLLM force-kills within the second; a SIGKILL; an interpreter exit that
+skipped our hooks), the writer process (`writer_child`) reads the end of its pipe and seals the capture itself:
+footer, seek index, rename, with the status "engine stopped" (nothing handed over is lost). It runs in its own
+session, outside the engine's process tree, and ignores SIGINT, SIGTERM and SIGHUP, so neither a Ctrl-C, nor a kill
+of the engine's process group, nor vLLM killing the EngineCore's descendants takes it down before it has sealed; it
+exits as soon as it has.
 
 Transport: on x86-64 Linux the frames go through shared memory (`shm_channel`: a copy, no system call on the
 engine thread), the child's stdin then carrying only wake-up bytes and, by its end, the engine's; elsewhere (or with
@@ -20,14 +20,10 @@ through the channel, sets its `failed` word first, so the engine's next send sto
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +33,6 @@ from replay.capture.codec.step_image import OutputParts
 from replay.capture.format import records as fmt
 from replay.capture.writing import frame_protocol as fp
 from replay.capture.writing import shm_channel
-from replay.capture.writing.image_frames import ImageFrames
 from replay.capture.writing.wire import output_frame, scheduled_frame
 from replay.capture.writing.writer import WriterContext
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
@@ -45,7 +40,7 @@ from replay.errors import CaptureError, UsageError
 
 _ENCODER = msgspec.msgpack.Encoder()
 TRANSPORT_ENV = "REPLAY_WRITER_TRANSPORT"  # "shm" or "pipe"; unset: shared memory where `shm_channel.available()`
-CHILD = "replay.capture.writing.writer_process"  # the writer process's module (a ring's: replay.capture.flight)
+CHILD = "replay.capture.writing.writer_child"  # the writer process's module (a ring's: replay.capture.flight)
 
 
 def grow_pipe(fd: int) -> None:
@@ -59,36 +54,6 @@ def grow_pipe(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
     except (OSError, ValueError, ImportError):
         pass  # another OS, or a lower limit: the default pipe works, it only waits sooner
-
-
-def cpu_s() -> float:
-    """This process's CPU time so far (user + system), at microsecond resolution where the OS gives it."""
-    try:
-        import resource
-
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-    except ImportError:
-        t = os.times()
-        return t.user + t.system
-
-
-def detach() -> float:
-    """Outlive the engine long enough to seal. vLLM's shutdown SIGKILLs every descendant of the EngineCore it finds
-    (psutil's children, recursively), so the writer must not be one: it forks once more and the engine's own child
-    exits at once, leaving the writer to init. Then a session of its own (a Ctrl-C or a kill of the engine's process
-    group does not reach it) and no default handlers for the stop signals. The end of the pipe is what ends it.
-    Returns the CPU time spent before the fork (imports), which the forked process's own count starts without."""
-    before = cpu_s()
-    if hasattr(os, "fork") and os.fork() > 0:
-        os._exit(0)
-    try:
-        os.setsid()
-    except OSError:  # already a session leader
-        pass
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    return before if hasattr(os, "fork") else 0.0
 
 
 class ProcessCaptureWriter(WriterContext):
@@ -322,118 +287,3 @@ class ProcessCaptureWriter(WriterContext):
             self._closed = True
             raise CaptureError(self.partial_path, answer["error"])
         return answer
-
-
-def stopped_status(last_step: int, pending: dict | None = None, cut: bool = False) -> str:
-    """The footer status of a capture the engine left without closing it: how a server stops (SIGINT or SIGTERM,
-    after which vLLM force-kills its EngineCore), so a normal stop that lost nothing reads as one."""
-    where = f"after step {last_step}" if last_step >= 0 else "before its first step"
-    unfinished = ""
-    if pending:
-        steps = sorted(pending)
-        unfinished = (f"; step {steps[0]} was running when it stopped (scheduled, never finished: not recorded)"
-                      if len(steps) == 1 else
-                      f"; steps {steps[0]}-{steps[-1]} were running when it stopped (scheduled, never finished: "
-                      "not recorded)")
-    whole = ("every whole record it sent is here; the one it was sending as it stopped was cut short and dropped"
-             if cut else "complete: every record it sent is here")
-    return (f"engine stopped: with the engine {where} (its process exited, or was stopped with SIGINT/SIGTERM); "
-            f"{whole}{unfinished}")
-
-
-def _capture_writer(options: dict, header: fmt.Header) -> Any:
-    """The writer process's writer of one capture file."""
-    from replay.capture.writing.writer import CaptureWriter
-
-    return CaptureWriter(options["path"], header, overwrite=options["overwrite"], chunk_bytes=options["chunk_bytes"],
-                         flush_interval=options["flush_interval"], level=options["level"],
-                         keyframes=options.get("keyframes"))
-
-
-def serve(options: dict, make_writer: Callable[[dict, fmt.Header], Any] = _capture_writer,
-          lock: threading.Lock | None = None) -> int:
-    """The writer process: read frames from stdin, write them with the writer `make_writer(options, header)` builds
-    (a CaptureWriter; a ring of them in ring mode). `lock` is held while a frame is handled, so another thread (a
-    ring's snapshot requests) may use the writer between frames."""
-    from replay.errors import ReplayError
-
-    if options.get("nice"):
-        os.nice(options["nice"])  # the engine's threads come first; the deep pipe absorbs what waits
-    out = sys.stdout
-    # never read through sys.stdin: frames would hide in its buffer
-    frames = (shm_channel.ChannelReader(options["channel_fd"], options["channel_bytes"], sys.stdin.fileno())
-              if "channel_fd" in options else fp.FrameReader(sys.stdin.fileno()))
-
-    def say(obj: dict) -> None:
-        if "error" in obj and isinstance(frames, shm_channel.ChannelReader):
-            frames.fail()  # the engine's next send stops, as a write into a closed pipe does
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
-
-    before_fork = detach()
-    writer = None
-    images = ImageFrames()
-    try:
-        kind, payload = frames.next()
-        header = msgspec.msgpack.decode(payload, type=fmt.Header)
-        writer = make_writer(options, header)
-        if options.get("images"):
-            images.warm()  # one-time work before "ready", not on the engine's first steps
-        # its start-up CPU (imports, converters), for bench/; its pid (detached, it is no child of the engine's)
-        say({"ok": "ready", "cpu_s": before_fork + cpu_s(), "pid": os.getpid()})
-        lock = lock or contextlib.nullcontext()
-        while True:
-            kind, payload = frames.next()
-            with lock:
-                if _handle(writer, images, kind, payload, say, before_fork):
-                    return 0
-    except ReplayError as e:
-        if writer is not None:
-            writer.abandon()
-        say({"error": str(e).split(": ", 1)[-1] if isinstance(e, CaptureError) else str(e)})
-        return 1
-    except Exception as e:  # noqa: BLE001 - reported to the engine as one line
-        if writer is not None:
-            writer.abandon()
-        say({"error": f"capture writer process failed: {type(e).__name__}: {e}"})
-        return 1
-
-
-_DECODERS = {fp.REQUEST_ADDED: msgspec.msgpack.Decoder(fmt.RequestAdded),
-             fp.REQUEST_ABORTED: msgspec.msgpack.Decoder(fmt.RequestAborted),
-             fp.STEP: msgspec.msgpack.Decoder(fmt.Step[str])}
-
-
-def _handle(writer: Any, images: ImageFrames, kind: bytes | None, payload: Any, say: Callable[[dict], None],
-            before_fork: float) -> bool:
-    """Handle one frame; True once the capture is sealed or abandoned (the writer process then exits)."""
-    if kind is None:  # the engine went away without closing: seal what it sent
-        writer.close(status=images.crash_status() or stopped_status(writer.last_step, images.pending,
-                                                                     cut=payload is None))
-        return True
-    if kind == fp.QUIT:  # the engine gave up on the capture: keep what we have, no footer
-        writer.abandon()
-        return True
-    if kind == fp.CLOSE:
-        status = bytes(payload).decode()
-        writer.close(status=images.crash_status() if status == "ok" and images.crash else status)
-        # its CPU (it is no child of the engine's, see `detach`: the engine's rusage never counts it)
-        say({"ok": "closed", "records": writer.num_records, "cpu_s": before_fork + cpu_s()})
-        return True
-    if kind == fp.FLUSH:
-        writer.flush()
-    elif kind in fp.IMAGE_FRAMES:
-        images.write(writer, kind, payload)
-    elif kind == fp.TROUBLE:  # a trouble the engine saw: a ring seals a snapshot (`SegmentRing.trigger`)
-        if hasattr(writer, "trigger"):
-            writer.trigger(bytes(payload).decode())
-    elif kind == fp.CRASH:
-        images.crash = msgspec.msgpack.decode(payload, type=fmt.Crash)
-        writer.write_crash(images.crash)
-    else:
-        writer.write_record(_DECODERS[kind].decode(payload))  # S, A, X: a step, an arrival, an abort
-    return False
-
-
-if __name__ == "__main__":
-    sys.exit(serve(json.loads(sys.argv[1])))
