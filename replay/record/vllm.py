@@ -76,7 +76,8 @@ def record_vllm(opts: VllmRecordOptions) -> RecordResult:
             raise UsageError(f"{e}{log.where()}") from None
         log.ours()
         core = llm.llm_engine.engine_core.engine_core
-        from replay.integrations.vllm.plugin import SEEDED_CHUNK_CRASH, attach, detach
+        from replay.integrations.vllm.plugin import attach, detach
+        from replay.integrations.vllm.step_tap import SEEDED_CHUNK_CRASH
 
         tap = attach(core.scheduler, out, executor=core.model_executor)
         status = "ok"
