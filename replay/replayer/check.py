@@ -8,7 +8,8 @@ import os
 import msgspec
 
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, ReplayError
-from replay.replayer.replay_capture import ReplayOptions, ReplayReport, replay_capture
+from replay.replayer.options import ReplayOptions
+from replay.replayer.replay_capture import ReplayReport, replay_capture
 
 
 class CheckResult(msgspec.Struct):

@@ -27,7 +27,7 @@ from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, UsageError
 from replay.integrations.vllm.engines import Engines, process_engines
 from replay.processes.fanout import FanOut, fan_out
 from replay.replayer.check import check_capture
-from replay.replayer.replay_capture import ReplayOptions
+from replay.replayer.options import ReplayOptions
 
 
 class CheckSpec(msgspec.Struct, frozen=True):

@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import os
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,6 @@ from replay.capture.format import records as fmt
 from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
 from replay.diff import (
-    DEFAULT_TIE_MARGIN,
     BatchComposition,
     Divergence,
     StepSummary,
@@ -33,6 +31,7 @@ from replay.replayer.build import BuiltRunner, build_runner
 from replay.replayer.features import PER_REQUEST, adapter_problems, unreplayable
 from replay.replayer.knobs import env_knobs
 from replay.replayer.loop import CrashOutcome, check_mode
+from replay.replayer.options import ReplayOptions
 from replay.replayer.plant import Plant, run_planted
 from replay.replayer.prime import rebuild_tolerance
 from replay.replayer.start import OPENING, Start, loop_from, start_at
@@ -40,43 +39,7 @@ from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 
 if TYPE_CHECKING:
-    from replay.integrations.vllm.engines import Engines
-
-
-@dataclass(slots=True)
-class ReplayOptions:
-    """How to replay."""
-
-    mode: str = "forced"
-    overrides: dict[str, str] = field(default_factory=dict)  # --set KNOB=VALUE
-    steps: StepRange | None = None  # diff only these steps (steps before them run, steps after them do not)
-    tolerance: Tolerance = field(default_factory=Tolerance)
-    auto_tolerance: bool = False  # --tolerance auto: bitwise on the recording's hardware, else CROSS_HARDWARE_ATOL
-    repeat: int = 1
-    force: bool = False  # replay on a different model
-    plant: Plant | None = None
-    diff: bool = True
-    progress: Callable[[int | None], None] | None = None  # each replayed step's index, then None at the end
-    max_divergences: int = 1000  # kept in the report (all are counted)
-    fan_out: FanOut = field(default_factory=FanOut)  # --jobs / --ray: where the 2nd..Nth --repeat replays run
-    # with `steps`, a replay starts at the nearest keyframe at or before their first (its live requests rebuilt)
-    # unless `from_start`; `from_keyframe` only insists that `steps` say where
-    from_keyframe: bool = False
-    from_start: bool = False
-    # started vLLM engines this replay may reuse, and leaves its own to (`replay.integrations.vllm.engines`); they
-    # stay in this process: a replay run elsewhere (another environment, a fanned-out repeat) starts its own
-    engines: Engines | None = None
-
-    @staticmethod
-    def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,
-                       tie_margin: float = DEFAULT_TIE_MARGIN) -> tuple[Tolerance, bool]:
-        """(`tolerance`, `auto_tolerance`) from a tolerance by name (None; "bitwise"; "auto": bitwise on the
-        recording's hardware, else the cross-hardware one) and numbers, which "auto" decides itself."""
-        if name not in (None, "auto", "bitwise"):
-            raise UsageError(f"--tolerance {name}: use auto or bitwise (or --atol/--rtol for numbers)")
-        if name is not None and (atol or rtol):
-            raise UsageError(f"--tolerance {name} decides the tolerance itself: drop --atol/--rtol, or it")
-        return Tolerance(atol, rtol, tie_margin), name == "auto"
+    pass
 
 
 class ReplayReport(msgspec.Struct):

@@ -1,0 +1,52 @@
+"""`ReplayOptions`: how a replay runs (`replay run`'s flags), shared by `replay_capture`, `check` and the corpus."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from replay.capture import StepRange
+from replay.diff import DEFAULT_TIE_MARGIN, Tolerance
+from replay.errors import UsageError
+from replay.processes.fanout import FanOut
+from replay.replayer.plant import Plant
+
+if TYPE_CHECKING:
+    from replay.integrations.vllm.engines import Engines
+
+
+@dataclass(slots=True)
+class ReplayOptions:
+    """How to replay."""
+
+    mode: str = "forced"
+    overrides: dict[str, str] = field(default_factory=dict)  # --set KNOB=VALUE
+    steps: StepRange | None = None  # diff only these steps (steps before them run, steps after them do not)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    auto_tolerance: bool = False  # --tolerance auto: bitwise on the recording's hardware, else CROSS_HARDWARE_ATOL
+    repeat: int = 1
+    force: bool = False  # replay on a different model
+    plant: Plant | None = None
+    diff: bool = True
+    progress: Callable[[int | None], None] | None = None  # each replayed step's index, then None at the end
+    max_divergences: int = 1000  # kept in the report (all are counted)
+    fan_out: FanOut = field(default_factory=FanOut)  # --jobs / --ray: where the 2nd..Nth --repeat replays run
+    # with `steps`, a replay starts at the nearest keyframe at or before their first (its live requests rebuilt)
+    # unless `from_start`; `from_keyframe` only insists that `steps` say where
+    from_keyframe: bool = False
+    from_start: bool = False
+    # started vLLM engines this replay may reuse, and leaves its own to (`replay.integrations.vllm.engines`); they
+    # stay in this process: a replay run elsewhere (another environment, a fanned-out repeat) starts its own
+    engines: Engines | None = None
+
+    @staticmethod
+    def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,
+                       tie_margin: float = DEFAULT_TIE_MARGIN) -> tuple[Tolerance, bool]:
+        """(`tolerance`, `auto_tolerance`) from a tolerance by name (None; "bitwise"; "auto": bitwise on the
+        recording's hardware, else the cross-hardware one) and numbers, which "auto" decides itself."""
+        if name not in (None, "auto", "bitwise"):
+            raise UsageError(f"--tolerance {name}: use auto or bitwise (or --atol/--rtol for numbers)")
+        if name is not None and (atol or rtol):
+            raise UsageError(f"--tolerance {name} decides the tolerance itself: drop --atol/--rtol, or it")
+        return Tolerance(atol, rtol, tie_margin), name == "auto"
