@@ -29,6 +29,7 @@ from replay.capture.format.ids import LiveIdTable
 from replay.capture.format.keyframe import Keyframe
 from replay.capture.writing import filemode
 from replay.capture.writing.chunk import Chunk
+from replay.capture.writing.context import WriterContext
 from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
 from replay.capture.writing.keyframe_maker import KeyframeMaker, keyframe_interval
 from replay.contracts import (
@@ -39,22 +40,6 @@ from replay.contracts import (
     draft_counts,
 )
 from replay.errors import CaptureError, UsageError
-
-
-class WriterContext:
-    """`with writer:` for both writers: close on success; on an engine error close with that error as the footer
-    status (every record written so far is complete); on a capture error stop without a footer."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        elif isinstance(exc, CaptureError):
-            self.abandon()
-        else:
-            self.close(status=f"error: {exc_type.__name__}: {exc}"[:500])
 
 
 class CaptureWriter(WriterContext):

@@ -33,8 +33,8 @@ from replay.capture.codec.step_image import OutputParts
 from replay.capture.format import records as fmt
 from replay.capture.writing import frame_protocol as fp
 from replay.capture.writing import shm_channel
+from replay.capture.writing.context import WriterContext
 from replay.capture.writing.wire import output_frame, scheduled_frame
-from replay.capture.writing.writer import WriterContext
 from replay.contracts import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from replay.errors import CaptureError, UsageError
 

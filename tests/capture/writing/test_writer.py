@@ -56,17 +56,6 @@ def test_idle_engine_chunk_is_flushed_by_age(tmp_path):
     w.abandon()
 
 
-def test_error_in_with_block_closes_with_error_status(tmp_path):
-    path = tmp_path / "err.capture"
-    with pytest.raises(RuntimeError):
-        with CaptureWriter(path, make_header("test")) as w:
-            w.write_step(0, SchedulerOutput.make_empty(), None)
-            raise RuntimeError("engine exploded")
-    with CaptureReader(path) as r:
-        list(r.records())
-        assert r.footer.status.startswith("error: RuntimeError: engine exploded")
-
-
 def test_unencodable_value_is_one_clear_error(tmp_path):
     from replay.contracts import CachedRequestData, NewRequestData, SamplingParams
 
