@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -33,6 +32,7 @@ from replay.capture.format.frames import (
 )
 from replay.capture.format.ids import IdTable, UnknownHandleError
 from replay.capture.format.peek import is_unknown_tag, peek
+from replay.capture.reading.bounds import load_index, read_prologue
 from replay.capture.reading.damage import Damage
 from replay.capture.reading.inflate import ChunkInflater, ChunkUnreadable
 from replay.capture.reading.read_ahead import ReadAhead, default_workers
@@ -79,9 +79,9 @@ class CaptureReader:
         self._inflater: ChunkInflater | None = None  # made once the file is mapped
         self._open()
         try:
-            self.format_version = self._read_prologue()
-            self.index = self._load_index()
-            self._data_start = self._prologue_end
+            self.format_version, self._prologue_end = read_prologue(self.path, self._buf)
+            self.index, damage = load_index(self._buf, self.file_size, self._prologue_end, self._dctx)
+            self.damage += damage
             self.header = self._read_header()
         except BaseException:
             self.close()
@@ -107,59 +107,6 @@ class CaptureReader:
         self.file_size = size
         self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         self._inflater = ChunkInflater(self.path, self._buf, self._dctx, self.max_frame_bytes)
-
-    def _read_prologue(self) -> tuple[int, int]:
-        buf = self._buf
-        try:
-            fr = parse_frame(buf, 0)
-        except FrameError:
-            fr = None
-        body = bytes(buf[8:20]) if fr is not None and fr.skippable_magic == fmt.PROLOGUE_MAGIC and fr.end >= 20 else b""
-        if not body.startswith(fmt.PROLOGUE_ID):
-            zstd = len(buf) >= 4 and struct.unpack_from("<I", buf, 0)[0] == ZSTD_MAGIC
-            what = "a plain zstd file" if zstd else "no capture signature"
-            raise NotACaptureError(self.path, f"not a replay capture ({what})")
-        major, minor = struct.unpack_from("<HH", body, 8)
-        if major > fmt.FORMAT_MAJOR:
-            raise UnsupportedVersionError(
-                self.path, f"written in capture format {major}.{minor}; this replay reads format "
-                f"{fmt.FORMAT_MAJOR}.x and older: upgrade replay to read it")
-        self._prologue_end = fr.end
-        return major, minor
-
-    def _load_index(self) -> fmt.Index | None:
-        buf, n = self._buf, self.file_size
-        tlen = 4 + 8 + len(fmt.INDEX_TRAILER_ID)
-        trailer = bytes(buf[n - 8:n]) if n >= 8 else b""
-        if n < self._prologue_end + 8 + tlen or trailer not in (fmt.INDEX_TRAILER_ID, fmt.INDEX_TRAILER_ZSTD):
-            return None  # no index: an unfinished capture (crash), read by linear scan
-        crc, offset = struct.unpack_from("<IQ", buf, n - tlen)
-        try:
-            if offset >= n:
-                raise ValueError("index offset past the end of the file")
-            fr = parse_frame(buf, offset)
-            if fr.skippable_magic != fmt.INDEX_MAGIC or fr.end != n:
-                raise ValueError("index frame not where the trailer says")
-            body = buf[fr.payload_start:n - tlen]
-            if len(body) > fmt.MAX_INDEX_BYTES:
-                raise ValueError("index larger than the limit")
-            if zlib.crc32(body) != crc:
-                raise ValueError("index checksum mismatch")
-            if trailer == fmt.INDEX_TRAILER_ZSTD:  # format 1.3: compressed
-                body = self._dctx.decompress(bytes(body), max_output_size=fmt.MAX_INDEX_BYTES)
-            index = fmt.INDEX_DECODER.decode(body)
-            prev_end = self._prologue_end
-            for c in index.chunks:  # chunks must tile the file from the prologue to the index
-                if c.offset != prev_end or c.length <= 0:
-                    raise ValueError("index chunk table does not match the file")
-                prev_end = c.offset + c.length
-            if prev_end != offset:
-                raise ValueError("index chunk table does not reach the index")
-        except (ValueError, FrameError, msgspec.DecodeError, zstandard.ZstdError) as e:
-            self.damage.append(Damage("index", f"seek index unreadable ({e}); read by linear scan", offset=int(offset)))
-            return None
-        self._index_offset = offset
-        return index
 
     def _read_header(self) -> fmt.Header:
         ref = next(self.iter_chunks(), None)

