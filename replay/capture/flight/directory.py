@@ -66,12 +66,13 @@ class RingDirectory:
         found = [(int(m.group(1)), p) for p in self.dir.glob("segment-*.capture") if (m := _SEGMENT.search(p.name))]
         return [p for _, p in sorted(found)]
 
-    def snapshot(self, trigger: str) -> Path:
-        """A new snapshot's path: its time and what triggered it."""
+    def snapshot(self, trigger: str, taken: set[Path] | frozenset = frozenset()) -> Path:
+        """A new snapshot's path: its time and what triggered it (none that exists, nor one of `taken`: paths
+        given to snapshots still being sealed)."""
         slug = re.sub(r"[^a-z0-9]+", "-", trigger.lower()).strip("-")[:40] or "snapshot"
         stem = f"snapshot-{time.strftime('%Y%m%d-%H%M%S')}-{slug}"
         path, n = self.snapshots / f"{stem}.capture", 1
-        while path.exists():
+        while path.exists() or path in taken:
             n += 1
             path = self.snapshots / f"{stem}-{n}.capture"
         return path

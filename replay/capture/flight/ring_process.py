@@ -30,6 +30,9 @@ def ring_writer(path: str | os.PathLike, header: fmt.Header, size: int, **kw: An
 
 def _main(options: dict) -> int:
     lock = threading.Lock()
+    # A snapshot is sealed on a thread of its own, in Python: at the default 5 ms switch interval the frame loop
+    # would wait up to that long for the interpreter at every frame, and fall behind the engine while it seals.
+    sys.setswitchinterval(0.0002)
 
     def make_ring(opts: dict, header: fmt.Header) -> SegmentRing:
         ring = SegmentRing(opts["path"], header, size=opts["ring_size"], chunk_bytes=opts["chunk_bytes"],

@@ -6,7 +6,9 @@ from file to file. Closed segments past SIZE are deleted, oldest first, so the r
 being written. A segment a pending snapshot still needs is not deleted (`pins`).
 
 Snapshots (`snapshot`) seal the closed segments, the open one closed first, into one capture under `snapshots/`, the
-last `keep` of them kept. They are taken
+last `keep` of them kept. The open segment is closed on the frame loop; the sealing (every record of the window read
+and written again: ~40 s for 256 MB) runs on a thread of its own, the segments it reads pinned until it is done, so
+that the frames keep flowing and the engine never waits on the shared-memory channel for a snapshot. They are taken
 - on demand: `request(after)` (from `replay snapshot`, through the control thread), now or `after` more steps on;
 - when the engine crashed: the crashing step, last, as in any capture;
 - when a step's logprobs hold a NaN (or the engine counted NaNs in its logits);
@@ -20,8 +22,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +83,10 @@ class SegmentRing:
         self.maker.shadow.watch = True
         self.closed: list[_Segment] = []
         self.pins: dict[str, int] = {}  # why -> the first segment it needs
+        self._pins_lock = threading.Lock()  # (the sealing thread unpins while the frame loop may be dropping)
+        self._sealing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-seal")
+        self._sealing_to: set[Path] = set()  # snapshot files queued or being sealed
+        self.seal_errors: list[str] = []  # snapshots that failed, each said on stderr (the engine's log)
         self.marked: dict[str, tuple[int, str]] = {}  # marked request (internal id) -> (first segment, its name)
         self.requests: list[_Request] = []
         self.snapshots: list[str] = []  # snapshots taken, oldest first
@@ -159,19 +167,22 @@ class SegmentRing:
         self.current.flush()
 
     def close(self, status: str = "ok") -> Path:
-        """Close the open segment (the ring stays on disk); answer what is still waiting."""
+        """Close the open segment (the ring stays on disk) and finish the snapshots being sealed; answer what is
+        still waiting."""
         self._finish()
         self.current.close(status=status)
         self._closed_current()
+        self._sealing.shutdown(wait=True)
         for r in self.requests:
             r.error = r.error or "the engine stopped before the snapshot's step"
             r.done.set()
         return self.files.dir
 
     def abandon(self) -> None:
-        """Stop without a footer in the open segment."""
+        """Stop without a footer in the open segment (the snapshots being sealed are finished)."""
         self._finish()
         self.current.abandon()
+        self._sealing.shutdown(wait=True)
 
     def _finish(self) -> None:
         self.finished = True
@@ -209,27 +220,59 @@ class SegmentRing:
         self._snapshot(why)
 
     def snapshot(self, trigger: str, status: str = "ok") -> Path:
-        """Seal the ring's window now (the open segment closed first)."""
-        return self._snapshot(trigger, status)
+        """Seal the ring's window now (the open segment closed first); returns once it is sealed."""
+        return self._snapshot(trigger, status).result()
 
     def _serve(self, req: _Request) -> None:
-        try:
-            req.path = str(self._snapshot("on demand"))
-        except Exception as e:  # noqa: BLE001 - said to whoever asked, in one line; the recording goes on
-            req.error = f"{type(e).__name__}: {e}"
-        self.pins.pop(f"request@{id(req)}", None)
-        req.done.set()
+        """Answer `req` once its snapshot is sealed (on the sealing thread: the frame loop goes on meanwhile)."""
+        def answer(sealed: Future | None, error: str = "") -> None:
+            try:
+                req.path = str(sealed.result()) if sealed is not None else ""
+            except Exception as e:  # noqa: BLE001 - said to whoever asked, in one line; the recording goes on
+                error = f"{type(e).__name__}: {e}"
+            req.error = error
+            self._unpin(f"request@{id(req)}")
+            req.done.set()
 
-    def _snapshot(self, trigger: str, status: str = "ok", first_seq: int = 0) -> Path:
+        try:
+            self._snapshot("on demand").add_done_callback(answer)
+        except Exception as e:  # noqa: BLE001 - (closing the open segment failed)
+            answer(None, f"{type(e).__name__}: {e}")
+
+    def _snapshot(self, trigger: str, status: str = "ok", first_seq: int = 0) -> Future:
+        """Close the open segment and queue the window's sealing; the future's result is the snapshot's path."""
         if self._first_step >= 0:
             self._rotate()
-        segments = [s.path for s in self.closed if s.seq >= first_seq]
+        window = [s for s in self.closed if s.seq >= first_seq]
+        segments = [s.path for s in window]
         info = SnapshotInfo(trigger, time.time(), str(self.files.dir), [p.name for p in segments],
                             dropped_before=self.dropped_before)
-        out = seal_snapshot(segments, self.files.snapshot(trigger), info, status)
-        self.snapshots.append(str(out))
-        prune_snapshots(self.files.snapshots, self.keep)
-        return out
+        out = self.files.snapshot(trigger, taken=self._sealing_to)
+        self._sealing_to.add(out)
+        pin = f"sealing {out.name}"
+        if window:
+            with self._pins_lock:
+                self.pins[pin] = window[0].seq
+
+        def seal() -> Path:
+            try:
+                sealed = seal_snapshot(segments, out, info, status)
+                self.snapshots.append(str(sealed))
+                prune_snapshots(self.files.snapshots, self.keep)
+                return sealed
+            except Exception as e:
+                self.seal_errors.append(f"{out.name}: {e}")
+                print(f"replay: snapshot {out} failed: {e}", file=sys.stderr, flush=True)
+                raise
+            finally:
+                self._unpin(pin)
+                self._sealing_to.discard(out)
+
+        return self._sealing.submit(seal)
+
+    def _unpin(self, why: str) -> None:
+        with self._pins_lock:
+            self.pins.pop(why, None)
 
     # -- segments ----------------------------------------------------------------------------------------------------
 
@@ -276,7 +319,8 @@ class SegmentRing:
         self.closed.append(_Segment(self._seq, path, size, self._first_step, self._last_step))
 
     def _drop(self) -> None:
-        pinned = min(self.pins.values(), default=math.inf)
+        with self._pins_lock:
+            pinned = min(self.pins.values(), default=math.inf)
         total = sum(s.size for s in self.closed)
         while len(self.closed) > 1 and total > self.size and self.closed[0].seq < pinned:  # (the newest stays)
             s = self.closed.pop(0)

@@ -7,6 +7,7 @@ exactly its steps, and each must start with the keyframe that lets a replay begi
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import msgspec
 import numpy as np
@@ -202,3 +203,41 @@ def test_a_request_finished_with_an_error_seals_a_snapshot_through_the_writer_pr
     with CaptureReader(snap) as r:
         assert r.header.extra["snapshot"]["trigger"] == "request r9 finished with an error"
         assert r.step_span() == (0, 119)
+
+
+def test_the_ring_goes_on_while_a_snapshot_is_sealed_and_keeps_the_segments_it_reads(tmp_path, monkeypatch):
+    """Sealing runs beside the frame loop (a 256 MB window takes ~40 s; the engine must not wait on it): steps go on
+    being written while it runs, and the segments it reads are not dropped however far the ring goes past its size
+    meanwhile. The seal is held here until the rest of the stream is written."""
+    from replay.capture.flight import segments
+
+    release, real = threading.Event(), segments.seal_snapshot
+
+    def held(*args, **kwargs):
+        assert release.wait(120), "never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(segments, "seal_snapshot", held)
+    ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
+    events = _events(1500)
+    third = len(events) // 3
+    _feed(ring, events[:third])
+    ring.trigger("request r1 finished with an error")
+    window = [s.path for s in ring.closed]
+    first, last = ring.closed[0].first_step, ring.last_step
+    _feed(ring, events[third:])  # (with the seal held on the frame loop, this would never return)
+    assert ring.last_step > last and not ring.snapshots
+    assert all(p.exists() for p in window) and sum(s.size for s in ring.closed) > SIZE  # kept past the ring's size
+    release.set()
+    ring.close()
+    [snap] = ring.snapshots
+    assert sorted(_steps(snap)) == list(range(first, last + 1))
+
+
+def test_snapshots_asked_for_at_once_are_sealed_into_files_of_their_own(tmp_path):
+    ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
+    _feed(ring, _events(100))
+    for _ in range(3):
+        ring.trigger("request r1 finished with an error")  # the same second, the same trigger
+    ring.close()
+    assert len(ring.snapshots) == len(set(ring.snapshots)) == 3 and not ring.seal_errors
