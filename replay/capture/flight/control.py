@@ -59,6 +59,8 @@ def _answer(conn: socket.socket, ring: SegmentRing, lock: AbstractContextManager
             ask = json.loads(conn.makefile("r").readline() or "{}")
             after = int(ask.get("after", 0))
             with lock:
+                if ring.finished:  # closing: no answer, so that `replay snapshot` seals the segments on disk itself
+                    return
                 req = ring.request(max(0, after))
             if not req.done.wait(float(ask.get("timeout", 3600))):
                 answer = {"error": f"step {req.target} was not reached in time"}

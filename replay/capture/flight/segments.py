@@ -6,9 +6,8 @@ from file to file. Closed segments past SIZE are deleted, oldest first, so the r
 being written. A segment a pending snapshot still needs is not deleted (`pins`).
 
 Snapshots (`snapshot`) seal the closed segments, the open one closed first, into one capture under `snapshots/`, the
-last `keep` of them kept. The open segment is closed on the frame loop; the sealing (every record of the window read
-and written again: ~40 s for 256 MB) runs on a thread of its own, the segments it reads pinned until it is done, so
-that the frames keep flowing and the engine never waits on the shared-memory channel for a snapshot. They are taken
+last `keep` of them kept. The open segment is closed on the frame loop; the sealing runs beside it (`SealQueue`), so
+that the engine never waits on a snapshot. They are taken
 - on demand: `request(after)` (from `replay snapshot`, through the control thread), now or `after` more steps on;
 - when the engine crashed: the crashing step, last, as in any capture;
 - when a step's logprobs hold a NaN (or the engine counted NaNs in its logits);
@@ -22,10 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from replay.capture.flight.directory import (
     RingDirectory,
     keep_snapshots,
 )
-from replay.capture.flight.snapshot import SnapshotInfo, prune_snapshots, seal_snapshot
+from replay.capture.flight.sealing import SealQueue
 from replay.capture.format import records as fmt
 from replay.capture.writing.keyframe_maker import KeyframeMaker
 from replay.capture.writing.writer import CaptureWriter
@@ -83,13 +81,9 @@ class SegmentRing:
         self.maker.shadow.watch = True
         self.closed: list[_Segment] = []
         self.pins: dict[str, int] = {}  # why -> the first segment it needs
-        self._pins_lock = threading.Lock()  # (the sealing thread unpins while the frame loop may be dropping)
-        self._sealing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-seal")
-        self._sealing_to: set[Path] = set()  # snapshot files queued or being sealed
-        self.seal_errors: list[str] = []  # snapshots that failed, each said on stderr (the engine's log)
+        self.seals = SealQueue(self.files, self.keep, self.pins, lambda: self.closed)
         self.marked: dict[str, tuple[int, str]] = {}  # marked request (internal id) -> (first segment, its name)
         self.requests: list[_Request] = []
-        self.snapshots: list[str] = []  # snapshots taken, oldest first
         self.dropped_before = 0  # steps before this one were dropped from the ring
         self.image_decoder = None
         self._crash: fmt.Crash | None = None
@@ -114,6 +108,16 @@ class SegmentRing:
         self._decoder = value
         if getattr(self, "current", None) is not None:
             self.current.image_decoder = value
+
+    @property
+    def snapshots(self) -> list[str]:
+        """The snapshots sealed so far, oldest first."""
+        return self.seals.sealed
+
+    @property
+    def seal_errors(self) -> list[str]:
+        """The snapshots that failed, each with why."""
+        return self.seals.errors
 
     @property
     def last_step(self) -> int:
@@ -172,7 +176,7 @@ class SegmentRing:
         self._finish()
         self.current.close(status=status)
         self._closed_current()
-        self._sealing.shutdown(wait=True)
+        self.seals.close()
         for r in self.requests:
             r.error = r.error or "the engine stopped before the snapshot's step"
             r.done.set()
@@ -182,7 +186,7 @@ class SegmentRing:
         """Stop without a footer in the open segment (the snapshots being sealed are finished)."""
         self._finish()
         self.current.abandon()
-        self._sealing.shutdown(wait=True)
+        self.seals.close()
 
     def _finish(self) -> None:
         self.finished = True
@@ -194,6 +198,10 @@ class SegmentRing:
     def request(self, after: int = 0) -> _Request:
         """Ask for a snapshot `after` steps from now (0: now). Call with the writer process's lock held."""
         req = _Request(self._last_step + after if after > 0 else -1)
+        if self.finished:  # (the control thread took the lock as the ring closed)
+            req.error = "the recorder stopped"
+            req.done.set()
+            return req
         if req.target < 0:
             self._serve(req)
         else:
@@ -231,7 +239,7 @@ class SegmentRing:
             except Exception as e:  # noqa: BLE001 - said to whoever asked, in one line; the recording goes on
                 error = f"{type(e).__name__}: {e}"
             req.error = error
-            self._unpin(f"request@{id(req)}")
+            self.seals.unpin(f"request@{id(req)}")
             req.done.set()
 
         try:
@@ -244,35 +252,7 @@ class SegmentRing:
         if self._first_step >= 0:
             self._rotate()
         window = [s for s in self.closed if s.seq >= first_seq]
-        segments = [s.path for s in window]
-        info = SnapshotInfo(trigger, time.time(), str(self.files.dir), [p.name for p in segments],
-                            dropped_before=self.dropped_before)
-        out = self.files.snapshot(trigger, taken=self._sealing_to)
-        self._sealing_to.add(out)
-        pin = f"sealing {out.name}"
-        if window:
-            with self._pins_lock:
-                self.pins[pin] = window[0].seq
-
-        def seal() -> Path:
-            try:
-                sealed = seal_snapshot(segments, out, info, status)
-                self.snapshots.append(str(sealed))
-                prune_snapshots(self.files.snapshots, self.keep)
-                return sealed
-            except Exception as e:
-                self.seal_errors.append(f"{out.name}: {e}")
-                print(f"replay: snapshot {out} failed: {e}", file=sys.stderr, flush=True)
-                raise
-            finally:
-                self._unpin(pin)
-                self._sealing_to.discard(out)
-
-        return self._sealing.submit(seal)
-
-    def _unpin(self, why: str) -> None:
-        with self._pins_lock:
-            self.pins.pop(why, None)
+        return self.seals.queue(trigger, window, status, self.dropped_before)
 
     # -- segments ----------------------------------------------------------------------------------------------------
 
@@ -319,7 +299,7 @@ class SegmentRing:
         self.closed.append(_Segment(self._seq, path, size, self._first_step, self._last_step))
 
     def _drop(self) -> None:
-        with self._pins_lock:
+        with self.seals.lock:
             pinned = min(self.pins.values(), default=math.inf)
         total = sum(s.size for s in self.closed)
         while len(self.closed) > 1 and total > self.size and self.closed[0].seq < pinned:  # (the newest stays)

@@ -120,15 +120,15 @@ def serve(options: dict, make_writer: Callable[[dict, fmt.Header], Any] = _captu
             with lock:
                 if _handle(writer, images, kind, payload, say, before_fork):
                     return 0
-    except ReplayError as e:
+    except ReplayError as e:  # said first: the engine's sends stop before the writer finishes what it holds
+        say({"error": str(e).split(": ", 1)[-1] if isinstance(e, CaptureError) else str(e)})
         if writer is not None:
             writer.abandon()
-        say({"error": str(e).split(": ", 1)[-1] if isinstance(e, CaptureError) else str(e)})
         return 1
     except Exception as e:  # noqa: BLE001 - reported to the engine as one line
+        say({"error": f"capture writer process failed: {type(e).__name__}: {e}"})
         if writer is not None:
             writer.abandon()
-        say({"error": f"capture writer process failed: {type(e).__name__}: {e}"})
         return 1
 
 

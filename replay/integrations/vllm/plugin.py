@@ -105,8 +105,12 @@ def install() -> None:
     def update_from_output(self, scheduler_output, model_runner_output):
         tap = _tap(self)
         entry = None if tap is None else tap.in_flight.pop(id(scheduler_output), None)
-        if entry is None:
-            return orig_update(self, scheduler_output, model_runner_output)
+        if entry is None:  # a step scheduled before the tap was attached
+            try:
+                return orig_update(self, scheduler_output, model_runner_output)
+            finally:
+                if tap is not None:
+                    tap.report_errors()
         index, scheduled_at = entry
         mro = tap.encode_output(model_runner_output)  # before update_from_output, which may consume parts of it
         tap.unkept.output(model_runner_output)

@@ -209,15 +209,7 @@ def test_the_ring_goes_on_while_a_snapshot_is_sealed_and_keeps_the_segments_it_r
     """Sealing runs beside the frame loop (a 256 MB window takes ~40 s; the engine must not wait on it): steps go on
     being written while it runs, and the segments it reads are not dropped however far the ring goes past its size
     meanwhile. The seal is held here until the rest of the stream is written."""
-    from replay.capture.flight import segments
-
-    release, real = threading.Event(), segments.seal_snapshot
-
-    def held(*args, **kwargs):
-        assert release.wait(120), "never released"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(segments, "seal_snapshot", held)
+    release = _hold_seals(monkeypatch)
     ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
     events = _events(1500)
     third = len(events) // 3
@@ -234,10 +226,40 @@ def test_the_ring_goes_on_while_a_snapshot_is_sealed_and_keeps_the_segments_it_r
     assert sorted(_steps(snap)) == list(range(first, last + 1))
 
 
-def test_snapshots_asked_for_at_once_are_sealed_into_files_of_their_own(tmp_path):
+def test_trouble_that_repeats_while_a_seal_runs_joins_the_one_waiting(tmp_path, monkeypatch):
+    """One seal runs and one waits, however often trouble repeats (a NaN on every step, errors on every step): a
+    later trigger joins the waiting seal, whose window grows to the newest segment and whose trigger names both."""
+    started = threading.Event()
+    release = _hold_seals(monkeypatch, started)
     ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
-    _feed(ring, _events(100))
-    for _ in range(3):
-        ring.trigger("request r1 finished with an error")  # the same second, the same trigger
+    events = _events(300)
+    _feed(ring, events[:100])
+    ring.trigger("request r1 finished with an error")
+    assert started.wait(60)
+    ring.trigger("request r1 finished with an error")  # the same trigger, the same second: a file of its own
+    _feed(ring, events[100:])
+    ring.trigger("request r3 finished with an error")
+    release.set()
     ring.close()
-    assert len(ring.snapshots) == len(set(ring.snapshots)) == 3 and not ring.seal_errors
+    first, second = ring.snapshots
+    assert first != second and not ring.seal_errors
+    with CaptureReader(second) as r:
+        assert r.header.extra["snapshot"]["trigger"] == ("request r1 finished with an error; then 1 more: "
+                                                         "request r3 finished with an error")
+        assert r.step_span()[1] == 299  # the window grew to the last trigger's
+
+
+def _hold_seals(monkeypatch, started: threading.Event | None = None) -> threading.Event:
+    """Seals wait for the returned event (`started` is set as the first begins)."""
+    from replay.capture.flight import sealing
+
+    release, real = threading.Event(), sealing.seal_snapshot
+
+    def held(*args, **kwargs):
+        if started is not None:
+            started.set()
+        assert release.wait(120), "never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sealing, "seal_snapshot", held)
+    return release
