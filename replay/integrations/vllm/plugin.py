@@ -135,9 +135,7 @@ def install() -> None:
     def finish_requests(self, request_ids, finished_status, *args, **kwargs):
         tap = _tap(self)
         if tap is not None and finished_status == RequestStatus.FINISHED_ERROR:
-            if orig_free is None:  # (a vLLM without `_free_request`: the ids as asked)
-                tap.errored += [request_ids] if isinstance(request_ids, str) else sorted(request_ids or ("(all)",))
-            try:
+            try:  # (its requests are noted as `_free_request` frees them)
                 return orig_finish(self, request_ids, finished_status, *args, **kwargs)
             finally:
                 if not tap.updating:  # (inside update_from_output, reported once its step is written)
@@ -156,7 +154,7 @@ def install() -> None:
 
     # Every finished request is freed here, however vLLM finished it: a grammar that rejects a sampled token sets
     # FINISHED_ERROR in update_from_output without finish_requests.
-    orig_free = getattr(Scheduler, "_free_request", None)
+    orig_free = Scheduler._free_request
 
     def free_request(self, request, *args, **kwargs):
         if request.status == RequestStatus.FINISHED_ERROR:
@@ -165,8 +163,7 @@ def install() -> None:
                 tap.errored.append(request.request_id)
         return orig_free(self, request, *args, **kwargs)
 
-    if orig_free is not None:
-        Scheduler._free_request = free_request
+    Scheduler._free_request = free_request
 
     def shutdown(self, *args, **kwargs):
         detach(self)  # the engine is going away: footer and index now, not at interpreter exit
