@@ -1,12 +1,13 @@
 """`SealQueue`: a ring's snapshots, sealed one at a time on a thread of their own, beside the writer process's frame
 loop.
 
-Sealing reads and writes every record of a window again (~14 MB/s: a 256 MB ring takes ~20 s). On the frame loop
-that stopped the engine, whose sends wait once the shared-memory channel is full; on this thread the frames keep
-flowing. The segments a seal reads are pinned (`pins`, the ring's: the ring keeps every segment from the smallest
-pin on) until it is done. A snapshot asked for while another is still waiting its turn joins that one: its window
-grows to the newest segment and its trigger names both. So at most one seal runs and one waits, however often
-trouble repeats, and the ring passes its size by no more than what arrives during two seals.
+Sealing reads a window's every chunk (its frames are copied, but each is decompressed for its checksum: a 256 MB
+ring takes about a second, tens of seconds when every record was encoded again). On the frame loop that would stop
+the engine, whose sends wait once the shared-memory channel is full; on this thread the frames keep flowing. The
+segments a seal reads are pinned (`pins`, the ring's: the ring keeps every segment from the smallest pin on) until
+it is done. A snapshot asked for while another is still waiting its turn joins that one: its window grows to the
+newest segment and its trigger names both. So at most one seal runs and one waits, however often trouble repeats,
+and the ring passes its size by no more than what arrives during two seals.
 """
 
 from __future__ import annotations

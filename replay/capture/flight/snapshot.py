@@ -1,9 +1,9 @@
 """Sealing a window of a ring into one capture: its segments' records, in order, under one header and one index.
 
 Every segment opens with a keyframe, so the snapshot does too: its first step is that keyframe's, and a replay
-starts there (`replay.replayer`). The records are copied as they are (image steps as images, keyframes as written);
-the header says what the capture is (`Header.extra["snapshot"]`): what triggered it, its window, and what the ring
-had already dropped.
+starts there (`replay.replayer`). The segments' chunks are copied as the compressed frames they are (`splice`; a
+segment of another kind record by record, image steps as images, keyframes as written); the header says what the
+capture is (`Header.extra["snapshot"]`): what triggered it, its window, and what the ring had already dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 
+from replay.capture.flight.splice import copy_chunks, splices
 from replay.capture.format import records as fmt
 from replay.capture.reading.reader import CaptureReader
 from replay.capture.writing.writer import CaptureWriter
@@ -45,11 +46,14 @@ def seal_snapshot(segments: list[Path], out: Path, info: SnapshotInfo, status: s
     writer = CaptureWriter(out, header, keyframes=0)
     lost: list[str] = []
     try:
-        for path in segments:
+        for n, path in enumerate(segments):
             try:
                 with CaptureReader(path) as r:
-                    for rec in r.records(images=True):
-                        writer.write_record(rec)
+                    if splices(r):
+                        lost += copy_chunks(r, writer, first=n == 0)
+                    else:
+                        for rec in r.records(images=True):
+                            writer.write_record(rec)
                     lost += [f"{path.name}: {d.describe()}" for d in r.damage]
             except CaptureError as e:
                 lost.append(f"{path.name}: {e}")

@@ -171,6 +171,10 @@ class CaptureReader:
         (magic,) = struct.unpack_from("<I", self._buf, pos)
         return magic == ZSTD_MAGIC or magic & SKIPPABLE_MASK == SKIPPABLE_BASE
 
+    def frame(self, ref: ChunkRef) -> bytes:
+        """One chunk's zstd frame as stored (compressed, unchecked: `chunk_bytes` verifies it)."""
+        return bytes(self._buf[ref.offset:ref.end])
+
     def read_chunk_bytes(self, ref: ChunkRef) -> bytes:
         """Decompress one chunk, verifying its checksum. Raises CaptureDamagedError / LimitExceededError."""
         try:

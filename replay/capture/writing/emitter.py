@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,6 @@ import zstandard
 
 from replay.capture.format import records as fmt
 
-_ARRAY32 = 0xDD  # msgpack array 32 header: lets us prepend the count of records once a chunk is sealed
 WORKERS = 2
 DEPTH = 8  # sealed chunks waiting at most: then the recording thread waits (back-pressure, not unbounded memory)
 # Catching up, as `zstd --adapt` does: while this many sealed chunks wait behind the one a thread takes, the
@@ -60,10 +58,11 @@ class _Frames:
 
 
 class ChunkEmitter(_Frames):
-    """Background threads that turn sealed chunks (`.parts`: encoded records, `.info`: their ChunkInfo) into zstd
-    frames in file `f`, in order. `idle()` is called by a thread that found nothing to do for `interval` seconds,
-    and returns a chunk it sealed (numbered by `number()`) or None: an idle engine must not keep a chunk open
-    forever. An error (a full disk) is kept in `error` for the recording thread; the threads go on draining."""
+    """Background threads that turn sealed chunks (`.compress(cctx)`: their frame and raw size, `.info`: their
+    ChunkInfo) into zstd frames in file `f`, in order. `idle()` is called by a thread that found nothing to do for
+    `interval` seconds, and returns a chunk it sealed (numbered by `number()`) or None: an idle engine must not keep
+    a chunk open forever. An error (a full disk) is kept in `error` for the recording thread; the threads go on
+    draining."""
 
     def __init__(self, f: Any, *, level: int, fsync: bool, interval: float,
                  idle: Callable[[], tuple[int, Any] | None], workers: int | None = None,
@@ -129,11 +128,10 @@ class ChunkEmitter(_Frames):
     def _emit(self, cctx: zstandard.ZstdCompressor, seq: int, c: Any, behind: bool = False) -> None:
         """Compress chunk `seq`, then write every frame that is next in order."""
         try:
-            body = struct.pack(">BI", _ARRAY32, len(c.parts)) + b"".join(c.parts)
-            frame = cctx.compress(body)
+            frame, raw = c.compress(cctx)
             with self._order:
                 self.caught_up += behind
-                self._ready[seq] = (c, frame, len(body))
+                self._ready[seq] = (c, frame, raw)
                 while self._next in self._ready and self.error is None:
                     c, frame, raw = self._ready.pop(self._next)
                     c.info.offset = self.bytes_written

@@ -28,7 +28,7 @@ from replay.capture.format.frames import skippable_frame
 from replay.capture.format.ids import LiveIdTable
 from replay.capture.format.keyframe import Keyframe
 from replay.capture.writing import filemode
-from replay.capture.writing.chunk import Chunk
+from replay.capture.writing.chunk import Chunk, CopiedChunk, encode_record
 from replay.capture.writing.context import WriterContext
 from replay.capture.writing.emitter import CATCH_UP_LEVEL, open_emitter
 from replay.capture.writing.keyframe_maker import KeyframeMaker, keyframe_interval
@@ -79,6 +79,7 @@ class CaptureWriter(WriterContext):
         self._num_steps = 0
         self._num_records = 0
         self._last_step = -1
+        self._requests_before = 0  # requests copied chunks name without their arrival (`write_chunk`)
         self._closed = self._closing = False
         self.keyframe_bytes = 0  # the last keyframe's size, uncompressed
         try:
@@ -91,7 +92,7 @@ class CaptureWriter(WriterContext):
         except OSError as e:
             raise CaptureError(self.partial_path, f"cannot create capture: {e.strerror or e}") from None
         self._out.start()
-        self._append([self._encode(header)], header=True)
+        self._append([encode_record(header)])
         self.flush()  # the header is durable as soon as the writer exists; a ring's segments share a keyframe maker
         self._keyframes = keyframe_maker or (KeyframeMaker(header, interval) if interval else None)
 
@@ -104,13 +105,13 @@ class CaptureWriter(WriterContext):
             # (msgspec would store a float or a bool as it is, and the reader's list[int] refuse the record)
             raise UsageError(f"cannot record request {request.request_id!r}: its prompt_token_ids are not all ints")
         record = fmt.RequestAdded(step, request)
-        data = self._encode(record)  # (its id is interned by the first step that names it)
+        data = encode_record(record)  # (its id is interned by the first step that names it)
         self._append([data], requests_added=1, fold=record)
 
     def abort_request(self, request_id: str, step: int) -> None:
         """Record a client abort before step `step`."""
         record = fmt.RequestAborted(step, request_id)
-        self._append([self._encode(record)], fold=record)
+        self._append([encode_record(record)], fold=record)
 
     def write_step(self, index: int, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None,
                    **extra: Any) -> int:
@@ -135,8 +136,8 @@ class CaptureWriter(WriterContext):
                 declare = self._ids.take_new()
             else:  # a chunk's first step: every live handle (new ones included), so the chunk reads on its own
                 self._chunk.declared, declare = True, self._ids.live()
-            parts = [self._encode(declare)] if declare is not None else []
-            parts.append(self._encode(wire))
+            parts = [encode_record(declare)] if declare is not None else []
+            parts.append(encode_record(wire))
             self._append_locked(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens,
                                 generated=generated, drafts=drafts, fold=step)
             for rid in step.scheduler_output.finished_req_ids:  # named for the last time: the runner drops them
@@ -173,7 +174,7 @@ class CaptureWriter(WriterContext):
                 size = len(scheduler_output) + len(parts.rest) + len(parts.tokens) + 64
                 self._append_locked([None], raw=size, step=index, scheduled=scheduled, fold=outline)
             else:
-                size = len(data := self._encode(rec))
+                size = len(data := encode_record(rec))
                 self._append_locked([data], step=index, scheduled=stats.scheduled, generated=stats.generated,
                                     drafts=stats.drafts, fold=outline)
         self._last_step = index
@@ -182,7 +183,7 @@ class CaptureWriter(WriterContext):
     def write_crash(self, crash: fmt.Crash) -> None:
         """Record that the engine raised while executing step `crash.step`; write that step's `Step` (scheduled,
         no output) right after it."""
-        self._append([self._encode(crash)])
+        self._append([encode_record(crash)])
 
     @property
     def last_step(self) -> int:
@@ -216,6 +217,23 @@ class CaptureWriter(WriterContext):
             self._seal_locked()
             self._put_keyframe(self._chunk, keyframe)
 
+    def write_chunk(self, chunk: CopiedChunk, requests: int = 0) -> None:
+        """Append a chunk of another capture as its compressed frame, after all written so far (a snapshot);
+        `requests`: those it names without their arrival (a keyframe's). Refused where keyframes are made here."""
+        info = chunk.info
+        if self._keyframes is not None:
+            raise UsageError("a writer that makes its own keyframes cannot fold a chunk it does not read")
+        if info.num_steps and info.first_step <= self._last_step:
+            raise UsageError(f"step {info.first_step} written after step {self._last_step}: steps must increase")
+        self._check()
+        with self._lock:
+            self._seal_locked()
+            self._num_records += info.num_records
+            self._num_steps += info.num_steps
+            self._requests_before += requests
+            self._out.put(chunk)
+        self._last_step = max(self._last_step, info.last_step)
+
     def flush(self) -> None:
         """Close the open chunk now and hand it to the background threads."""
         self._check()
@@ -227,7 +245,7 @@ class CaptureWriter(WriterContext):
         if self._closed:
             return self.path
         self._closing = True  # (no keyframe for the footer's chunk: no step follows it)
-        self._append([self._encode(fmt.Footer(self._num_steps, self._num_records + 1, status))])
+        self._append([encode_record(fmt.Footer(self._num_steps, self._num_records + 1, status))])
         with self._lock:
             self._seal_locked()
         self._closed = True
@@ -235,7 +253,7 @@ class CaptureWriter(WriterContext):
         self._check()
         try:
             chunks = list(self._out.chunks)
-            arrivals = sum(c.num_requests_added for c in chunks)
+            arrivals = sum(c.num_requests_added for c in chunks) + self._requests_before
             index = fmt.Index(chunks, [], self._num_steps, status, max(self._ids.count, arrivals))  # type: ignore[arg-type]
             body = self._cctx.compress(fmt.WIRE_ENCODER.encode(index))
             offset = self.bytes_written
@@ -284,19 +302,8 @@ class CaptureWriter(WriterContext):
 
     # -- internals ------------------------------------------------------------------------------------------------
 
-    def _encode(self, record: msgspec.Struct) -> bytes:
-        try:
-            data = fmt.WIRE_ENCODER.encode(record)
-            if len(data) <= fmt.MAX_RECORD_BYTES:
-                return data
-            why = f"a record of {len(data)} bytes exceeds the {fmt.MAX_RECORD_BYTES}-byte limit"
-        except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an int beyond 64 bits in extra_args
-            why = str(e)
-        raise UsageError(f"cannot record a {'Step' if isinstance(record, fmt.Step) else type(record).__name__}: {why}")
-
     def _append(self, parts: list[bytes], *, step: int | None = None, scheduled: int = 0, generated: int = 0,
-                requests_added: int = 0, header: bool = False,
-                drafts: DraftCounts | None = None, fold: Any = None) -> None:
+                requests_added: int = 0, drafts: DraftCounts | None = None, fold: Any = None) -> None:
         self._check()
         with self._lock:
             self._seal_if_old_locked()
@@ -342,7 +349,7 @@ class CaptureWriter(WriterContext):
 
     def _put_keyframe(self, c: Chunk, keyframe: Keyframe) -> None:
         """Put a keyframe first in the chunk `c`, just opened (format 1.6), and say so in its index entry."""
-        data = self._encode(keyframe)
+        data = encode_record(keyframe)
         self.keyframe_bytes = len(data)
         c.parts.append(data)
         c.raw += len(data)
