@@ -30,8 +30,8 @@ def splices(reader: CaptureReader) -> bool:
 
 def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = False) -> list[str]:
     """Append every chunk of `reader` (`splices(reader)`) to `writer` (made with `keyframes=0`); returns one line
-    for each chunk lost to damage. `first`: the window starts here, so the requests its first keyframe holds count
-    among the new capture's (their arrivals are not in it)."""
+    for each chunk lost to damage. `first`: the window starts here, so the requests held by the keyframe it opens
+    with count among the new capture's (their arrivals are not in it)."""
     lost: list[str] = []
     for ref, data, err in reader.chunk_bytes():
         if err is not None:
@@ -49,8 +49,8 @@ def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = F
             info.num_records = len(kept)
             chunk = CopiedChunk(info, body=chunk_body(kept))
         requests = 0
-        if first and info.keyframe >= 0:
-            requests, first = _live(kept), False
+        if first:  # (a window from step 0 opens with no keyframe: its requests all arrive in it)
+            requests, first = _live(kept) if info.keyframe >= 0 else 0, False
         writer.write_chunk(chunk, requests)
     return lost
 

@@ -221,6 +221,8 @@ class CaptureWriter(WriterContext):
         """Append a chunk of another capture as its compressed frame, after all written so far (a snapshot);
         `requests`: those it names without their arrival (a keyframe's). Refused where keyframes are made here."""
         info = chunk.info
+        if self._closed:
+            raise UsageError(f"{self.path}: capture writer is closed")
         if self._keyframes is not None:
             raise UsageError("a writer that makes its own keyframes cannot fold a chunk it does not read")
         if info.num_steps and info.first_step <= self._last_step:

@@ -68,6 +68,21 @@ def test_a_spliced_snapshot_reads_as_the_records_copied_one_by_one(segments, tmp
         [c.keyframe for c in copied_index.chunks if c.keyframe >= 0]
 
 
+def test_a_window_from_step_0_counts_its_requests_once(tmp_path):
+    shape = SynthShape(steps=300, running=16, num_logprobs=None, prompt_len=(16, 64), output_len=(8, 60), seed=3)
+    with CaptureWriter(tmp_path / "seg.capture", make_header("synthetic"), keyframes=64, chunk_bytes=4096) as w:
+        for ev in synth_events(shape):
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+    window = [tmp_path / "seg.capture"]
+    _, index = _records(seal_snapshot(window, tmp_path / "s.capture", _info(window)))
+    _, copied = _records(_by_records(window, tmp_path / "c.capture"))
+    assert any(c.keyframe > 0 for c in index.chunks)  # (keyframes later in the window: their requests arrived in it)
+    assert index.num_requests == copied.num_requests == sum(c.num_requests_added for c in copied.chunks)
+
+
 def test_the_segments_chunks_are_copied_as_their_frames(segments, tmp_path):
     out = seal_snapshot(segments, tmp_path / "s.capture", _info(segments))
     with CaptureReader(out) as r:
