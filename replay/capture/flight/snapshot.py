@@ -58,10 +58,10 @@ def seal_snapshot(segments: list[Path], out: Path, info: SnapshotInfo, status: s
             except CaptureError as e:
                 lost.append(f"{path.name}: {e}")
                 break
+        writer.close(status=status if not lost else f"{status}; lost: {'; '.join(lost)}"[:1000])
     except BaseException:
-        writer.abandon()
+        writer.abandon()  # (its threads and file: a failed close leaves the .partial behind)
         raise
-    writer.close(status=status if not lost else f"{status}; lost: {'; '.join(lost)}"[:1000])
     return out
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 import msgspec
 
 from replay.capture.format import records as fmt
+from replay.capture.format.keyframe import Keyframe
 from replay.capture.format.peek import peek
 from replay.capture.reading.damage import Damage
-from replay.capture.reading.reader import CaptureReader
+from replay.capture.reading.reader import CaptureReader, ChunkRef
 from replay.capture.writing.chunk import CopiedChunk, chunk_body
 from replay.capture.writing.writer import CaptureWriter
 
 _OWN = ("header", "footer")  # records each capture writes for itself
+_KEYFRAME = msgspec.msgpack.Decoder(Keyframe)
 
 
 def splices(reader: CaptureReader) -> bool:
@@ -35,10 +37,14 @@ def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = F
     lost: list[str] = []
     for ref, data, err in reader.chunk_bytes():
         if err is not None:
-            damage = Damage.chunk_lost(ref.number, ref.offset, ref.info, getattr(err, "reason", str(err)))
-            lost.append(f"{reader.path.name}: {damage.describe()}")
+            lost.append(_lost(reader, ref, getattr(err, "reason", str(err))))
             continue
-        raws = fmt.CHUNK_DECODER.decode(data)
+        try:
+            raws = fmt.CHUNK_DECODER.decode(data)
+            requests = _live(raws) if first and ref.info.keyframe >= 0 else 0
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # (its checksum held: what was written was wrong)
+            lost.append(_lost(reader, ref, f"its records do not decode ({e})"))
+            continue
         kept = [r for r in raws if peek(r)[0] not in _OWN]
         if not kept:
             continue
@@ -48,16 +54,19 @@ def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = F
         else:
             info.num_records = len(kept)
             chunk = CopiedChunk(info, body=chunk_body(kept))
-        requests = 0
-        if first:  # (a window from step 0 opens with no keyframe: its requests all arrive in it)
-            requests, first = _live(kept) if info.keyframe >= 0 else 0, False
         writer.write_chunk(chunk, requests)
+        first = False  # (a window from step 0 opens with no keyframe: its requests all arrive in it)
     return lost
 
 
+def _lost(reader: CaptureReader, ref: ChunkRef, reason: str) -> str:
+    """The line that says a chunk was left out, and why."""
+    return f"{reader.path.name}: {Damage.chunk_lost(ref.number, ref.offset, ref.info, reason).describe()}"
+
+
 def _live(raws: list[msgspec.Raw]) -> int:
-    """How many requests the chunk's keyframe holds."""
+    """How many requests the chunk's keyframe holds. Raises msgspec errors for one that does not decode."""
     for r in raws:
         if peek(r)[0] == "keyframe":
-            return len(fmt.WIRE_DECODER.decode(r).requests)
+            return len(_KEYFRAME.decode(r).requests)
     return 0

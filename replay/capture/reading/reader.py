@@ -249,10 +249,14 @@ class CaptureReader:
         `chunks` restricts reading to some chunks, `keep_step(index)` to some steps (both need the index); `images`:
         image steps come as `StepImage`s, output whole (every field sent: what `recover` copies), if they convert."""
         table = IdTable(self.index.ids) if self.index is not None else IdTable()
+        # from 1.5 a chunk declares every handle it uses: each starts afresh, so one that does not is damage
+        own = self.format_version >= (1, 5) and not table.ids
         if self.index is None:
             keep_step = None  # handles are declared in-band: every Ids record must be read
         saw_footer = False
         for ref, data, err in self.chunk_bytes(chunks):
+            if own:
+                table = IdTable()
             if err is None:
                 try:
                     recs = self._decode_chunk(ref, keep_step, data)
@@ -275,7 +279,7 @@ class CaptureReader:
                             step_from_image(rec, self._image_decoder(), columns)  # (its damage is found here)
                         yield image_as_sent(rec, columns) if images and isinstance(rec, fmt.StepImage) else step
                     except Exception as e:  # noqa: BLE001 - any inconsistency in stored data is damage, not a crash
-                        why = ("refers to request ids declared in a lost chunk" if isinstance(e, UnknownHandleError)
+                        why = ("refers to request ids no readable record declares" if isinstance(e, UnknownHandleError)
                                else f"has inconsistent contents ({type(e).__name__}: {e})")
                         self._add_damage(Damage("record", f"step {rec.index} {why}", chunk=ref.number,
                                                 offset=ref.offset, first_step=rec.index, last_step=rec.index))

@@ -9,6 +9,7 @@ surface, as one CaptureError, on the next call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -132,12 +133,12 @@ class CaptureWriter(WriterContext):
         with self._lock:  # interning mutates the shared id table; the step and its logprob rows join one chunk
             self._seal_if_old_locked()
             wire, generated = stored_step(step, self._ids, self._chunk.columns)
+            data = encode_record(wire)  # (before the declarations are taken: a step refused leaves them to the next)
             if self._chunk.declared:
                 declare = self._ids.take_new()
             else:  # a chunk's first step: every live handle (new ones included), so the chunk reads on its own
                 self._chunk.declared, declare = True, self._ids.live()
-            parts = [encode_record(declare)] if declare is not None else []
-            parts.append(encode_record(wire))
+            parts = [encode_record(declare), data] if declare is not None else [data]
             self._append_locked(parts, step=step.index, scheduled=step.scheduler_output.total_num_scheduled_tokens,
                                 generated=generated, drafts=drafts, fold=step)
             for rid in step.scheduler_output.finished_req_ids:  # named for the last time: the runner drops them
@@ -208,14 +209,15 @@ class CaptureWriter(WriterContext):
             self.write_keyframe(record)
 
     def write_keyframe(self, keyframe: Keyframe) -> None:
-        """Copy a keyframe read from another capture (`recover`, a snapshot) into a chunk of its own; a writer that
-        makes its own keyframes refuses it."""
+        """Copy a keyframe read from another capture (`recover`, a snapshot) into a chunk of its own (one before any
+        step holds requests whose arrivals are not in this capture); a writer making its own keyframes refuses it."""
         if self._keyframes is not None:
             raise UsageError("a writer that makes its own keyframes takes none from another capture")
         self._check()
         with self._lock:
             self._seal_locked()
             self._put_keyframe(self._chunk, keyframe)
+            self._requests_before += len(keyframe.requests) if not self._num_steps else 0
 
     def write_chunk(self, chunk: CopiedChunk, requests: int = 0) -> None:
         """Append a chunk of another capture as its compressed frame, after all written so far (a snapshot);
@@ -252,8 +254,8 @@ class CaptureWriter(WriterContext):
             self._seal_locked()
         self._closed = True
         self._out.stop()
-        self._check()
         try:
+            self._check()
             chunks = list(self._out.chunks)
             arrivals = sum(c.num_requests_added for c in chunks) + self._requests_before
             index = fmt.Index(chunks, [], self._num_steps, status, max(self._ids.count, arrivals))  # type: ignore[arg-type]
@@ -267,6 +269,10 @@ class CaptureWriter(WriterContext):
             os.replace(self.partial_path, self.path)
         except OSError as e:
             raise CaptureError(self.partial_path, f"cannot finish capture: {e.strerror or e}") from None
+        finally:
+            if not self._f.closed:  # (it failed: what was written stays in NAME.partial for `recover`)
+                with contextlib.suppress(OSError):
+                    self._f.close()
         return self.path
 
     def abandon(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from replay.capture import CaptureReader, CaptureWriter, Footer, Header, Step
@@ -114,16 +115,17 @@ def test_a_damaged_chunk_is_said_and_left_out(segments, tmp_path):
 
 
 def test_a_segment_without_its_index_is_copied_record_by_record(segments, tmp_path):
-    cut = tmp_path / segments[-1].name
-    with CaptureReader(segments[-1]) as r:
+    cut = tmp_path / segments[0].name
+    with CaptureReader(segments[0]) as r:
         end = r.index.chunks[-1].offset + r.index.chunks[-1].length
-    cut.write_bytes(segments[-1].read_bytes()[:end])  # as a crash leaves it: no index
+    cut.write_bytes(segments[0].read_bytes()[:end])  # as a crash leaves it: no index
     with CaptureReader(cut) as r:
         assert not splices(r)
-    window = [*segments[:-1], cut]
-    spliced, _ = _records(seal_snapshot(window, tmp_path / "s.capture", _info(window)))
-    copied, _ = _records(_by_records(segments, tmp_path / "c.capture"))
+    window = [cut, *segments[1:]]
+    spliced, index = _records(seal_snapshot(window, tmp_path / "s.capture", _info(window)))
+    copied, copied_index = _records(_by_records(segments, tmp_path / "c.capture"))
     assert [x for x in spliced if isinstance(x, Step)] == [x for x in copied if isinstance(x, Step)]
+    assert index.num_requests == copied_index.num_requests  # (its keyframe's requests counted either way)
 
 
 def test_a_writer_that_makes_keyframes_or_has_later_steps_refuses_a_copied_chunk(segments, tmp_path):
@@ -139,3 +141,19 @@ def test_a_writer_that_makes_keyframes_or_has_later_steps_refuses_a_copied_chunk
                 w.write_chunk(chunk)
     with pytest.raises(ValueError):
         CopiedChunk(ref.info)
+
+
+def test_a_chunk_whose_records_do_not_decode_is_said_and_left_out(segments, tmp_path):
+    """Its checksum holds (what was written was wrong, not what the disk kept): the seal goes on without it."""
+    bad = tmp_path / segments[0].name
+    with CaptureReader(segments[0]) as r:
+        info = msgspec.structs.replace(r.index.chunks[1], num_steps=0, first_step=-1, last_step=-1, keyframe=-1)
+        with CaptureWriter(bad, r.header, keyframes=0) as w:
+            w.write_chunk(CopiedChunk(info, body=b"\x01"))
+            copy_chunks(r, w)
+    window = [bad, *segments[1:]]
+    out = seal_snapshot(window, tmp_path / "s.capture", _info(window))
+    spliced, index = _records(out)
+    copied, _ = _records(_by_records(segments, tmp_path / "c.capture"))
+    assert f"lost: {bad.name}: chunk 1" in index.status and "do not decode" in index.status
+    assert [x for x in spliced if isinstance(x, Step)] == [x for x in copied if isinstance(x, Step)]

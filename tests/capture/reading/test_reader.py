@@ -305,3 +305,27 @@ def test_a_malformed_record_loses_itself_not_its_chunk(tmp_path):
         assert (d.kind, d.chunk, d.first_step, d.last_step) == ("record", 1, bad.step, bad.step)
         assert "malformed" in d.reason and "int" in d.reason
         assert sum(isinstance(x, fmt.RequestAdded) for x in r.records()) == sum(ev.request is not None for ev in events)
+
+
+def test_a_chunk_that_does_not_declare_its_handles_is_damage_not_another_chunks_ids(tmp_path):
+    """From format 1.5 every chunk declares the handles its steps use, so a chunk is read with its own ids only: one
+    whose declarations are missing reports its steps as damage rather than resolving them through the chunk
+    before it (each capture numbers its handles from 0: a snapshot joins chunks of several)."""
+    from replay.capture.writing.chunk import CopiedChunk, chunk_body
+
+    src = record_synth(tmp_path / "src.capture", SynthShape(steps=80, running=6, seed=2), chunk_bytes=3000)
+    with CaptureReader(src) as r:
+        refs = [ref for ref in r.iter_chunks() if ref.info.num_steps]
+        first, later = refs[0], refs[1]  # (requests live in both: the first one's table would resolve the second)
+        raws = fmt.CHUNK_DECODER.decode(r.read_chunk_bytes(later))
+        undeclared = [x for x in raws if not bytes(x).startswith((b"\x93\xa3ids", b"\x93\xa8live_ids"))]
+        assert len(undeclared) < len(raws)
+        with CaptureWriter(tmp_path / "x.capture", r.header, keyframes=0) as w:
+            w.write_chunk(CopiedChunk(msgspec.structs.replace(first.info), frame=r.frame(first)))
+            info = msgspec.structs.replace(later.info, num_records=len(undeclared))
+            w.write_chunk(CopiedChunk(info, body=chunk_body(undeclared)))
+    with CaptureReader(tmp_path / "x.capture") as r:
+        steps = [s.index for s in r.steps()]
+        assert steps == list(range(first.info.first_step, first.info.last_step + 1))
+        assert {d.first_step for d in r.damage} == set(range(later.info.first_step, later.info.last_step + 1))
+        assert "no readable record declares" in r.damage[0].reason

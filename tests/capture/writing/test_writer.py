@@ -177,3 +177,28 @@ def test_the_writer_keeps_only_the_live_requests_ids_and_every_chunk_reads_on_it
             got, want = r.step(k), steps[k]
             assert got.scheduler_output == want.scheduler_output and got.model_runner_output == want.model_runner_output
         assert not r.damage
+
+
+def test_a_step_refused_at_a_chunks_start_leaves_its_declarations_to_the_next(tmp_path):
+    """A step the writer refuses (a value msgpack cannot hold) must not take the chunk's declarations with it: the
+    steps after it name the same requests, and every chunk reads on its own."""
+    from replay.record.synth import SynthShape, synth_events
+
+    events = list(synth_events(SynthShape(steps=60, running=8, num_logprobs=None, seed=1)))
+    path, kept = tmp_path / "x.capture", []
+    with CaptureWriter(path, make_header("test"), keyframes=0) as w:
+        for ev in events:
+            if ev.request is not None:
+                w.add_request(ev.request, ev.step)
+            elif ev.step == 30:  # the first step of a chunk (the flush below), refused
+                w.flush()
+                rid = next(iter(ev.scheduler_output.num_scheduled_tokens))
+                with pytest.raises(UsageError, match="cannot record a Step"):
+                    w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output, drawn_seeds={rid: 2**70})
+            else:
+                w.write_step(ev.step, ev.scheduler_output, ev.model_runner_output)
+                kept.append(ev)
+    with CaptureReader(path) as r:
+        got = list(r.steps())
+        assert not r.damage
+    assert [s.scheduler_output for s in got] == [ev.scheduler_output for ev in kept]
