@@ -16,11 +16,15 @@ from replay.capture.writing.chunk import CopiedChunk
 from replay.errors import UsageError
 from replay.provenance import make_header
 from replay.record.synth import SynthShape, synth_events
+from tests.images import as_map, as_parts
+
+_ENC = msgspec.msgpack.Encoder()
 
 
-@pytest.fixture(scope="module")
-def segments(tmp_path_factory):
-    """A ring that wrapped, closed: its segments, oldest first."""
+@pytest.fixture(scope="module", params=["steps", "images"])
+def segments(request, tmp_path_factory):
+    """A ring that wrapped, closed: its segments, oldest first. Its steps as the builtin engine writes them (request
+    ids as handles), or as the vLLM tap sends them (images, request ids as strings, logprobs in parts)."""
     d = tmp_path_factory.mktemp("ring")
     ring = SegmentRing(d / "ring", make_header("synthetic"), size=256 << 10, flush_interval=0.01)
     shape = SynthShape(steps=1500, running=32, num_logprobs=2, prompt_len=(16, 64), output_len=(8, 60),
@@ -28,6 +32,8 @@ def segments(tmp_path_factory):
     for ev in synth_events(shape):
         if ev.request is not None:
             ring.add_request(ev.request, ev.step)
+        elif request.param == "images":
+            ring.write_step_image(ev.step, _ENC.encode(as_map(ev.scheduler_output)), as_parts(ev.model_runner_output))
         else:
             ring.write_record(Step(ev.step, ev.scheduler_output, ev.model_runner_output))
     ring.close()
