@@ -173,7 +173,19 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
     if a.environment.num_threads == b.environment.num_threads == 1:  # one thread cannot be made fewer
         out = [msgspec.structs.replace(d, affects="host", why="") if d.field.rsplit(".", 1)[-1] in DYNAMIC_THREADS
                else d for d in out]
-    return out
+    return [msgspec.structs.replace(d, affects="host", why=_UNREAD) if _openblas_unread(d, a, b) else d for d in out]
+
+
+_UNREAD = "torch's BLAS is MKL here, which does not read it"
+
+
+def _openblas_unread(d: HeaderDifference, a: Header, b: Header) -> bool:
+    """Whether `d` is an OPENBLAS_* variable that no side's torch reads: every side that sets it runs torch on MKL
+    (x86 wheels; OpenBLAS is then only numpy's). Where a side's libraries are unknown (an older capture), it may."""
+    section, _, key = d.field.rpartition(".")
+    if section != "environment.env" or not key.startswith("OPENBLAS_"):
+        return False
+    return all("mkl" in h.environment.libraries for h in (a, b) if key in h.environment.env)
 
 
 def unknown_fields(a: Header, b: Header) -> str:

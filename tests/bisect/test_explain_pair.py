@@ -45,10 +45,17 @@ def test_a_planted_leak_makes_the_pair_contamination_with_the_neighbour_and_modu
 
 
 def test_twins_on_schedules_of_their_own_part_alone_and_the_verdict_names_both(twins):
+    """Whether the two schedules give other numbers is the processor's kernels' to say: on the Intel Xeons with AMX
+    of earlier runs a 20-token prefill and a 4-token one after a hit part (the verdict then names both schedules);
+    on an AMD EPYC with AVX512 they came out bitwise equal alone, and the batch's shape is what parted the twins."""
     _, cached = twins
     res = explain_pair(cached, "a", "b")
-    assert res.found == BATCH_VARIANCE and res.alone_equal is False and not res.bug
-    assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
+    assert res.found == BATCH_VARIANCE and not res.bug, res.verdict
+    if res.alone_equal:
+        assert f"{BATCH_VARIANCE}: requests a and b are bitwise equal alone" in res.verdict
+        assert "2 requests, 8 tokens (2 prefill) at step" in res.verdict  # (b's 4 after its hit, beside c's)
+    else:
+        assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
 
 
 def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins):

@@ -109,3 +109,20 @@ def test_a_vllm_flag_recorded_only_when_on_is_off_where_another_vllm_layout_leav
     assert not [d for d in header_differences(vllm, builtin) if d.label == "use_fp64_gumbel"]
     assert sampler_suspect([f"{fp64.label}: recorded True, replay False", "model: a vs b"]) == \
         "the sampler: same distribution, another draw (use_fp64_gumbel: recorded True, replay False)"
+
+
+def test_an_openblas_variable_is_a_suspect_only_where_torch_may_read_it():
+    """x86 torch runs its BLAS on MKL: OPENBLAS_* (some hosts set them for every process) is then numpy's alone, a
+    host difference; where a side that sets it runs torch without MKL (aarch64's OpenBLAS), or its libraries are
+    unknown (an older capture), it may change the numbers."""
+    mkl = {"mkl": "2024.2", "cpu_capability": "AVX512"}
+    cases = [({}, mkl, "host"), (mkl, mkl, "host"), ({}, {"cpu_capability": "DEFAULT"}, "numerics")]
+    for recorded, replayed, affects in cases:
+        a = _header(**{"environment.libraries": recorded})
+        b = _header(**{"environment.libraries": replayed, "environment.env": {"OPENBLAS_CORETYPE": "Haswell"}})
+        [d] = [d for d in header_differences(a, b) if d.label == "OPENBLAS_CORETYPE"]
+        assert d.affects == affects, (recorded, replayed)
+    a = _header(**{"environment.env": {"OPENBLAS_CORETYPE": "Zen"}})  # set where the libraries are unknown
+    b = _header(**{"environment.libraries": mkl})
+    [d] = [d for d in header_differences(a, b) if d.label == "OPENBLAS_CORETYPE"]
+    assert d.affects == "numerics"

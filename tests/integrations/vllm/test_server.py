@@ -378,7 +378,9 @@ def test_a_server_recording_into_a_ring_stays_bounded_and_its_snapshots_replay(m
                   "vllm_xargs": {"replay_snapshot": True}}
         threading.Thread(target=wave, args=(50,)).start()
         post(port, marked)
-        asked = subprocess.Popen([sys.executable, "-m", "replay.cli", "snapshot", str(ring), "--after", "10"],
+        # 150 steps after it, past two waves' starts: the window then holds requests that start together after one
+        # of its keyframes, whatever the ring kept before (the test below stresses one), however fast it seals
+        asked = subprocess.Popen([sys.executable, "-m", "replay.cli", "snapshot", str(ring), "--after", "150"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while asked.poll() is None and k < 400:  # traffic goes on until the snapshot is sealed
             wave(k)
