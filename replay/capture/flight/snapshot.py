@@ -46,11 +46,11 @@ def seal_snapshot(segments: list[Path], out: Path, info: SnapshotInfo, status: s
     writer = CaptureWriter(out, header, keyframes=0)
     lost: list[str] = []
     try:
-        for n, path in enumerate(segments):
+        for path in segments:
             try:
                 with CaptureReader(path) as r:
                     if splices(r):
-                        lost += copy_chunks(r, writer, first=n == 0)
+                        lost += copy_chunks(r, writer)
                     else:
                         for rec in r.records(images=True):
                             writer.write_record(rec)

@@ -30,10 +30,10 @@ def splices(reader: CaptureReader) -> bool:
     return reader.index is not None and not reader.index.ids and reader.format_version >= (1, 5)
 
 
-def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = False) -> list[str]:
+def copy_chunks(reader: CaptureReader, writer: CaptureWriter) -> list[str]:
     """Append every chunk of `reader` (`splices(reader)`) to `writer` (made with `keyframes=0`); returns one line
-    for each chunk lost to damage. `first`: the window starts here, so the requests held by the keyframe it opens
-    with count among the new capture's (their arrivals are not in it)."""
+    for each chunk lost to damage. A keyframe before the writer's first step (the window opens with it) holds
+    requests whose arrivals are not in the new capture: they count among its requests, as `write_keyframe`'s do."""
     lost: list[str] = []
     for ref, data, err in reader.chunk_bytes():
         if err is not None:
@@ -41,7 +41,7 @@ def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = F
             continue
         try:
             raws = fmt.CHUNK_DECODER.decode(data)
-            requests = _live(raws) if first and ref.info.keyframe >= 0 else 0
+            requests = _live(raws) if ref.info.keyframe >= 0 and not writer.num_steps else 0
         except (msgspec.DecodeError, msgspec.ValidationError) as e:  # (its checksum held: what was written was wrong)
             lost.append(_lost(reader, ref, f"its records do not decode ({e})"))
             continue
@@ -55,7 +55,6 @@ def copy_chunks(reader: CaptureReader, writer: CaptureWriter, *, first: bool = F
             info.num_records = len(kept)
             chunk = CopiedChunk(info, body=chunk_body(kept))
         writer.write_chunk(chunk, requests)
-        first = False  # (a window from step 0 opens with no keyframe: its requests all arrive in it)
     return lost
 
 
