@@ -2,9 +2,10 @@
 
 The ring's writer process listens on an abstract Unix socket named after the ring's directory (`RingDirectory`): a
 request is one JSON line, `{"after": N}`, and so is the answer, `{"path": ...}` or `{"error": ...}`, sent once the
-snapshot is sealed. The same thread looks at the ring twice a second while the engine is idle (`SegmentRing.poll`),
-so a trigger the last steps raised is not left waiting for the next step. When nothing answers (the engine is gone),
-the closed segments on disk are sealed into a snapshot by the asking process itself.
+snapshot is sealed. A connection that sends nothing is a probe (`replay info RING` asking whether a recorder runs)
+and is answered by nothing. The same thread looks at the ring twice a second while the engine is idle
+(`SegmentRing.poll`), so a trigger the last steps raised is not left waiting for the next step. When nothing answers
+(the engine is gone), the closed segments on disk are sealed into a snapshot by the asking process itself.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def _answer(conn: socket.socket, ring: SegmentRing, lock: AbstractContextManager
     with conn:
         try:
             conn.settimeout(10)
-            ask = json.loads(conn.makefile("r").readline() or "{}")
+            line = conn.makefile("r").readline()
+            if not line.strip():
+                return
+            ask = json.loads(line)
             after = int(ask.get("after", 0))
             with lock:
                 if ring.finished:  # closing: no answer, so that `replay snapshot` seals the segments on disk itself

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from typer.testing import CliRunner
 
+from replay.capture.flight.control import start_control
 from replay.capture.flight.ring_info import is_ring, ring_info
 from replay.capture.flight.segments import SegmentRing
 from replay.cli import app
@@ -27,3 +31,25 @@ def test_a_rings_window_segments_and_snapshots(tmp_path):
     assert out.exit_code == 0
     assert f"window    steps {info.first_step}-1199 in {len(info.segments)} closed segments" in out.output
     assert f"steps 0-{info.first_step - 1} were dropped" in out.output and "no recorder is writing it" in out.output
+
+
+def test_asking_whether_a_recorder_runs_seals_nothing(tmp_path):
+    ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
+    lock = threading.Lock()  # (held while the recording writes, as in the writer process)
+    start_control(ring, lock)
+    try:
+        events = _events(600)
+        with lock:
+            _feed(ring, [e for e in events if e.step < 300])
+        for _ in range(3):
+            info = ring_info(tmp_path / "ring")
+            assert info.recording
+        out = CliRunner().invoke(app, ["info", str(tmp_path / "ring")])
+        assert out.exit_code == 0, out.output
+        assert "no recorder is writing it" not in out.output
+        with lock:
+            _feed(ring, [e for e in events if e.step >= 300])
+        time.sleep(1.2)  # (the control thread looks at pending requests twice a second)
+        assert not list((tmp_path / "ring").rglob("snapshot-*"))  # a probe is no snapshot request
+    finally:
+        ring.close()
