@@ -158,7 +158,10 @@ def diff(
     json: bool = JsonOpt,
 ) -> None:
     """Compare two captures of the same workload request by request; exit 1 when they differ. Two directories or
-    globs of captures (one per data-parallel rank) are compared pair by pair, in name order."""
+    globs of captures (one per data-parallel rank) are compared pair by pair, in name order.
+
+    Exit 0: the same within tolerance; 1: they differ; 2: bad input; 3: the readable prefixes match, data was
+    lost."""
     from replay.capture import capture_paths
     from replay.cli.render_replay import render_capture_diff
     from replay.diff import Tolerance, diff_captures
@@ -167,10 +170,13 @@ def diff(
     set_a, set_b = capture_paths(a), capture_paths(b)
     if len(set_a) != len(set_b):
         raise UsageError(f"{a} holds {len(set_a)} capture(s), {b} holds {len(set_b)}: sets are compared pair by pair")
-    diverged = False
+    diverged = lost = False
     for i, (x, y) in enumerate(zip(set_a, set_b)):
         res = diff_captures(x, y, Tolerance(atol, rtol, tie_margin))
         emit(res, render_capture_diff, json=json, separate=i > 0 and not json)
         diverged |= res.diverged
+        lost |= bool(res.data_lost)
     if diverged:
         raise typer.Exit(1)
+    if lost:
+        raise typer.Exit(EXIT_DAMAGED)

@@ -27,6 +27,7 @@ from replay.diff.rules import (
     same_distribution,
 )
 from replay.diff.step import BatchComposition, batch_composition
+from replay.errors import CaptureDamagedError, UsageError
 from replay.provenance import hardware_differences, header_differences, is_suspect
 
 
@@ -45,6 +46,9 @@ class AlignedRun:
     random: set[str] = field(default_factory=set)  # keys of random-sampling requests: their flips are draws
     # key -> token index -> (step, its MoE routing [num_moe_layers, top_k]), where the capture kept routing
     routing: dict[str, dict[int, tuple[int, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
+    lost: list[str] = field(default_factory=list)  # where the capture lost data (`Damage.describe`)
+    # keys of requests live where data was first lost: their outputs stop there, so a shorter run is no divergence
+    cut: set[str] = field(default_factory=set)
 
 
 class TokenMismatch(msgspec.Struct, omit_defaults=True):
@@ -91,15 +95,20 @@ class CaptureDiff(msgspec.Struct):
     near_ties: int = 0
     # what differs but cannot change numerics by itself (platform, Python, executor backend): shown with -v
     host_differences: list[str] = []
+    data_lost: list[str] = []  # "A: ..." / "B: ...": where a capture lost data (compared up to it)
 
 
 def read_aligned(path: str | os.PathLike) -> AlignedRun:
     """Read a capture's requests, outputs and batches, keyed for alignment with another run's."""
     side = AlignedRun()
     seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
+    finished: set[str] = set()
+    gap = False
     with CaptureReader(path) as r:
         side.header = r.header
         for rec in r.records():
+            if r.damage and not gap:  # the first record after a gap: what was live there stops there
+                gap, side.cut = True, _live(side, finished)
             if isinstance(rec, RequestAdded):
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())
@@ -115,6 +124,7 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                     side.random.add(key)
                 side.order.append(key)
             elif isinstance(rec, Step):
+                finished.update(rec.scheduler_output.finished_req_ids)
                 mro = rec.model_runner_output
                 if mro is None:
                     continue
@@ -125,10 +135,20 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                     key = names.get(rid) or side.key_of.get(rid, f"id:{rid}")
                     side.routing[key].update((start + t, (rec.index, r)) for t, r in enumerate(rows))
                 for i, rid in enumerate(mro.req_ids):
+                    if names[rid] in side.cut:  # (after the gap its outputs would stand at other positions)
+                        continue
                     first = mro.logprobs.first_row(i) if mro.logprobs is not None else 0
                     for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
                         side.outputs[names[rid]].append((rec.index, t, row(mro.logprobs, first + k)))
+        if r.damage and not gap:  # a lost tail
+            side.cut = _live(side, finished)
+        side.lost = [d.describe() for d in r.damage]
     return side
+
+
+def _live(side: AlignedRun, finished: set[str]) -> set[str]:
+    """The keys of the requests that arrived and have not finished."""
+    return {k for rid, k in side.key_of.items() if rid not in finished}
 
 
 def _same_batch(a: BatchComposition | None, b: BatchComposition | None) -> bool:
@@ -154,7 +174,13 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
     tol = tol or Tolerance()
     a, b = read_aligned(a_path), read_aligned(b_path)
     differences = header_differences(a.header, b.header)
-    common = [k for k in a.order if k in b.prompts]
+    common = [k for k in a.order if k in b.prompts and (a.outputs.get(k) or b.outputs.get(k))]
+    if not common:  # an empty comparison is no match
+        lost = next(((p, x.lost[0]) for p, x in ((a_path, a), (b_path, b)) if x.lost), None)
+        if lost is not None:
+            raise CaptureDamagedError(lost[0], f"no request readable in both captures to compare ({lost[1]})")
+        raise UsageError(f"{a_path} and {b_path} share no request with an output to compare (captures of two "
+                         "workloads?)")
     first: TokenMismatch | None = None
     diverged_reqs = near_ties = 0
     for key in common:
@@ -162,6 +188,8 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         mismatch = None
         for pos in range(max(len(oa), len(ob))):
             if pos >= len(oa) or pos >= len(ob):
+                if key in (a.cut if pos >= len(oa) else b.cut):
+                    break  # the shorter side lost the rest with its capture's damage: no divergence
                 sa, sb = (oa[pos][0] if pos < len(oa) else None), (ob[pos][0] if pos < len(ob) else None)
                 mismatch = TokenMismatch(key.partition(":")[2], pos, "length", sa, sb)
                 break
@@ -218,4 +246,5 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
     return CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
                        strip(k for k in a.order if k not in b.prompts), strip(k for k in b.order if k not in a.prompts),
                        tol, [d.as_pair() for d in differences if d.affects != "host"], near_ties,
-                       [d.as_pair() for d in differences if d.affects == "host"])
+                       [d.as_pair() for d in differences if d.affects == "host"],
+                       [f"A: {x}" for x in a.lost] + [f"B: {x}" for x in b.lost])

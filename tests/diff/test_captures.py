@@ -139,3 +139,39 @@ def test_moe_routing_is_kept_and_a_token_routed_otherwise_is_named(tmp_path):
     out = CliRunner().invoke(app, ["diff", str(a), str(b)])
     assert out.exit_code == 1 and f"token {target[1]}" in out.stdout
     assert "MoE layer 2 routed it to experts" in out.stdout
+
+
+def test_a_damaged_capture_is_compared_up_to_where_it_lost_data(small_capture, tmp_path):
+    import shutil
+
+    from replay.capture import CaptureReader
+    from tests.capture.reading.test_read_ahead import corrupt_chunk
+
+    data = small_capture.read_bytes()
+    middle, tail, stub = tmp_path / "middle.capture", tmp_path / "tail.capture", tmp_path / "stub.capture"
+    shutil.copy(small_capture, middle)
+    corrupt_chunk(middle, 3)  # the requests live across it would otherwise part at shifted positions
+    tail.write_bytes(data[: len(data) * 2 // 3])  # those unfinished at the cut would otherwise be shorter
+    with CaptureReader(small_capture) as r:
+        header = r.index.chunks[0]
+    stub.write_bytes(data[: header.offset + header.length + 5])  # its header chunk alone
+    for damaged in (middle, tail):
+        res = diff_captures(small_capture, damaged)
+        assert not res.diverged and res.requests_compared > 0 and res.data_lost[0].startswith("B: ")
+        out = CliRunner().invoke(app, ["diff", str(small_capture), str(damaged)])
+        assert out.exit_code == 3, out.output
+        assert "capture damaged (B: " in out.stdout and "(data was lost: the readable prefixes match)" in out.stdout
+    out = CliRunner().invoke(app, ["diff", str(stub), str(small_capture)])
+    assert out.exit_code == 3 and "no request readable in both captures to compare" in out.stderr
+
+
+def test_two_workloads_with_no_request_in_common_are_no_match(tmp_path):
+    from replay.contracts import SamplingParams
+    from replay.record import WorkloadRequest
+
+    cfg = EngineConfig(runner=RunnerConfig(num_threads=1))
+    other = [WorkloadRequest(SamplingParams(max_tokens=4), None, list(range(10 + i, 30)), f"other-{i}", 0)
+             for i in range(3)]
+    b = record_builtin(RecordOptions(cfg, other, tmp_path / "other.capture")).path
+    out = CliRunner().invoke(app, ["diff", str(_record(tmp_path, "a", 64)), str(b)])
+    assert out.exit_code == 2 and "share no request with an output to compare" in out.stderr
