@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from replay.errors import VERBOSE_ENV
 from replay.replayer.verdict import (
     capture_diff_verdict,
+    compared_counts,
     crash_verdict,
     divergence_verdict,
     replay_verdict,
@@ -164,8 +165,8 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
                                               f"prefilled to rebuild its K/V{why})")
     head = (f"replayed {rep.steps_replayed} steps of {rep.capture}{start} ({rep.mode} mode, {tol_text}; a tie flip is "
             f"a flip at a top1-top2 margin < {tol.tie_margin:g} or within 2x the logprob noise at that position)\n"
-            f"compared {rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled "
-            "tokens" + (f", the MoE routing of {rep.tokens_routed} tokens" if rep.tokens_routed else ""))
+            f"compared {compared_counts(rep)}"
+            + (f", the MoE routing of {rep.tokens_routed} tokens" if rep.tokens_routed else ""))
     lines.append(head)
     if rep.tolerance_choice:
         lines.append(f"tolerance auto: {rep.tolerance_choice}")
@@ -245,6 +246,9 @@ def render_capture_diff(res: CaptureDiff, verbose: bool | None = None) -> str:
         lines += [f"note (cannot change numerics by itself): {c}" for c in res.host_differences]
     if res.only_in_a or res.only_in_b:
         lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
+    if res.data_lost:
+        lines.append(f"capture damaged ({'; '.join(res.data_lost[:3])}): each request compared up to where its "
+                     "capture lost data")
     d = res.first_divergence
     lines.append(capture_diff_verdict(res))
     if d is None:

@@ -10,6 +10,7 @@ import msgspec
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, ReplayError
 from replay.replayer.options import ReplayOptions
 from replay.replayer.replay_capture import ReplayReport, replay_capture
+from replay.replayer.verdict import compared_counts
 
 
 class CheckResult(msgspec.Struct):
@@ -35,7 +36,7 @@ def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) ->
         return CheckResult(str(path), EXIT_CANNOT_TEST, str(e))
     except Exception as e:  # noqa: BLE001 - an engine that fails to start cannot be tested, whatever the reason
         return CheckResult(str(path), EXIT_CANNOT_TEST, f"{path}: {type(e).__name__}: {e}"[:500])
-    compared = f"{rep.steps_compared} steps, {rep.requests_compared} requests, {rep.tokens_compared} sampled tokens"
+    compared = compared_counts(rep)
     if rep.tolerance_choice:  # --tolerance auto says which tolerance it took
         compared += f"; tolerance {rep.tolerance_choice}"
     if not rep.diverged:

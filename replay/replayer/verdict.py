@@ -10,6 +10,12 @@ if TYPE_CHECKING:
     from replay.replayer.replay_capture import ReplayReport
 
 
+def compared_counts(rep: ReplayReport) -> str:
+    """'4 steps, 3 requests, 12 sampled tokens': what a verdict rests on."""
+    return ", ".join(f"{n} {what}{'s' * (n != 1)}" for n, what in (
+        (rep.steps_compared, "step"), (rep.requests_compared, "request"), (rep.tokens_compared, "sampled token")))
+
+
 def crash_verdict(rep: ReplayReport) -> str | None:
     """The recording crashed at a step and the replay did not repeat that exception: the sentence that says so
     (None when there was no recorded crash, or it was reproduced)."""
@@ -73,7 +79,9 @@ def capture_diff_verdict(res: CaptureDiff) -> str:
     tol = res.tolerance
     within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
     if d is None:
-        return f"MATCH: every common request produced the same tokens and logprobs{within}{near_ties(res.near_ties)}"
+        lost = " (data was lost: the readable prefixes match)" if res.data_lost else ""
+        return (f"MATCH: every common request produced the same tokens and logprobs{within}{near_ties(res.near_ties)}"
+                f"{lost}")
     where = "token" if d.kind == "routed_experts" else "output position"
     return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, {where} "
             f"{d.position}{near_ties(res.near_ties)}")

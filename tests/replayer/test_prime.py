@@ -17,6 +17,7 @@ from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.cli import app
 from replay.contracts import SamplingParams
 from replay.diff import Tolerance
+from replay.errors import UsageError
 from replay.replayer import ReplayOptions, replay_capture
 from replay.replayer.prime import REBUILD_ATOL, plan_priming
 
@@ -42,11 +43,13 @@ def test_every_keyframe_replays_in_window_requests_bitwise_and_rebuilt_ones_with
     worst = 0.0
     for kf in _keyframes(keyed_capture):
         rng = StepRange(kf.step, kf.step + 12)
-        bitwise = replay_capture(keyed_capture, ReplayOptions(steps=rng, from_keyframe=True))
+        try:
+            bitwise = replay_capture(keyed_capture, ReplayOptions(steps=rng, from_keyframe=True))
+        except UsageError as e:  # (the last step only tells the runner what finished: no verdict on nothing)
+            assert "no request has an output to compare" in str(e), kf.step
+            continue
         assert bitwise.keyframe == kf.step and bitwise.steps_replayed <= 13, kf.step
         assert not bitwise.diverged, (kf.step, bitwise.first_divergence)
-        if not bitwise.requests_compared:  # (the last step only tells the runner what finished)
-            continue
         # the same replay with the rebuilt requests held to the bits too: only they may differ, and by little
         import replay.replayer.prime as prime
 

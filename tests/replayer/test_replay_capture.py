@@ -138,6 +138,18 @@ def test_steps_outside_the_capture_are_a_usage_error_not_a_match(rich_capture):
     assert res.exit_code == 2 and "nothing to compare" in res.stderr and "MATCH" not in res.stdout
 
 
+def test_steps_where_no_request_sampled_are_no_match(rich_capture):
+    from replay.capture import CaptureReader, Step
+
+    with CaptureReader(rich_capture) as r:
+        empty = [s.index for s in r.records()
+                 if isinstance(s, Step) and not (s.model_runner_output and s.model_runner_output.req_ids)]
+    assert empty  # (the engine's last step only tells the runner which requests finished)
+    res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--steps", str(empty[-1])])
+    assert res.exit_code == 2 and "no request has an output to compare" in res.stderr and "MATCH" not in res.stdout
+    assert check_capture(rich_capture, ReplayOptions(steps=StepRange(empty[-1], empty[-1]))).code == 125
+
+
 def test_every_report_says_what_it_compared(rich_capture):
     rep = replay_capture(rich_capture, ReplayOptions(steps=StepRange(2, 5)))
     assert rep.steps_compared == 4 and rep.steps_replayed == 6
