@@ -111,3 +111,14 @@ def test_a_layout_the_replay_does_not_have_is_named_before_the_verdict(here, tmp
 def _hardware(path: Path) -> dict[str, str]:
     with CaptureReader(path) as r:
         return dict(r.header.environment.hardware)
+
+
+def test_on_another_runner_auto_takes_the_tolerance_and_names_the_runner(here, tmp_path):
+    vllms = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    with CaptureReader(here) as r:
+        ec = msgspec.structs.replace(r.header.engine_config, runner_class=vllms)
+    other = _rewritten(here, tmp_path / "other-runner.capture", engine_config=ec)
+    res = check_capture(other, ReplayOptions(auto_tolerance=True))
+    assert res.code == 0 and not res.report.tolerance.bitwise, res.reason
+    assert res.report.tolerance.atol == CROSS_HARDWARE_ATOL["float32"]
+    assert f"another implementation: runner: recorded {vllms}" in res.reason
