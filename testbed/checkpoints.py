@@ -1,4 +1,5 @@
-"""Tiny random-weight checkpoints for the real-vLLM tests, written with `transformers` (nothing is downloaded).
+"""Tiny random-weight checkpoints for the real-vLLM tests and the README, written with `transformers` (nothing is
+downloaded). `python -m testbed.checkpoints DIR` writes the README's `./my-qwen`.
 
 vLLM's CPU attention needs head_dim >= 32; a small byte-level BPE tokenizer (trained here on a few sentences) is
 added where a test needs text or structured output (xgrammar builds its token table from it).
@@ -155,3 +156,11 @@ def wide_llama(path: Path) -> Path:
     head_dim 64, intermediate 2048, vocab 1024; 40 MB): a decode computed alone takes another GEMM path than in a
     batch (M = 1 against M >= 2: docs/guide.md, `bisect batch`). The 128-wide `tiny_llama` is batch-invariant there."""
     return tiny_llama(path, seed=3, heads=8, head_dim=64, intermediate=2048)
+
+
+if __name__ == "__main__":  # `python -m testbed.checkpoints ./my-qwen`: the README's checkpoint, with its tokenizer
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m testbed.checkpoints DIR  (a random Qwen2 at Qwen2.5's vocabulary, with a tokenizer)")
+    print(add_tokenizer(real_vocab_qwen2(Path(sys.argv[1]))))

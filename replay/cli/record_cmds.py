@@ -64,7 +64,8 @@ def record(
     prefix_caching: bool | None = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
                                                help=f"Default {'on' if _SC.enable_prefix_caching else 'off'}."),
     batch_invariant: bool | None = typer.Option(None, "--batch-invariant",
-                                                help="Builtin engine: batch-invariant runner (slower; see README)."),
+                                                help="Builtin engine: batch-invariant runner (slower; docs/guide.md, "
+                                                     "'replay stress and the batch-invariant mode')."),
     seed: int | None = typer.Option(None, "--seed",
                                     help="Engine seed (seeds drawn for unseeded requests) and synthetic workload seed "
                                          "(default 0)."),

@@ -110,7 +110,7 @@ def render_ring(ring: RingInfo) -> str:
     window = (f"steps {ring.first_step}-{ring.last_step}" if ring.first_step is not None else "no closed segment yet")
     dropped = f"; steps 0-{ring.first_step - 1} were dropped" if ring.first_step else ""
     lines = [f"ring      {ring.path} ({who})",
-             f"window    {window} in {len(ring.segments)} closed segments{dropped}",
+             f"window    {window} in {len(ring.segments)} closed segment{'s' * (len(ring.segments) != 1)}{dropped}",
              f"disk      {_mb(ring.bytes_on_disk)}{size}, the open segment included"]
     for s in ring.segments:
         kf = f", keyframe before {s.keyframe}" if s.keyframe is not None else ""

@@ -102,7 +102,8 @@ def build_runner(header: Header, overrides: dict[str, str], *, force: bool = Fal
         raise UsageError(f"--set env.{next(iter(env))}: environment knobs apply to a fresh process; this runner "
                          "would start in one that has torch loaded already (replay.processes.in_environment)")
     if header.model is None or header.engine == "synthetic":
-        raise UsageError(f"capture recorded by engine {header.engine!r} has no model to replay it on "
+        where = "" if capture == "replay" else f"{capture}: "  # (several captures replay in one command)
+        raise UsageError(f"{where}capture recorded by engine {header.engine!r} has no model to replay it on "
                          "(record one with `replay record`)")
     if kind == "vllm":
         from replay.integrations.vllm.vllm_runner import VllmRunner
