@@ -26,9 +26,9 @@ def ring(tmp_path_factory):
     return path
 
 
-def _crowded(path) -> tuple[int, str, list[int]]:
-    """(the keyframe before it, a request first scheduled after a keyframe with the most neighbours, its recorded
-    tokens)."""
+def _crowded(path, rank: int = 0) -> tuple[int, str, list[int]]:
+    """(the keyframe before it, a request first scheduled after a keyframe with the most neighbours (`rank`: the
+    next most), its recorded tokens)."""
     with CaptureReader(path) as r:
         keyframe, names, tokens, seen = None, {}, {}, {}
         for rec in r.records():
@@ -45,7 +45,7 @@ def _crowded(path) -> tuple[int, str, list[int]]:
                 out = rec.model_runner_output
                 for q, toks in zip(out.req_ids, out.sampled_token_ids) if out is not None else ():
                     tokens.setdefault(q, []).extend(toks)
-        k, q = max((len(s), k, q) for q, (k, s) in seen.items() if q in names)[1:]
+        k, q = sorted(((len(s), k, q) for q, (k, s) in seen.items() if q in names), reverse=True)[rank][1:]
     return k, names[q], tokens[q]
 
 
@@ -57,7 +57,14 @@ def test_stress_on_a_rings_snapshot_and_segment_varies_the_real_neighbours_from_
     assert res.trials == 5 and res.request == request and res.left_out[0] == 0 and all(res.left_out[1:])
     assert any(f"replayed from the keyframe at step {k}" in n for n in res.notes), res.notes
     assert "trial 0 (every neighbour, as recorded) samples the recorded completion" in res.notes
-    # float32 on CPU: another batch, other bits (batch variance); the fork names the batches where it happened
+    # float32 on CPU: another batch, other bits (batch variance); the fork names the batches where it happened.
+    # (Which requests a ring keeps depends on timing, and a processor's GEMM can give one request the same bits at
+    # every batch size it met: the next most crowded then shows it.)
+    for rank in (1, 2):
+        if res.unique_logprob_sequences > 1:
+            break
+        k, request, _ = _crowded(capture, rank)
+        res = stress_capture(capture, request, trials=5, seed=2)
     assert res.unique_logprob_sequences > 1 and res.first_fork is not None, res.verdict
     invariant = stress_capture(capture, request, trials=5, seed=2, overrides={"batch_invariant": "true"})
     assert invariant.unique_logprob_sequences == 1 and invariant.unique_completions == 1, invariant.verdict
