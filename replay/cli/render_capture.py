@@ -133,7 +133,8 @@ def _snapshot_line(s: dict) -> str:
         span += f" over {s['end_time'] - s['start_time']:.1f} s"
     dropped = s.get("dropped_before") or 0
     gone = f"; steps 0-{dropped - 1} are not in it (the ring had dropped them)" if dropped else ""
-    return f"{s.get('trigger')}, {span}, from {len(s.get('segments', []))} segments of {s.get('ring')}{gone}"
+    n = len(s.get("segments", []))
+    return f"{s.get('trigger')}, {span}, from {n} segment{'s' * (n != 1)} of {s.get('ring')}{gone}"
 
 
 def _lp_cells(step: Step, index: int) -> tuple[str, str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from typing import Any
 
@@ -213,6 +214,21 @@ def install() -> None:
             raise
 
     EngineCore.log_error_detail = log_error_detail
+
+    # An engine that stops on an error outside any step (a worker process killed, an executor that failed) tells its
+    # clients here, from inside run_engine_core's `except`: the exception is the one being handled.
+    from vllm.v1.engine.core import EngineCoreProc
+
+    orig_dead = getattr(EngineCoreProc, "_send_engine_dead", None)
+    if orig_dead is not None:
+        def send_engine_dead(self, *args, **kwargs):
+            err = sys.exc_info()[1]
+            tap = getattr(getattr(self, "scheduler", None), "_replay_tap", None)  # (never a new one now)
+            if isinstance(tap, StepTap) and err is not None:
+                tap.died(err)
+            return orig_dead(self, *args, **kwargs)
+
+        EngineCoreProc._send_engine_dead = send_engine_dead
     Scheduler.schedule, Scheduler.update_from_output = schedule, update_from_output
     Scheduler.add_request, Scheduler.finish_requests = add_request, finish_requests
     Scheduler.get_grammar_bitmask, Scheduler.shutdown = get_grammar_bitmask, shutdown

@@ -48,6 +48,7 @@ class StepTap:
         self.in_flight: dict[int, tuple[int, int]] = {}  # id(SchedulerOutput) -> (step index, perf_counter at schedule)
         self.step = 0  # index of the next step to be scheduled
         self.crash = ""  # the footer status once a step raised
+        self.death = ""  # the footer status once the engine stopped on an error outside any step
         self._failed = False
         self.failure = ""  # why the writer stopped recording ("" while it records)
         self.path = path
@@ -113,6 +114,13 @@ class StepTap:
         crash = Crash.from_exception(entry[0], err)
         self.crash = crash.status()
         self._send(self.writer.crash_image, crash.step, crash.error_type, crash.message, crash.traceback)
+
+    def died(self, err: BaseException) -> None:
+        """The engine stopped on an error outside any step (its executor failed: a worker process died). The footer
+        says so, and a ring closed with it seals a snapshot of the steps that led there; a step that raised is
+        `crashed`'s."""
+        if not self.crash:
+            self.death = f"error: the engine died outside a step ({type(err).__name__}: {err})"[:500]
 
     def _send(self, method, *args) -> None:
         """Hand a frame to the writer; a writer that has failed is logged once, never raised into vLLM's loop."""
@@ -189,7 +197,8 @@ class StepTap:
             return
         self._closed = True
         if status == "ok":
-            status = self.crash or (f"error: recording stopped: {self.failure}"[:500] if self.failure else status)
+            status = self.crash or self.death or (f"error: recording stopped: {self.failure}"[:500] if self.failure
+                                                  else status)
         try:
             self.writer.close(status=status)
         except Exception:  # noqa: BLE001 - never fail vLLM's shutdown because of the tap
