@@ -72,7 +72,7 @@ class StepSession(Session):
         requests' tokens swapped for others of the same shapes; with `throughout`, replay to it again with `keep`'s
         complement among `watch`'s `companions` left out of every step (as vLLM's runner always does). Return
         `watch`'s logits (and every module's output rows for it, with `modules`)."""
-        swapper = self.swapper(swap)
+        swapper = self.swapper(swap, watch)
         prev = self.prev
         skip = set(self.companions(watch)) - keep if throughout and keep is not None else set()
         if swapper or skip:

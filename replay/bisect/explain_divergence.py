@@ -172,7 +172,7 @@ def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceE
     try:
         rid = s.request_id(d.internal_id or d.request_id)
         leak = None
-        if s.companions(rid):
+        if s.swap_candidates(rid):
             leak = leak_in_session(s, d.request_id, log=log,
                                    plant=opts.plant if opts.plant and opts.plant.step == d.step else None)
             runs += leak.re_executions

@@ -303,7 +303,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
         log(f"{a} and {b} alone are bitwise equal: swapping {name}'s neighbours' content at step {step}")
         s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
         try:
-            if s.companions(s.request_id(name)):
+            if s.swap_candidates(s.request_id(name)):
                 leaks.append(leak_in_session(s, name, log=log,
                                              plant=plant if plant is not None and plant.step == step else None))
         finally:

@@ -143,8 +143,9 @@ def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CON
         return s.run(rid, plant=plant, modules=modules, swap=swap)
 
     base = run()  # first: on vLLM's runner the session stands just before the step as recorded
-    swappable = s.companions(rid)
-    kept = s.names(s.kept_as_recorded(rid))
+    swappable = s.swap_candidates(rid)
+    partly = s.partly_swappable(rid)
+    kept = s.names(x for x in s.kept_as_recorded(rid) if x not in partly)
     on = " on vLLM's runner" if s.runner_kind == "vllm" else ""
     if not swappable:
         live = [x for x in s.kept_as_recorded(rid) if x in s.live]
@@ -168,6 +169,8 @@ def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CON
             break
     names = s.names(swappable)
     shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    if partly:  # (a prefix-cache hit: what R reads of theirs keeps its ids)
+        shown += "; " + ", ".join(f"{n} after its first {k} tokens" for n, k in zip(s.names(partly), partly.values()))
     if moving is None:
         verdict = (f"{NO_LEAK}: request {request}'s logits at step {step}{on} are bitwise the same with its "
                    f"{len(swappable)} neighbours ({shown}) given other tokens of the same shapes "

@@ -80,24 +80,39 @@ class Session:
         """The requests that shared a step with `rid` and `companions` leaves out (in every run as recorded)."""
         return self._companions(rid)[1]
 
-    def _companions(self, rid: str) -> tuple[list[str], list[str]]:
+    def partly_swappable(self, rid: str) -> dict[str, int]:
+        """The requests kept because `rid` reads K/V they wrote through the prefix cache, each with how many of its
+        leading tokens that K/V holds: the rest of its tokens can be given other content (`Swap`'s `kept`)."""
+        return self._companions(rid)[2]
+
+    def swap_candidates(self, rid: str) -> list[str]:
+        """The neighbours whose content a swap can change: `companions`, then `partly_swappable`."""
+        return self.companions(rid) + list(self.partly_swappable(rid))
+
+    def _companions(self, rid: str) -> tuple[list[str], list[str], dict[str, int]]:
         cache = self.__dict__.setdefault("_companion_cache", {})
         if rid not in cache:
-            free, kept = co_batched(self.path, self.target, rid, self.header.engine_config.block_size,
-                                    first=self.start.keyframe or 0)
+            free, kept, reads = kv_readers(self.path, self.target, rid, self.header.engine_config.block_size,
+                                           first=self.start.keyframe or 0)
             if kept:
                 self.notes.append(f"kept in every run: {', '.join(self.names(kept))} (request {self.ext.get(rid, rid)} "
-                                  "reads KV blocks they wrote, through the prefix cache)")
+                                  "reads KV blocks they wrote, through the prefix cache; a swap gives other content "
+                                  "only to their tokens after those)")
             live = [x for x in free if x in self.live]
             if live:
                 self.notes.append(f"kept in every run: {', '.join(self.names(live))} (live at the keyframe of step "
                                   f"{self.start.keyframe}, where the replay starts; --from-start can leave them out)")
-            cache[rid] = [x for x in free if x not in self.live], kept + live
+            cache[rid] = ([x for x in free if x not in self.live], kept + live,
+                          {x: n for x, n in reads.items() if x not in self.live})
         return cache[rid]
 
-    def swapper(self, swap: dict[str, str] | None) -> Swap | None:
-        """A `Swap` of the requests in `swap` (internal id -> content kind), None for none."""
-        return Swap(swap, self.vocab_size, seed=len(swap)) if swap else None
+    def swapper(self, swap: dict[str, str] | None, watch: str | None = None) -> Swap | None:
+        """A `Swap` of the requests in `swap` (internal id -> content kind), None for none; those `watch` reads K/V
+        of keep the ids of the tokens it reads."""
+        if not swap:
+            return None
+        kept = {x: n for x, n in self.partly_swappable(watch).items() if x in swap} if watch is not None else {}
+        return Swap(swap, self.vocab_size, seed=len(swap), kept=kept)
 
     def without(self, skip: set[str]) -> tuple[SchedulerOutput, GrammarOutput | None]:
         """The step, and its structured-output bitmasks, with the requests in `skip` taken out as if never
@@ -139,9 +154,18 @@ def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
     """The requests that shared a step with `rid` in steps `first`..`last`, in order of first meeting, as (those
     that can be left out of every step, those that cannot): a request whose KV blocks `rid` hits through the prefix
     cache, or hits through another that does, cannot be, since nothing would then write what `rid` reads."""
+    free, kept, _ = kv_readers(path, last, rid, block_size, first)
+    return free, kept
+
+
+def kv_readers(path: str | os.PathLike, last: int, rid: str, block_size: int,
+               first: int = 0) -> tuple[list[str], list[str], dict[str, int]]:
+    """`co_batched`, and for each request kept: how many of its leading tokens' K/V `rid` reads through the prefix
+    cache, directly or through another (the rest of its tokens can be given other content, `Swap`'s `kept`)."""
     shared: list[str] = []
-    writer: dict[int, str] = {}  # KV block -> the request that last wrote it fresh
-    reads: dict[str, set[str]] = {}  # request -> the requests whose blocks it hit
+    writer: dict[int, tuple[str, int]] = {}  # KV block -> (the request that last wrote it fresh, its index there)
+    reads: dict[str, dict[str, int]] = {}  # request -> the requests whose blocks it hit -> tokens of theirs read
+    length: dict[str, int] = {}  # request -> blocks in its table (group 0)
     bs = max(block_size, 1)
     with CaptureReader(path) as r:
         for rec in r.records(chunks=chunks_from(r, first)) if first and r.index is not None else r.records():
@@ -156,18 +180,27 @@ def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
             tables = [(n.req_id, n.block_ids, n.num_computed_tokens // bs) for n in so.scheduled_new_reqs]
             tables += [(q, g, cr.num_computed_tokens[i] // bs if q in cr.resumed_req_ids else 0)
                        for i, (q, g) in enumerate(zip(cr.req_ids, cr.new_block_ids)) if g]
+            new = {n.req_id for n in so.scheduled_new_reqs} | set(cr.resumed_req_ids)
             for q, groups, hits in tables:
-                for group in groups:
+                base = 0 if q in new else length.get(q, 0)  # (a running request's new blocks are appended)
+                for g, group in enumerate(groups):
                     # a hit block with no writer in the capture was written by nobody we could leave out
-                    reads.setdefault(q, set()).update(writer[b] for b in group[:hits] if writer.get(b, q) != q)
-                    writer.update((b, q) for b in group[hits:])
+                    for b in group[:hits]:
+                        w, j = writer.get(b, (q, 0))
+                        if w != q:
+                            seen = reads.setdefault(q, {})
+                            seen[w] = max(seen.get(w, 0), (j + 1) * bs)
+                    writer.update((b, (q, base + j)) for j, b in enumerate(group) if j >= hits)
+                    if g == 0:
+                        length[q] = base + len(group)
             if rid in so.num_scheduled_tokens:
                 shared += [x for x in so.num_scheduled_tokens if x != rid and x not in shared]
-    pinned: set[str] = set()
+    pinned: dict[str, int] = {}
     todo = [rid]
     while todo:
-        for w in reads.get(todo.pop(), ()):
+        for w, n in reads.get(todo.pop(), {}).items():
             if w not in pinned:
-                pinned.add(w)
                 todo.append(w)
-    return [x for x in shared if x not in pinned], [x for x in shared if x in pinned]
+            pinned[w] = max(pinned.get(w, 0), n)
+    kept = [x for x in shared if x in pinned]
+    return [x for x in shared if x not in pinned], kept, {x: pinned[x] for x in kept}

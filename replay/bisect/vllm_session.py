@@ -116,7 +116,7 @@ class VllmStepSession(Session):
         if hooks:
             raise UsageError("hooks are builtin-runner callables; on vLLM's runner plant a fault with --plant")
         skip = set() if keep is None else set(self.neighbours(watch)) - set(keep)
-        swapper = self.swapper(swap)
+        swapper = self.swapper(swap, watch)
         if not (self._fresh and not skip and not swapper):
             self.log(f"replaying steps {self.start.keyframe or 0}-{self.target} on vLLM's runner"
                      + (f", {len(skip)} neighbours left out" if skip else "")

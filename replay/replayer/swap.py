@@ -8,7 +8,9 @@ request whose rows move when its neighbours' tokens are swapped reads something 
 
 A swapped request's positions are rewritten from the first it computes itself: the tokens it found in the prefix
 cache (`num_computed_tokens` at its first schedule) are K/V another request wrote, and keep their ids. Its sampled
-tokens, which forced mode feeds back, are rewritten at their positions too, and so are the drafts it verifies.
+tokens, which forced mode feeds back, are rewritten at their positions too, and so are the drafts it verifies. A
+request whose K/V the watched request reads through the prefix cache (`kept`) keeps the ids of those leading tokens
+as well, and is given other content after them: what the watched request reads of it stays what was recorded.
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ class Swap:
     """Rewrites the token ids of the requests in `kinds` (internal id -> one of `CONTENTS`) in the steps of a replay:
     `step` before a step runs, `sampled` on the tokens forced mode feeds back after it."""
 
-    def __init__(self, kinds: dict[str, str], vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, kinds: dict[str, str], vocab_size: int, seed: int = 0,
+                 kept: dict[str, int] | None = None) -> None:
         bad = sorted({k for k in kinds.values() if k not in CONTENTS})
         if bad:
             raise UsageError(f"content {bad[0]!r}: expected one of {', '.join(CONTENTS)}")
         if vocab_size <= 1:
             raise UsageError("swapping content needs the model's vocabulary size")
         self.kinds, self.vocab_size, self.seed = dict(kinds), vocab_size, seed
+        self.kept = dict(kept or {})  # internal id -> leading tokens that keep their ids (K/V another request reads)
         self.contents: dict[str, _Content] = {}
         self.outputs: dict[str, int] = {}  # output tokens each swapped request has so far
 
@@ -74,8 +78,9 @@ class Swap:
             raise UsageError(f"request {n.req_id!r} has prompt embeddings or multimodal inputs: its content cannot be "
                              "swapped with the same shapes")
         prompt = list(n.prompt_token_ids)
-        c = self.contents[n.req_id] = _Content(self.kinds[n.req_id], n.req_id, prompt, n.num_computed_tokens,
-                                               self.vocab_size, self.seed)
+        keep = max(n.num_computed_tokens, self.kept.get(n.req_id, 0))
+        c = self.contents[n.req_id] = _Content(self.kinds[n.req_id], n.req_id, prompt, keep, self.vocab_size,
+                                               self.seed)
         self.outputs[n.req_id] = 0
         return msgspec.structs.replace(n, prompt_token_ids=[c.at(p, t) for p, t in enumerate(prompt)])
 

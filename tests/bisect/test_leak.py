@@ -74,3 +74,17 @@ def test_a_mixture_of_experts_is_refused_by_name(keyed_capture, tmp_path):
             w.write_record(rec)
     with pytest.raises(CannotTestError, match="is a mixture of experts .num_local_experts=8."):
         bisect_leak(moe, 29, "r6", from_start=True)
+
+
+def test_a_twin_whose_kv_the_request_reads_is_swapped_after_it_and_its_leak_found(tmp_path):
+    """b finds 16 of its tokens in a's KV blocks (prefix caching), beside a: a cannot be left out or swapped whole,
+    since b reads what a wrote, but its tokens after those can carry other content; a leak from a is found."""
+    from testbed.twins import record_twins
+
+    capture = record_twins(tmp_path / "partner.capture", prefix_caching=True, b_at=3)
+    step = 4  # (b's first decode, beside a)
+    clean = bisect_leak(capture, step, "b")
+    assert clean.found == NO_LEAK and "a" in clean.neighbours and "a" not in clean.kept, clean.verdict
+    assert "a after its first 16 tokens" in clean.verdict
+    leaky = bisect_leak(capture, step, "b", plant=Plant.parse(f"{step}:b:layers.0.mlp:0.05*a"))
+    assert leaky.found == CONTAMINATION and leaky.minimal_set == ["a"], leaky.verdict
