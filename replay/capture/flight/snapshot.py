@@ -8,6 +8,7 @@ capture is (`Header.extra["snapshot"]`): what triggered it, its window, and what
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import time
@@ -100,12 +101,14 @@ def _age(path: Path) -> tuple[int, int]:
 
 
 def prune_snapshots(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` snapshots in `directory`; returns what was deleted."""
+    """Delete all but the newest `keep` snapshots in `directory`, with what was written beside each (a replay's
+    `SNAPSHOT.vllm-replay.log`); returns the snapshots deleted."""
     found = sorted(directory.glob("snapshot-*.capture"), key=_age)
     gone = found[: max(0, len(found) - keep)]
     for p in gone:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
+        for f in [p, *directory.glob(glob.escape(p.name) + ".*")]:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
     return gone

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -195,11 +196,14 @@ def test_only_the_last_snapshots_are_kept(tmp_path, monkeypatch, keep):
     events = _events(400)
     for part in range(4):
         _feed(ring, events[part * len(events) // 4:(part + 1) * len(events) // 4])
-        ring.snapshot("on demand")
+        snap = ring.snapshot("on demand")
+        Path(f"{snap}.vllm-replay.log").write_text("a replay's log, beside its snapshot")
     ring.close()
     left = sorted(map(str, ring.files.snapshots.glob("*.capture")))
     # the newest `keep`, as sealed (names sort otherwise: "...-on-demand-2.capture" before "...-on-demand.capture")
     assert len(ring.snapshots) == 4 and left == sorted(ring.snapshots[-keep:])
+    logs = sorted(map(str, ring.files.snapshots.glob("*.log")))
+    assert logs == sorted(f"{s}.vllm-replay.log" for s in ring.snapshots[-keep:])  # the others' went with them
 
 
 def test_a_request_finished_with_an_error_seals_a_snapshot_through_the_writer_process(tmp_path):
