@@ -58,6 +58,16 @@ def test_twins_on_schedules_of_their_own_part_alone_and_the_verdict_names_both(t
         assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
 
 
+def test_a_fault_of_shape_parts_the_cached_twins_alone_and_the_verdict_names_both_schedules(twins, monkeypatch):
+    """The branch above that depends on the processor, on any processor: a fault planted in the replay that adds
+    to each row a multiple of its step's token count (`replay.faults`) parts a 20-token prefill from a 4-token one."""
+    _, cached = twins
+    monkeypatch.setenv("REPLAY_TEST_FAULT", "shape:layers.0.mlp:0.001")
+    res = explain_pair(cached, "a", "b")
+    assert res.found == BATCH_VARIANCE and not res.bug and not res.alone_equal, res.verdict
+    assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
+
+
 def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins):
     plain, _ = twins
     assert explain_pair(plain, "n0", "n0").found == NOTHING
