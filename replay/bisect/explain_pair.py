@@ -104,8 +104,9 @@ def _twin_key(rec: RequestAdded) -> tuple | None:
     return tuple(req.prompt_token_ids), msgspec.json.encode(msgspec.structs.replace(sp, extra_args=None))
 
 
-def _part(a: list, b: list) -> tuple[int, str, float] | None:
-    """The first position where two (step, token, row) lists part: (position, kind, max |Δlogprob| there)."""
+def _part(a: list, b: list, cut: tuple[bool, bool] = (False, False)) -> tuple[int, str, float] | None:
+    """The first position where two (step, token, row) lists part: (position, kind, max |Δlogprob| there). `cut`:
+    whether each list stops where its capture lost data (then a shorter one is no parting)."""
     for p, ((_, ta, ra), (_, tb, rb)) in enumerate(zip(a, b)):
         if ta != tb:
             return p, "token", 0.0
@@ -115,7 +116,7 @@ def _part(a: list, b: list) -> tuple[int, str, float] | None:
             va = {int(i): float(v) for i, v in zip(ra.ids, ra.values)}
             vb = {int(i): float(v) for i, v in zip(rb.ids, rb.values)}
             return p, "logprobs", max((abs(va[int(i)] - vb[int(i)]) for i in common), default=float("inf"))
-    if len(a) != len(b):
+    if len(a) != len(b) and not cut[len(a) > len(b)]:
         return min(len(a), len(b)), "length", 0.0
     return None
 
@@ -161,8 +162,10 @@ def twin_groups(path: str | os.PathLike) -> list[Twins]:
     out = []
     for names in twins:
         ids = [arrivals[n].request.request_id for n in names]
-        seqs = [side.outputs.get(side.key_of.get(rid, ""), []) for rid in ids]
-        parts = [x for i in range(1, len(names)) if (x := _part(seqs[0], seqs[i])) is not None]
+        keys = [side.key_of.get(rid, "") for rid in ids]
+        seqs = [side.outputs.get(k, []) for k in keys]
+        parts = [x for i in range(1, len(names))
+                 if (x := _part(seqs[0], seqs[i], (keys[0] in side.cut, keys[i] in side.cut))) is not None]
         parts = parts or [x for i in range(1, len(names))
                           if (x := _prompt_part(prompts.get(ids[0]), prompts.get(ids[i]))) is not None]
         if parts:
@@ -187,8 +190,9 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
         raise UsageError(f"requests {a} and {b} do not share their prompt and sampling (greedy, or the same seed): "
                          "two answers are expected")
     side = read_aligned(path)
-    seq_a, seq_b = (side.outputs.get(side.key_of[arrivals[n].request.request_id], []) for n in (a, b))
-    parted = _part(seq_a, seq_b)
+    key_a, key_b = (side.key_of[arrivals[n].request.request_id] for n in (a, b))
+    seq_a, seq_b = side.outputs.get(key_a, []), side.outputs.get(key_b, [])
+    parted = _part(seq_a, seq_b, (key_a in side.cut, key_b in side.cut))
     runner = (overrides or {}).get("runner", "builtin")
     ids = {n: arrivals[n].request.request_id for n in (a, b)}
     if parted is None:

@@ -103,12 +103,13 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
     side = AlignedRun()
     seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
     finished: set[str] = set()
-    gap = False
+    marks: dict[str, int] = {}  # key -> its outputs so far where data was first lost while it was live
+    limits: dict[str, int | None] = {}  # key -> max_tokens
+    lost = 0  # damage entries that lost records so far
     with CaptureReader(path) as r:
         side.header = r.header
         for rec in r.records():
-            if r.damage and not gap:  # the first record after a gap: what was live there stops there
-                gap, side.cut = True, _live(side, finished)
+            lost = _mark(side, r.damage, lost, finished, marks)
             if isinstance(rec, RequestAdded):
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())
@@ -122,6 +123,7 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                 sp = req.sampling_params
                 if sp is not None and sp.temperature >= SAMPLING_EPS:
                     side.random.add(key)
+                limits[key] = sp.max_tokens if sp is not None else None
                 side.order.append(key)
             elif isinstance(rec, Step):
                 finished.update(rec.scheduler_output.finished_req_ids)
@@ -135,20 +137,31 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                     key = names.get(rid) or side.key_of.get(rid, f"id:{rid}")
                     side.routing[key].update((start + t, (rec.index, r)) for t, r in enumerate(rows))
                 for i, rid in enumerate(mro.req_ids):
-                    if names[rid] in side.cut:  # (after the gap its outputs would stand at other positions)
-                        continue
                     first = mro.logprobs.first_row(i) if mro.logprobs is not None else 0
                     for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
                         side.outputs[names[rid]].append((rec.index, t, row(mro.logprobs, first + k)))
-        if r.damage and not gap:  # a lost tail
-            side.cut = _live(side, finished)
+        _mark(side, r.damage, lost, finished, marks)  # a lost tail
         side.lost = [d.describe() for d in r.damage]
+    for key, n in marks.items():
+        outputs = side.outputs.get(key, [])
+        if len(outputs) > n:  # it went on after the gap: those outputs stand at positions the gap shifted
+            del outputs[n:]
+            side.cut.add(key)
+        elif limits.get(key) is None or n < limits[key]:  # (its finish, or more of it, may be what was lost)
+            side.cut.add(key)
     return side
 
 
-def _live(side: AlignedRun, finished: set[str]) -> set[str]:
-    """The keys of the requests that arrived and have not finished."""
-    return {k for rid, k in side.key_of.items() if rid not in finished}
+def _mark(side: AlignedRun, damage: list, lost: int, finished: set[str], marks: dict[str, int]) -> int:
+    """Where the reader found data lost since the last look (a bad seek index loses none), mark the requests
+    that had arrived and not finished (vLLM names a request finished one step late) with their outputs so far.
+    Returns the count of losses seen."""
+    now = sum(d.kind != "index" for d in damage)
+    if now > lost:
+        for rid, key in side.key_of.items():
+            if rid not in finished and key not in marks:
+                marks[key] = len(side.outputs.get(key, ()))
+    return now
 
 
 def _same_batch(a: BatchComposition | None, b: BatchComposition | None) -> bool:
@@ -179,8 +192,9 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         lost = next(((p, x.lost[0]) for p, x in ((a_path, a), (b_path, b)) if x.lost), None)
         if lost is not None:
             raise CaptureDamagedError(lost[0], f"no request readable in both captures to compare ({lost[1]})")
-        raise UsageError(f"{a_path} and {b_path} share no request with an output to compare (captures of two "
-                         "workloads?)")
+        either = any(k in b.prompts for k in a.order)
+        raise UsageError(f"{a_path} and {b_path}: " + ("no request both hold sampled a token: nothing to compare"
+                                                       if either else "no request in common (two workloads?)"))
     first: TokenMismatch | None = None
     diverged_reqs = near_ties = 0
     for key in common:

@@ -31,6 +31,8 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
         oa, ob = a.outputs.get(key, []), b.outputs.get(key, [])
         for pos, (sa, ta, ra) in enumerate(oa):
             if pos >= len(ob):  # B stopped earlier: the rest of A has no counterpart
+                if key in b.cut:  # (B lost the rest with its capture's damage)
+                    break
                 out.append(Divergence(sa, name, pos, "length", ta, None, internal_id=rid))
                 flipped[rid] = sa
                 break
@@ -52,7 +54,7 @@ def position_mismatches(a_path: str | os.PathLike, b_path: str | os.PathLike,
                 out.append(Divergence(sa, name, pos, "logprobs", ta, tb, ra.rank if ra else None,
                                       rb.rank if rb else None, lp_diff, None, m, internal_id=rid))
         else:
-            if len(ob) > len(oa) and oa:  # A stopped earlier: mark it at A's last step
+            if len(ob) > len(oa) and oa and key not in a.cut:  # A stopped earlier: mark it at A's last step
                 out.append(Divergence(oa[-1][0], name, len(oa), "length", None, ob[len(oa)][1], internal_id=rid))
     out.sort(key=lambda d: (d.step, d.kind != "token"))
     return out, flipped
