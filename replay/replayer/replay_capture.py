@@ -329,11 +329,14 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
                          "at least one compared step")
-    if opts.diff and not p.requests and not p.count and p.crash is None:
+    if opts.diff and not p.count and p.crash is None and not any(
+            s.tokens_compared or s.prompts_compared or s.tokens_routed for s in p.summaries):
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         n = len(p.summaries)
-        raise UsageError(f"{path}: {what}: no request has an output to compare in its {n} step{'s' * (n != 1)}; a "
-                         "verdict needs at least one")
+        why = f"; left out: {'; '.join(p.ignored)}" if p.ignored else ""
+        raise UsageError(f"{path}: {what}: nothing to compare in its {n} step{'s' * (n != 1)}: no token sampled "
+                         f"there (a step that only finishes requests, or a prefill still in chunks){why}; a verdict "
+                         "needs at least one")
     # within a step: MoE routing first (it decides what follows), then tokens, then logprobs
     divs = sorted(p.divergences, key=lambda d: (d.step, 0 if d.kind == "routed_experts" else
                                                 1 if d.kind in ("token", "drafts") else 2))

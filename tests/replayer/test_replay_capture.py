@@ -138,7 +138,7 @@ def test_steps_outside_the_capture_are_a_usage_error_not_a_match(rich_capture):
     assert res.exit_code == 2 and "nothing to compare" in res.stderr and "MATCH" not in res.stdout
 
 
-def test_steps_where_no_request_sampled_are_no_match(rich_capture):
+def test_steps_where_no_request_sampled_are_no_match(rich_capture, tmp_path):
     from replay.capture import CaptureReader, Step
 
     with CaptureReader(rich_capture) as r:
@@ -146,8 +146,16 @@ def test_steps_where_no_request_sampled_are_no_match(rich_capture):
                  if isinstance(s, Step) and not (s.model_runner_output and s.model_runner_output.req_ids)]
     assert empty  # (the engine's last step only tells the runner which requests finished)
     res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--steps", str(empty[-1])])
-    assert res.exit_code == 2 and "no request has an output to compare" in res.stderr and "MATCH" not in res.stdout
+    assert res.exit_code == 2 and "nothing to compare in its 1 step" in res.stderr and "MATCH" not in res.stdout
     assert check_capture(rich_capture, ReplayOptions(steps=StepRange(empty[-1], empty[-1]))).code == 125
+    # a 40-token prompt under a budget of 16: steps 0 and 1 each compute a chunk of it and sample nothing
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=30, max_num_batched_tokens=16),
+                       runner=RunnerConfig(num_threads=1))
+    chunky = record_builtin(RecordOptions(cfg, [_req(0, list(range(100, 140)), temperature=0.0)],
+                                          tmp_path / "chunky.capture")).path
+    res = cli.invoke(app, ["run", str(chunky), "--diff", "--steps", "0-1"])
+    assert res.exit_code == 2 and "nothing to compare in its 2 steps" in res.stderr, res.output
+    assert cli.invoke(app, ["run", str(chunky), "--diff", "--steps", "0-2"]).exit_code == 0
 
 
 def test_every_report_says_what_it_compared(rich_capture):
