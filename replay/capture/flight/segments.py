@@ -172,12 +172,12 @@ class SegmentRing:
 
     def close(self, status: str = "ok") -> Path:
         """Close the open segment (the ring stays on disk) and finish the snapshots being sealed; answer what is
-        still waiting. A recording that ends on an error ("error: ...": the engine died outside a step) seals the
-        window that led there, with that status."""
+        still waiting. An engine that died (`fmt.ENGINE_DIED`) leaves a snapshot of the window that led there, with
+        that status."""
         self._finish()
         self.current.close(status=status)
         self._closed_current()
-        if status.startswith("error:") and self.closed:
+        if status.startswith(fmt.ENGINE_DIED) and self.closed:
             self.seals.queue(status.removeprefix("error:").strip(), list(self.closed), status, self.dropped_before)
         self.seals.close()
         for r in self.requests:

@@ -278,8 +278,14 @@ class Footer(msgspec.Struct, tag="footer", array_like=True, omit_defaults=True):
     num_steps: int
     num_records: int
     # "ok"; "engine stopped: ..." (the writer sealed it when the engine went away without closing: nothing lost);
-    # "crashed at step N: <exception>"; "error: <why the recorder stopped>"; "recovered from <file>: <what was lost>"
+    # "crashed at step N: <exception>"; "error: <why the recorder stopped>" (ENGINE_DIED: the engine itself);
+    # "recovered from <file>: <what was lost>"
     status: str = "ok"
+
+
+# The status of an engine that stopped on an error no step raised (its executor failed: a worker process died); a
+# ring closed with it seals the window that led there, as it does a crash's.
+ENGINE_DIED = "error: the engine died"
 
 
 # Records as stored (request ids in steps are int handles). `Ids`, `LiveIds` and `LogprobColumns` never leave the

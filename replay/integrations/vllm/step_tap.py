@@ -116,11 +116,13 @@ class StepTap:
         self._send(self.writer.crash_image, crash.step, crash.error_type, crash.message, crash.traceback)
 
     def died(self, err: BaseException) -> None:
-        """The engine stopped on an error outside any step (its executor failed: a worker process died). The footer
+        """The engine stopped on an error no step raised (its executor failed: a worker process died). The footer
         says so, and a ring closed with it seals a snapshot of the steps that led there; a step that raised is
         `crashed`'s."""
+        from replay.capture.format.records import ENGINE_DIED  # (only on a death: the plugin imports lazily)
+
         if not self.crash:
-            self.death = f"error: the engine died outside a step ({type(err).__name__}: {err})"[:500]
+            self.death = f"{ENGINE_DIED} ({type(err).__name__}: {err})"[:500]
 
     def _send(self, method, *args) -> None:
         """Hand a frame to the writer; a writer that has failed is logged once, never raised into vLLM's loop."""
