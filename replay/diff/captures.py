@@ -47,7 +47,7 @@ class AlignedRun:
     # key -> token index -> (step, its MoE routing [num_moe_layers, top_k]), where the capture kept routing
     routing: dict[str, dict[int, tuple[int, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
     lost: list[str] = field(default_factory=list)  # where the capture lost data (`Damage.describe`)
-    # keys of requests live where data was first lost: their outputs stop there, so a shorter run is no divergence
+    # keys of requests live where data was lost: their outputs stop there, so a shorter run is no divergence
     cut: set[str] = field(default_factory=set)
 
 

@@ -48,7 +48,7 @@ class StepTap:
         self.in_flight: dict[int, tuple[int, int]] = {}  # id(SchedulerOutput) -> (step index, perf_counter at schedule)
         self.step = 0  # index of the next step to be scheduled
         self.crash = ""  # the footer status once a step raised
-        self.death = ""  # the footer status once the engine stopped on an error outside any step
+        self.death = ""  # the footer status once the engine stopped on an error no step raised
         self._failed = False
         self.failure = ""  # why the writer stopped recording ("" while it records)
         self.path = path
