@@ -83,7 +83,8 @@ class StepSummary(msgspec.Struct):
     rank_changes: int = 0
     foreign_draws_differ: int = 0  # sampled tokens another implementation drew with its own RNG (not compared)
     tokens_compared: int = 0  # sampled tokens (output positions) of this step that were compared
-    prompts_compared: int = 0  # requests whose prompt logprobs were compared
+    # logprob rows compared besides the sampled tokens': a partial prefill's discarded token, prompt logprobs
+    rows_compared: int = 0
     routing_mismatches: int = 0  # requests with a token whose MoE routing differs
     tokens_routed: int = 0  # scheduled tokens whose MoE routing was compared
     routing_not_compared: bool = False  # the recording kept MoE routing this step and the replay returned none
@@ -149,7 +150,7 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
             divs.append(div)
         ep, ap = expected.prompt_logprobs_dict.get(rid), actual.prompt_logprobs_dict.get(rid)
         if ep is not None or ap is not None:
-            summary.prompts_compared += 1
+            summary.rows_compared += 1
             equal, d = _prompt_logprobs_equal(ep, ap, t, summary)
             if not equal:
                 summary.logprob_mismatches += 1
@@ -244,6 +245,7 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
                          er.rank)
         lp_diff, topk_changed, lp_equal, alike = 0.0, False, True, False
         if er is not None and ar is not None:
+            summary.rows_compared += e_tok is None
             cmp = compare_rows(er, ar, tol)
             lp_diff, topk_changed, lp_equal = cmp.max_abs, cmp.topk_changed, cmp.equal
             alike = same_distribution(cmp)

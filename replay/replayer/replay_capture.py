@@ -99,6 +99,7 @@ class ReplayReport(msgspec.Struct):
     routing_not_compared: int = 0  # steps
     keyframe_why: str = ""  # why the replay started at `keyframe`
     unknown: str = ""  # what the recording's header does not name and the replay's does (an older capture)
+    rows_compared: int = 0  # logprob rows without a sampled token (partial prefills' discarded ones, prompt logprobs)
 
 
 def recorded_draws(header: Header) -> str:
@@ -330,13 +331,13 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
                          "at least one compared step")
     if opts.diff and not p.count and p.crash is None and not any(
-            s.tokens_compared or s.prompts_compared or s.tokens_routed for s in p.summaries):
+            s.tokens_compared or s.rows_compared or s.tokens_routed for s in p.summaries):
         what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         n = len(p.summaries)
         why = f"; left out: {'; '.join(p.ignored)}" if p.ignored else ""
         raise UsageError(f"{path}: {what}: nothing to compare in its {n} step{'s' * (n != 1)}: no token sampled "
-                         f"there (a step that only finishes requests, or a prefill still in chunks){why}; a verdict "
-                         "needs at least one")
+                         f"there and no logprobs (a step that only finishes requests, or a prefill still in chunks)"
+                         f"{why}; a verdict needs at least one")
     # within a step: MoE routing first (it decides what follows), then tokens, then logprobs
     divs = sorted(p.divergences, key=lambda d: (d.step, 0 if d.kind == "routed_experts" else
                                                 1 if d.kind in ("token", "drafts") else 2))
@@ -356,7 +357,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
                         p.rebuild_tolerance, p.primed_tokens, p.draws_why,
                         sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries),
-                        p.keyframe_why, p.unknown)
+                        p.keyframe_why, p.unknown, sum(s.rows_compared for s in p.summaries))
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

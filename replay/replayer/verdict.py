@@ -11,9 +11,13 @@ if TYPE_CHECKING:
 
 
 def compared_counts(rep: ReplayReport) -> str:
-    """'4 steps, 3 requests, 12 sampled tokens': what a verdict rests on."""
-    return ", ".join(f"{n} {what}{'s' * (n != 1)}" for n, what in (
+    """'4 steps, 3 requests, 12 sampled tokens': what a verdict rests on (with no sampled token, the logprob rows
+    compared instead)."""
+    out = ", ".join(f"{n} {what}{'s' * (n != 1)}" for n, what in (
         (rep.steps_compared, "step"), (rep.requests_compared, "request"), (rep.tokens_compared, "sampled token")))
+    rows = rep.rows_compared
+    return out + (f" ({rows} logprob row{'s' * (rows != 1)}: prefills in chunks, prompt logprobs)"
+                  if rows and not rep.tokens_compared else "")
 
 
 def crash_verdict(rep: ReplayReport) -> str | None:

@@ -20,7 +20,8 @@ from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synt
 def ring(tmp_path_factory):
     cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=96, max_num_seqs=8,
                                                  max_num_batched_tokens=64), runner=RunnerConfig(num_threads=1))
-    wl = synthetic(SyntheticWorkload(num_requests=200, arrival_rate=1.0, output_len=(8, 24)), 512)
+    # arrivals until the end: the ring keeps the last steps, and under load its segments hold fewer of them
+    wl = synthetic(SyntheticWorkload(num_requests=200, arrival_rate=0.5, output_len=(8, 24)), 512)
     path = tmp_path_factory.mktemp("ring") / "ring"
     record_builtin(RecordOptions(cfg, wl, path, ring=96 << 10, flush_interval=0.05))
     return path

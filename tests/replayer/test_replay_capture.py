@@ -148,14 +148,19 @@ def test_steps_where_no_request_sampled_are_no_match(rich_capture, tmp_path):
     res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--steps", str(empty[-1])])
     assert res.exit_code == 2 and "nothing to compare in its 1 step" in res.stderr and "MATCH" not in res.stdout
     assert check_capture(rich_capture, ReplayOptions(steps=StepRange(empty[-1], empty[-1]))).code == 125
-    # a 40-token prompt under a budget of 16: steps 0 and 1 each compute a chunk of it and sample nothing
+    # a 40-token prompt under a budget of 16: steps 0 and 1 each compute a chunk of it and sample nothing; with
+    # logprobs, the rows of the tokens they discard are compared
     cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=30, max_num_batched_tokens=16),
                        runner=RunnerConfig(num_threads=1))
-    chunky = record_builtin(RecordOptions(cfg, [_req(0, list(range(100, 140)), temperature=0.0)],
-                                          tmp_path / "chunky.capture")).path
-    res = cli.invoke(app, ["run", str(chunky), "--diff", "--steps", "0-1"])
-    assert res.exit_code == 2 and "nothing to compare in its 2 steps" in res.stderr, res.output
-    assert cli.invoke(app, ["run", str(chunky), "--diff", "--steps", "0-2"]).exit_code == 0
+    for logprobs in (None, 3):
+        chunky = record_builtin(RecordOptions(cfg, [_req(0, list(range(100, 140)), temperature=0.0,
+                                                         logprobs=logprobs)], tmp_path / f"{logprobs}.capture")).path
+        res = cli.invoke(app, ["run", str(chunky), "--diff", "--steps", "0-1"])
+        if logprobs is None:
+            assert res.exit_code == 2 and "nothing to compare in its 2 steps" in res.stderr, res.output
+        else:
+            assert res.exit_code == 0 and "0 sampled tokens (2 logprob rows: prefills in chunks" in res.stdout
+        assert cli.invoke(app, ["run", str(chunky), "--diff", "--steps", "0-2"]).exit_code == 0
 
 
 def test_every_report_says_what_it_compared(rich_capture):
