@@ -105,11 +105,13 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
     finished: set[str] = set()
     marks: dict[str, int] = {}  # key -> its outputs so far where data was first lost while it was live
     limits: dict[str, int | None] = {}  # key -> max_tokens
-    lost = 0  # damage entries that lost records so far
+    lost = seen = 0  # damage entries that lost records so far; damage entries of any kind looked at
     with CaptureReader(path) as r:
         side.header = r.header
         for rec in r.records():
-            lost = _mark(side, r.damage, lost, finished, marks)
+            if len(r.damage) > seen:  # (a loss is rare: the check costs a record nothing else)
+                seen = len(r.damage)
+                lost = _mark(side, r.damage, lost, finished, marks)
             if isinstance(rec, RequestAdded):
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())

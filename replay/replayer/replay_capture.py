@@ -326,13 +326,12 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     crash_diverged = p.crash is not None and not p.crash.reproduced
     if opts.diff and not p.summaries and p.data_lost and p.steps == 0:
         raise CaptureDamagedError(path, f"no readable prefix of steps to replay ({p.data_lost[0]})")
+    what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
     if opts.diff and not p.summaries and p.crash is None:
-        what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
                          "at least one compared step")
     if opts.diff and not p.count and p.crash is None and not any(
             s.tokens_compared or s.rows_compared or s.tokens_routed for s in p.summaries):
-        what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
         n = len(p.summaries)
         why = f"; left out: {'; '.join(p.ignored)}" if p.ignored else ""
         raise UsageError(f"{path}: {what}: nothing to compare in its {n} step{'s' * (n != 1)}: no token sampled "
