@@ -29,7 +29,8 @@ def test_a_rings_window_segments_and_snapshots(tmp_path):
     assert info.snapshots == [str(snap)]
     out = CliRunner().invoke(app, ["info", str(tmp_path / "ring")])
     assert out.exit_code == 0
-    assert f"window    steps {info.first_step}-1199 in {len(info.segments)} closed segments" in out.output
+    n = len(info.segments)
+    assert f"window    steps {info.first_step}-1199 in {n} closed segment{'s' * (n != 1)}" in out.output
     assert f"steps 0-{info.first_step - 1} were dropped" in out.output and "no recorder is writing it" in out.output
 
 
