@@ -163,9 +163,11 @@ def kv_readers(path: str | os.PathLike, last: int, rid: str, block_size: int,
     """`co_batched`, and for each request kept: how many of its leading tokens' K/V `rid` reads through the prefix
     cache, directly or through another (the rest of its tokens can be given other content, `Swap`'s `kept`)."""
     shared: list[str] = []
-    writer: dict[int, tuple[str, int]] = {}  # KV block -> (the request that last wrote it fresh, its index there)
+    # (KV cache group, block) -> (the request that last wrote it fresh, its index there): each group has its own
+    # block ids, so block 7 of one group is not block 7 of another
+    writer: dict[tuple[int, int], tuple[str, int]] = {}
     reads: dict[str, dict[str, int]] = {}  # request -> the requests whose blocks it hit -> tokens of theirs read
-    length: dict[str, int] = {}  # request -> blocks in its table (group 0)
+    length: dict[tuple[str, int], int] = {}  # (request, group) -> blocks in its table
     bs = max(block_size, 1)
     with CaptureReader(path) as r:
         for rec in r.records(chunks=chunks_from(r, first)) if first and r.index is not None else r.records():
@@ -182,17 +184,16 @@ def kv_readers(path: str | os.PathLike, last: int, rid: str, block_size: int,
                        for i, (q, g) in enumerate(zip(cr.req_ids, cr.new_block_ids)) if g]
             new = {n.req_id for n in so.scheduled_new_reqs} | set(cr.resumed_req_ids)
             for q, groups, hits in tables:
-                base = 0 if q in new else length.get(q, 0)  # (a running request's new blocks are appended)
                 for g, group in enumerate(groups):
+                    base = 0 if q in new else length.get((q, g), 0)  # (a running request's new blocks are appended)
                     # a hit block with no writer in the capture was written by nobody we could leave out
                     for b in group[:hits]:
-                        w, j = writer.get(b, (q, 0))
+                        w, j = writer.get((g, b), (q, 0))
                         if w != q:
                             seen = reads.setdefault(q, {})
                             seen[w] = max(seen.get(w, 0), (j + 1) * bs)
-                    writer.update((b, (q, base + j)) for j, b in enumerate(group) if j >= hits)
-                    if g == 0:
-                        length[q] = base + len(group)
+                    writer.update(((g, b), (q, base + j)) for j, b in enumerate(group) if j >= hits)
+                    length[q, g] = base + len(group)
             if rid in so.num_scheduled_tokens:
                 shared += [x for x in so.num_scheduled_tokens if x != rid and x not in shared]
     pinned: dict[str, int] = {}

@@ -49,3 +49,31 @@ def test_a_compiled_recording_is_bisected_eager_and_says_so():
     assert knobs == {"runner": "vllm", "enforce_eager": "true"} and "run eager here" in notes[0]
     assert eager(EngineConfig(layout={"enforce_eager": "True"}), {"runner": "vllm"}) == ({"runner": "vllm"}, [])
     assert eager(EngineConfig(layout={"enforce_eager": "True"}), {"enforce_eager": "false"})[1]  # a knob compiles
+
+
+def test_each_kv_cache_group_has_block_ids_of_its_own(tmp_path):
+    """A hybrid model's groups number their blocks apart: b hits block 10 of group 1, which a wrote; c wrote block
+    10 of group 0, which b never reads, so c can be left out."""
+    import msgspec
+
+    from replay.bisect.session import kv_readers
+    from replay.capture import FORMAT_MAJOR, FORMAT_MINOR, CaptureWriter, Header
+    from replay.contracts import NewRequestData, SamplingParams, SchedulerOutput
+
+    def new(rid: str, groups: tuple[list[int], ...], computed: int) -> NewRequestData:
+        return NewRequestData(rid, list(range(8)), [], SamplingParams(temperature=0.0), None, groups, computed, None)
+
+    def step(i: int, *reqs: NewRequestData, also: tuple[str, ...] = ()) -> Step:
+        sched = {n.req_id: 8 - n.num_computed_tokens for n in reqs} | dict.fromkeys(also, 1)
+        so = msgspec.structs.replace(SchedulerOutput.make_empty(), scheduled_new_reqs=list(reqs),
+                                     num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()))
+        return Step(i, so, None)
+
+    path = tmp_path / "hybrid.capture"
+    w = CaptureWriter(path, Header((FORMAT_MAJOR, FORMAT_MINOR), "test", 0.0, "synthetic"), keyframes=0)
+    w.write_record(step(0, new("a", ([0, 1], [10, 11]), 0)))
+    w.write_record(step(1, new("c", ([10, 12], [20, 21]), 0)))
+    w.write_record(step(2, new("b", ([0, 30], [10, 31]), 4), also=("a", "c")))  # one whole block found computed
+    w.close()
+    assert kv_readers(path, 2, "b", 4) == (["c"], ["a"], {"a": 4})
+    assert kv_readers(path, 2, "c", 4) == (["b", "a"], [], {})  # c reads nobody's blocks
