@@ -160,14 +160,16 @@ def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,
 
 def kv_readers(path: str | os.PathLike, last: int, rid: str, block_size: int,
                first: int = 0) -> tuple[list[str], list[str], dict[str, int]]:
-    """`co_batched`, and for each request kept: how many of its leading tokens' K/V `rid` reads through the prefix
-    cache, directly or through another (the rest of its tokens can be given other content, `Swap`'s `kept`)."""
+    """`co_batched`, and for each request kept that has tokens `rid` does not read: how many of its leading tokens'
+    K/V `rid` reads through the prefix cache, directly or through another (the rest of its tokens can be given other
+    content, `Swap`'s `kept`)."""
     shared: list[str] = []
     # (KV cache group, block) -> (the request that last wrote it fresh, its index there): each group has its own
     # block ids, so block 7 of one group is not block 7 of another
     writer: dict[tuple[int, int], tuple[str, int]] = {}
     reads: dict[str, dict[str, int]] = {}  # request -> the requests whose blocks it hit -> tokens of theirs read
     length: dict[tuple[str, int], int] = {}  # (request, group) -> blocks in its table
+    fed: dict[str, int] = {}  # request -> tokens the runner computed of it up to `last`
     bs = max(block_size, 1)
     with CaptureReader(path) as r:
         for rec in r.records(chunks=chunks_from(r, first)) if first and r.index is not None else r.records():
@@ -194,8 +196,11 @@ def kv_readers(path: str | os.PathLike, last: int, rid: str, block_size: int,
                             seen[w] = max(seen.get(w, 0), (j + 1) * bs)
                     writer.update(((g, b), (q, base + j)) for j, b in enumerate(group) if j >= hits)
                     length[q, g] = base + len(group)
-            if rid in so.num_scheduled_tokens:
-                shared += [x for x in so.num_scheduled_tokens if x != rid and x not in shared]
+            n = so.num_scheduled_tokens
+            fed.update((x.req_id, x.num_computed_tokens + n.get(x.req_id, 0)) for x in so.scheduled_new_reqs)
+            fed.update((q, c + n.get(q, 0)) for q, c in zip(cr.req_ids, cr.num_computed_tokens))
+            if rid in n:
+                shared += [x for x in n if x != rid and x not in shared]
     pinned: dict[str, int] = {}
     todo = [rid]
     while todo:
@@ -204,4 +209,5 @@ def kv_readers(path: str | os.PathLike, last: int, rid: str, block_size: int,
                 todo.append(w)
             pinned[w] = max(pinned.get(w, 0), n)
     kept = [x for x in shared if x in pinned]
-    return [x for x in shared if x not in pinned], kept, {x: pinned[x] for x in kept}
+    # one whose every token `rid` reads has no content left to swap
+    return [x for x in shared if x not in pinned], kept, {x: pinned[x] for x in kept if pinned[x] < fed.get(x, 0)}

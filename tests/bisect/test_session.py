@@ -60,11 +60,12 @@ def test_each_kv_cache_group_has_block_ids_of_its_own(tmp_path):
     from replay.capture import FORMAT_MAJOR, FORMAT_MINOR, CaptureWriter, Header
     from replay.contracts import NewRequestData, SamplingParams, SchedulerOutput
 
-    def new(rid: str, groups: tuple[list[int], ...], computed: int) -> NewRequestData:
-        return NewRequestData(rid, list(range(8)), [], SamplingParams(temperature=0.0), None, groups, computed, None)
+    def new(rid: str, groups: tuple[list[int], ...], computed: int, length: int = 8) -> NewRequestData:
+        return NewRequestData(rid, list(range(length)), [], SamplingParams(temperature=0.0), None, groups, computed,
+                              None)
 
     def step(i: int, *reqs: NewRequestData, also: tuple[str, ...] = ()) -> Step:
-        sched = {n.req_id: 8 - n.num_computed_tokens for n in reqs} | dict.fromkeys(also, 1)
+        sched = {n.req_id: len(n.prompt_token_ids) - n.num_computed_tokens for n in reqs} | dict.fromkeys(also, 1)
         so = msgspec.structs.replace(SchedulerOutput.make_empty(), scheduled_new_reqs=list(reqs),
                                      num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()))
         return Step(i, so, None)
@@ -77,3 +78,10 @@ def test_each_kv_cache_group_has_block_ids_of_its_own(tmp_path):
     w.close()
     assert kv_readers(path, 2, "b", 4) == (["c"], ["a"], {"a": 4})
     assert kv_readers(path, 2, "c", 4) == (["b", "a"], [], {})  # c reads nobody's blocks
+
+    whole = tmp_path / "whole.capture"  # b reads every token a has: nothing of a's is left to swap
+    w = CaptureWriter(whole, Header((FORMAT_MAJOR, FORMAT_MINOR), "test", 0.0, "synthetic"), keyframes=0)
+    w.write_record(step(0, new("a", ([0], [10]), 0, length=4)))
+    w.write_record(step(1, new("b", ([0, 30], [10, 31]), 4), also=("a",)))
+    w.close()
+    assert kv_readers(whole, 1, "b", 4) == ([], ["a"], {})
