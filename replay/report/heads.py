@@ -14,7 +14,7 @@ from replay.capture.codec.columns import ColumnSource
 from replay.capture.codec.step_image import is_nil, restore_output
 from replay.capture.codec.stepcodec import batch_order, map_request_ids
 from replay.capture.format import records as fmt
-from replay.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from replay.contracts import EngineCoreRequest, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from replay.contracts.image_decoder import ImageDecoder
 
 
@@ -100,10 +100,26 @@ class _AlignedStepHead(StepHead, tag="aligned_step"):
         return self
 
 
+class _LiveHead(msgspec.Struct, array_like=True):
+    """The leading fields of a keyframe's `LiveRequest`: its arrival and what it generated before the keyframe."""
+
+    request: EngineCoreRequest
+    arrived: int
+    scheduled: bool = False
+    output_token_ids: list[int] = []
+
+
+class KeyframeHead(msgspec.Struct, tag="keyframe", array_like=True):
+    """A stored `Keyframe`'s step and live requests; the cached blocks and the batch are skipped undecoded."""
+
+    step: int
+    requests: list[_LiveHead]
+
+
 # every record of a chunk, steps as heads
 DECODER = msgspec.msgpack.Decoder(fmt.Header | fmt.RequestAdded | fmt.RequestAborted | fmt.Ids | fmt.LiveIds | StepHead
                                   | _PackedStepHead | _AlignedStepHead | fmt.LogprobColumns | fmt.StepImage | fmt.Crash
-                                  | fmt.Footer)
+                                  | fmt.Footer | KeyframeHead)
 _HEAD = msgspec.msgpack.Decoder(StepHead)
 
 

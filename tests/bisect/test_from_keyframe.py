@@ -8,7 +8,7 @@ import pytest
 
 from replay.bisect.batch import bisect_batch
 from replay.bisect.layers import bisect_layers
-from replay.capture import CaptureReader, Step, StepRange
+from replay.capture import CaptureReader, Keyframe, Step, StepRange
 from replay.capture.flight.control import request_snapshot
 from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
@@ -132,3 +132,22 @@ def test_bisect_leak_and_explain_run_on_a_rings_snapshot_and_segment(ring, which
     assert planted.found == CONTAMINATION and planted.minimal_set == [neighbour], planted.verdict
     assert explain_divergence(capture).found == NOTHING
     assert explain_divergence(capture, ReplayOptions(overrides={"dtype": "bfloat16"})).found == CONFIG
+
+
+@pytest.mark.parametrize("which", ["snapshot", "segment"])
+def test_the_report_reads_a_rings_keyframes_as_arrivals_not_damage(ring, which, tmp_path):
+    """A snapshot and a segment open with a keyframe: the report knows its live requests (their arrivals precede
+    the capture) and finds nothing lost."""
+    from replay.report import write_report
+    from replay.report.run_facts import run_facts
+
+    capture = request_snapshot(ring).path if which == "snapshot" else sorted(ring.glob("segment-*.capture"))[-2]
+    with CaptureReader(capture) as r:
+        first = r.step_span()[0]
+        recs = list(r.records())
+    [live, *_] = [x for x in recs if isinstance(x, Keyframe) and x.step == first]
+    facts = run_facts(capture)
+    assert facts.damage == []
+    early = [x for x in live.requests if x.request.request_id in facts.requests]
+    assert early and all(facts.requests[x.request.request_id].arrival == x.arrived < first for x in early)
+    assert write_report(capture, tmp_path / "r.html").data_lost == []
