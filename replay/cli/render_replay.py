@@ -79,11 +79,22 @@ def render_divergence(d: Divergence) -> list[str]:
         layer = f"MoE layer {d.moe_layer}" if d.moe_layer is not None else "another number of MoE layers or experts"
         return [f"  step {d.step}, request {d.request_id}, token {d.token_index}: {layer} routed it to experts "
                 f"{d.expected_experts} recorded, {d.actual_experts} replayed (ROUTED EXPERTS)"]
-    what = "prompt logprobs" if d.kind == "prompt_logprobs" else "logprobs"
+    if d.kind == "prompt_logprobs":
+        if d.expected_rows is not None or d.actual_rows is not None:
+            change = f"{_rows(d.expected_rows)} recorded, {_rows(d.actual_rows)} replayed"
+        else:
+            change = logprob_change("prompt logprobs", None, None, d.max_abs_logprob_diff)
+        return [f"  step {d.step}, request {d.request_id}: its prompt logprobs: {change}"]
+    what = "logprobs"
     change = logprob_change(what, d.expected_rank, d.actual_rank, d.max_abs_logprob_diff, d.sampled_logprob_diff,
                             d.topk_changed)
     return [f"  step {d.step}, request {d.request_id}, output position {d.position}: same token {d.expected_token}, "
             f"{change}"]
+
+
+def _rows(n: int | None) -> str:
+    """A number of prompt logprob rows, in words."""
+    return "none" if n is None else f"{n} row{'s' * (n != 1)}"
 
 
 def logprob_change(what: str, expected_rank: int | None, actual_rank: int | None, max_abs: float,

@@ -52,6 +52,9 @@ class Divergence(msgspec.Struct, omit_defaults=True):
     flip: str | None = None
     topk_changed: bool = False
     internal_id: str = ""
+    # prompt logprobs whose numbers of rows differ: each side's (None: it has none); both None where they agree
+    expected_rows: int | None = None
+    actual_rows: int | None = None
     # speculative decoding: how many of the step's scheduled drafts each side accepted (None: no drafts)
     num_drafts: int | None = None
     expected_accepted: int | None = None
@@ -109,7 +112,8 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
                  greedy: set[str] | frozenset = frozenset(),
                  random_draws: set[str] | frozenset = frozenset(),
                  tol_of: dict[str, Tolerance] | None = None,
-                 so: SchedulerOutput | None = None) -> tuple[StepSummary, list[Divergence]]:
+                 so: SchedulerOutput | None = None,
+                 prompt_from: dict[str, int] | None = None) -> tuple[StepSummary, list[Divergence]]:
     """Diff one step's outputs (`drafts`: the draft tokens the step scheduled per request, if any; `skip`: requests
     the replay left out, not compared; `greedy`: greedy requests, whose tokens must be their argmax; `random_draws`:
     random-sampling requests whose draws are compared, whose flips are draws; `tol_of`: requests compared within
@@ -119,6 +123,8 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
     first position that differs is the one reported.
     Requests in `foreign_draws` were sampled with random streams this runner cannot repeat: their sampled token
     (and its logprob column and rank) is counted when it differs, not compared; their top-k logprobs are.
+    `prompt_from[rid]`: the prompt logprob rows before it were computed before the replay started (a request
+    rebuilt from a keyframe in the middle of its prompt), so only the rows after it are compared.
     With the step's SchedulerOutput `so`, an MoE model's routing (`ModelRunnerOutput.routing`, where both sides
     have it) is compared token by token, exactly: expert ids are not numerics."""
     exp_ids = expected.req_ids if expected is not None else []
@@ -151,10 +157,13 @@ def compare_step(step: int, expected: ModelRunnerOutput | None, actual: ModelRun
         ep, ap = expected.prompt_logprobs_dict.get(rid), actual.prompt_logprobs_dict.get(rid)
         if ep is not None or ap is not None:
             summary.rows_compared += 1
-            equal, d = _prompt_logprobs_equal(ep, ap, t, summary)
+            start = prompt_from.get(rid, 0) if prompt_from else 0
+            equal, d, rows = _prompt_logprobs_equal(ep, ap, t, summary, start)
             if not equal:
                 summary.logprob_mismatches += 1
-                divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid))
+                e_rows, a_rows = rows if rows[0] != rows[1] else (None, None)
+                divs.append(Divergence(step, name, 0, "prompt_logprobs", max_abs_logprob_diff=d, internal_id=rid,
+                                       expected_rows=e_rows, actual_rows=a_rows))
     if so is not None and expected is not None:
         divs += _compare_routing(step, expected, actual, so, ext, positions, skip, summary, tol_of or frozenset())
     return summary, divs
@@ -196,25 +205,33 @@ def _compare_routing(step: int, expected: ModelRunnerOutput, actual: ModelRunner
 
 
 def _prompt_logprobs_equal(ep: LogprobsTensors | None, ap: LogprobsTensors | None, tol: Tolerance,
-                           summary: StepSummary) -> tuple[bool, float]:
-    """(whether one request's prompt logprobs are equal under `tol`, row by row as sampled rows are; max |Δ|)."""
-    if ep is None or ap is None or ep.logprobs.shape != ap.logprobs.shape:
-        return False, 0.0
-    ids_e, ids_a = ep.logprob_token_ids.to_numpy(), ap.logprob_token_ids.to_numpy()
-    lp_e, lp_a = ep.logprobs.to_numpy(), ap.logprobs.to_numpy()
-    rk_e, rk_a = ep.selected_token_ranks.to_numpy(), ap.selected_token_ranks.to_numpy()
+                           summary: StepSummary, start: int = 0) -> tuple[bool, float, tuple[int | None, int | None]]:
+    """(whether one request's prompt logprobs are equal under `tol`, row by row as sampled rows are; max |Δ|; the
+    rows compared of each side, None for a side without any). With `start`, the rows from `start` on of the
+    recording against as many last rows of the replay."""
+    if ep is None or ap is None:
+        return False, 0.0, (None if ep is None else ep.logprobs.shape[0] - start,
+                            None if ap is None else ap.logprobs.shape[0])
+    n = ep.logprobs.shape[0] - start
+    e = [a.to_numpy()[start:] for a in (ep.logprob_token_ids, ep.logprobs, ep.selected_token_ranks)]
+    a = [x.to_numpy() for x in (ap.logprob_token_ids, ap.logprobs, ap.selected_token_ranks)]
+    if start and n >= 0 and len(a[1]) >= n:
+        a = [x[len(x) - n:] for x in a]
+    if e[1].shape != a[1].shape:
+        return False, 0.0, (len(e[1]), len(a[1]))
+    (ids_e, lp_e, rk_e), (ids_a, lp_a, rk_a) = e, a
     if ids_e.tobytes() == ids_a.tobytes() and rk_e.tobytes() == rk_a.tobytes() and tol.equal(lp_e, lp_a):
         with np.errstate(invalid="ignore"):  # the same ids in the same order: the common case, in one pass
             d = np.abs(lp_e.astype(np.float64) - lp_a)
         d[(lp_e == lp_a) | np.isnan(d)] = 0.0
-        return True, float(d.max(initial=0.0))
+        return True, float(d.max(initial=0.0)), (n, n)
     equal, worst = True, 0.0
     for k in range(lp_e.shape[0]):
         cmp = compare_rows(Row(ids_e[k], lp_e[k], int(rk_e[k])), Row(ids_a[k], lp_a[k], int(rk_a[k])), tol)
         equal &= cmp.equal
         worst = max(worst, cmp.max_abs)
         summary.near_ties += cmp.near_tie
-    return equal, worst
+    return equal, worst, (n, n)
 
 
 def _rows(out: ModelRunnerOutput, index: int) -> list[Row | None]:

@@ -15,7 +15,7 @@ import msgspec
 from replay.capture import CaptureReader, Header, StepRange
 from replay.capture.format import records as fmt
 from replay.capture.reading.keyframe_seek import keyframe_steps
-from replay.contracts import SAMPLING_EPS, ModelRunnerOutput, SamplingParams
+from replay.contracts import SAMPLING_EPS, Array, ModelRunnerOutput, SamplingParams
 from replay.diff import (
     BatchComposition,
     Divergence,
@@ -112,8 +112,26 @@ def _random(sp: SamplingParams | None) -> bool:
     return sp is not None and sp.temperature >= SAMPLING_EPS
 
 
-def _digest(mro: ModelRunnerOutput | None) -> bytes:
-    return hashlib.sha256(fmt.WIRE_ENCODER.encode(mro)).digest() if mro is not None else b""
+def _digest(mro: ModelRunnerOutput | None, unrepeatable: set[str]) -> bytes:
+    """A step's output, for --repeat; the tokens the requests in `unrepeatable` drew (and those tokens' logprobs and
+    ranks, column 0 of their rows) left out, since no two replays draw them alike."""
+    if mro is None:
+        return b""
+    drawn = [i for i, rid in enumerate(mro.req_ids) if rid in unrepeatable]
+    if drawn:
+        lp = mro.logprobs
+        sampled = list(mro.sampled_token_ids)
+        for i in drawn:
+            sampled[i] = []
+        if lp is not None:
+            rows = [k for i in drawn for k in lp.rows_of(i)]
+            ids, vals, ranks = (a.to_numpy().copy() for a in (lp.logprob_token_ids, lp.logprobs,
+                                                              lp.sampled_token_ranks))
+            ids[rows, :1], vals[rows, :1], ranks[rows] = 0, 0.0, 0
+            lp = msgspec.structs.replace(lp, logprob_token_ids=Array.from_numpy(ids), logprobs=Array.from_numpy(vals),
+                                         sampled_token_ranks=Array.from_numpy(ranks))
+        mro = msgspec.structs.replace(mro, sampled_token_ids=sampled, logprobs=lp)
+    return hashlib.sha256(fmt.WIRE_ENCODER.encode(mro)).digest()
 
 
 def _repro(path: str, step: int, opts: ReplayOptions, p: _Pass) -> str:
@@ -153,7 +171,8 @@ class _Pass:
     steps: int = 0
     replay_s: float = 0.0
     record_s: float = 0.0
-    digests: list[bytes] = field(default_factory=list)  # of every replayed output, for --repeat
+    digests: list[tuple[int, bytes]] = field(default_factory=list)  # (step, its output's digest), for --repeat
+    unrepeatable: int = 0  # requests whose draws the digests leave out
     requests: set[str] = field(default_factory=set)  # requests with an output among the diffed steps
     tolerance: Tolerance = field(default_factory=Tolerance)
     tolerance_choice: str = ""
@@ -233,6 +252,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
     foreign_random: set[str] = set()
     greedy: set[str] = set()
     random_draws: set[str] = set()  # random-sampling requests whose draws this runner repeats: their flips are draws
+    unrepeatable: set[str] = set()  # drawn from vLLM's global generator in a state no replay from a keyframe has
     # with speculative decoding every random draw goes through vLLM's rejection sampler, which only vLLM repeats
     speculative = bool(r.header.engine_config and r.header.engine_config.layout.get("speculative_config"))
     by_vllm = built.kind == "vllm"
@@ -250,23 +270,27 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
             not built.runner.repeats(out.recorded_draws, sp.seed is not None) or (speculative and not by_vllm)
             or (global_draws and sp.seed is None)))
         greedy.update(rid for rid, sp in reqs if not _random(sp))
+        unrepeatable.update(rid for rid, sp in reqs if global_draws and _random(sp) and sp.seed is None)
         random_draws.update(rid for rid, sp in reqs if _random(sp) and rid not in foreign_random)
 
+    prompt_from: dict[str, int] = {}  # rebuilt in the middle of its prompt: its prompt logprob rows computed before
     for rec, actual in loop.replay(records, last=rng.last if rng is not None else None, run=run):
         so, expected = rec.scheduler_output, rec.model_runner_output
         if loop.priming is not None and rec.index == out.keyframe:  # the requests live at the keyframe
             classify([(x.request.request_id, x.request.sampling_params) for x in loop.priming.keyframe.requests])
+            prompt_from = {x.request.request_id: x.num_computed_tokens for x in loop.priming.keyframe.requests
+                           if x.request.request_id in loop.priming.rebuilt and not x.output_token_ids}
         classify([(n.req_id, n.sampling_params) for n in so.scheduled_new_reqs])
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
-        out.digests.append(_digest(actual))
+        out.digests.append((rec.index, _digest(actual, unrepeatable)))
         if opts.diff and (rng is None or rec.index >= rng.first):
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
                                          foreign_random, so.scheduled_spec_decode_tokens, out.skip, greedy,
                                          random_draws,
                                          {rid: rebuilt_tol for rid in loop.priming.rebuilt} if loop.priming else None,
-                                         so)
+                                         so, prompt_from)
             out.summaries.append(summary)
             out.requests.update(r for r in (expected.req_ids if expected is not None else ()) if r not in out.skip)
             if divs and out.first_batch is None:
@@ -277,7 +301,7 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
             opts.progress(rec.index)
     if opts.progress is not None:
         opts.progress(None)
-    out.steps, out.replay_s = loop.steps_run, loop.execute_s
+    out.steps, out.replay_s, out.unrepeatable = loop.steps_run, loop.execute_s, len(unrepeatable)
     out.data_lost = [d.describe() for d in r.damage]
     out.stopped = loop.stopped
     out.crash = loop.crash
@@ -286,20 +310,20 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
         out.primed_tokens = loop.priming.tokens
 
 
-def replay_digests(task: tuple[str, ReplayOptions]) -> list[bytes]:
+def replay_digests(task: tuple[str, ReplayOptions]) -> list[tuple[int, bytes]]:
     """One more replay of a capture (in whichever process or Ray worker runs it): the digest of every output."""
     path, opts = task
     return _one_pass(path, opts).digests
 
 
-def _repeat_digests(path: str | os.PathLike, opts: ReplayOptions) -> list[list[bytes]]:
+def _repeat_digests(path: str | os.PathLike, opts: ReplayOptions) -> list[list[tuple[int, bytes]]]:
     """The 2nd..Nth replays' digests, in order: in this process, or fanned out (each in a fresh process or Ray
     worker, which also checks that another process computes the same bits)."""
     n = opts.repeat - 1
     if opts.fan_out.jobs <= 1 and not opts.fan_out.ray:
         return [_one_pass(path, opts).digests for _ in range(n)]
     task = (str(path), dataclasses.replace(opts, progress=None, repeat=1, fan_out=FanOut(), engines=None))
-    out: list[list[bytes]] = [[] for _ in range(n)]
+    out: list[list[tuple[int, bytes]]] = [[] for _ in range(n)]
     for i, digests in fan_out(replay_digests, [task] * n, opts.fan_out):
         out[i] = digests
     return out
@@ -317,9 +341,11 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     p = _one_pass(path, opts)
     run_to_run = None
     if opts.repeat > 1:
-        run_to_run = f"deterministic: {opts.repeat} replays bitwise identical"
+        run_to_run = f"deterministic: {opts.repeat} replays bitwise identical" + (
+            f" (but for the draws of {p.unrepeatable} unseeded requests: vLLM's global generator, whose state at the "
+            "keyframe no capture holds)" if p.unrepeatable else "")
         for k, other in enumerate(_repeat_digests(path, opts), 2):
-            s = next((s for s, (a, b) in enumerate(zip(p.digests, other)) if a != b), None)
+            s = next((a[0] for a, b in zip(p.digests, other) if a != b), None)
             if s is not None:
                 run_to_run = f"NOT deterministic: replay {k} differs from replay 1 at step {s}"
                 break

@@ -130,3 +130,43 @@ def test_routing_is_compared_only_where_both_sides_routed_and_not_for_rebuilt_re
     routed = replace(out, routed_experts=RoutedExpertsLists(Array.from_numpy(data)))
     start, rows = routed.routing(so)["b"]
     assert start == 40 and np.array_equal(rows, data[:2])  # the token and the accepted draft, not the rejected one
+
+
+def _prompt(rows: int, shift: float = 0.0):
+    from replay.contracts import LogprobsTensors
+
+    ids = np.arange(rows * 3, dtype=np.int32).reshape(rows, 3)
+    vals = -np.arange(1, rows * 3 + 1, dtype=np.float32).reshape(rows, 3) + shift
+    return LogprobsTensors(Array.from_numpy(ids), Array.from_numpy(vals), Array.from_numpy(np.ones(rows, np.int32)))
+
+
+def _tail(t, start: int):
+    """Prompt logprobs `t` without their first `start` rows (what our runner computes after a keyframe)."""
+    from replay.contracts import LogprobsTensors
+
+    return LogprobsTensors(*(Array.from_numpy(a.to_numpy()[start:]) for a in (t.logprob_token_ids, t.logprobs,
+                                                                               t.selected_token_ranks)))
+
+
+def test_prompt_logprobs_on_one_side_only_name_the_rows_each_side_has():
+    import msgspec
+
+    from replay.cli.render_replay import render_divergence
+
+    expected = _out({"a": [5]})
+    actual = msgspec.structs.replace(expected, prompt_logprobs_dict={"a": _prompt(4)})
+    _, [d] = compare_step(3, expected, actual, {}, {}, Tolerance())
+    assert (d.kind, d.expected_rows, d.actual_rows) == ("prompt_logprobs", None, 4)
+    assert render_divergence(d) == ["  step 3, request a: its prompt logprobs: none recorded, 4 rows replayed"]
+
+
+def test_prompt_logprobs_from_a_row_on_compare_the_rows_computed_after_it():
+    import msgspec
+
+    full = msgspec.structs.replace(_out({"a": [5]}), prompt_logprobs_dict={"a": _prompt(6)})
+    tail = msgspec.structs.replace(_out({"a": [5]}), prompt_logprobs_dict={"a": _tail(_prompt(6), 2)})
+    assert compare_step(3, full, tail, {}, {}, Tolerance(), prompt_from={"a": 2})[1] == []  # fewer rows: the tail
+    assert compare_step(3, full, full, {}, {}, Tolerance(), prompt_from={"a": 2})[1] == []  # all rows: their tail
+    moved = msgspec.structs.replace(_out({"a": [5]}), prompt_logprobs_dict={"a": _prompt(6, shift=1e-3)})
+    [d] = compare_step(3, full, moved, {}, {}, Tolerance(), prompt_from={"a": 2})[1]
+    assert d.expected_rows is None and abs(d.max_abs_logprob_diff - 1e-3) < 1e-6

@@ -88,3 +88,31 @@ def test_the_command_that_reproduces_a_divergence_starts_where_the_replay_did(ke
     assert rep.diverged and rep.first_divergence.step == k + 2 and "--from-start" in rep.repro, rep.repro
     again = cli.invoke(app, rep.repro.split()[1:])
     assert again.exit_code == 1 and f"first at step {k + 2}" in again.stdout, again.output
+
+
+def test_prompt_logprobs_are_compared_over_the_rows_computed_after_the_keyframe(tmp_path):
+    """A keyframe in the middle of a prompt whose logprobs were asked for: the rows before it were computed before
+    the replay began, so the rows after it are compared; a request past its prompt at the keyframe has none to give."""
+    from replay.contracts import SamplingParams
+    from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+    from replay.record import RecordOptions, WorkloadRequest, record_builtin
+
+    sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, prompt_logprobs=3)
+    reqs = [WorkloadRequest(sp, None, list(range(40, 52)), "short", 0),
+            WorkloadRequest(sp, None, [(7 * j) % 500 + 3 for j in range(50)], "long", 2)]
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4,
+                                                 max_num_batched_tokens=16), runner=RunnerConfig(num_threads=1))
+    path = record_builtin(RecordOptions(cfg, reqs, tmp_path / "plp.capture", keyframe_steps=1)).path
+    mid_prompt = past_prompt = 0
+    with CaptureReader(path) as r:
+        keyframes = [x for x in r.records() if type(x).__name__ == "Keyframe"]
+        last = r.step_span()[1]  # (the last step only finishes requests)
+    for kf in keyframes[:-1] if keyframes[-1].step == last else keyframes:
+        live = {x.request.name: x for x in kf.requests if x.scheduled and x.num_computed_tokens}
+        if not live:
+            continue
+        mid_prompt += any(not x.output_token_ids for x in live.values())
+        past_prompt += any(x.output_token_ids for x in live.values())
+        rep = replay_capture(path, ReplayOptions(steps=StepRange(kf.step, kf.step + 4)))
+        assert rep.keyframe == kf.step and not rep.diverged, (kf.step, rep.first_divergence)
+    assert mid_prompt and past_prompt

@@ -39,7 +39,9 @@ def restore_request_states(worker: Any, states: list[dict], batch: list[str]) ->
             req_id=state["req_id"], prompt_token_ids=state["prompt_token_ids"], mm_features=[], sampling_params=sp,
             generator=generator, block_ids=state["block_ids"], num_computed_tokens=state["num_computed_tokens"],
             output_token_ids=state["output_token_ids"], lora_request=state["lora_request"])
-        if sp is not None and sp.prompt_logprobs is not None:
+        # prompt logprobs still to come: a request that sampled a token has had its prompt's (vLLM hands them over
+        # with its first token); this one's rows before the keyframe stay empty, and the diff skips them
+        if sp is not None and sp.prompt_logprobs is not None and not state["output_token_ids"]:
             runner.num_prompt_logprobs[state["req_id"]] = (runner.input_batch.vocab_size if sp.prompt_logprobs == -1
                                                            else sp.prompt_logprobs)
     for rid in batch:

