@@ -33,6 +33,7 @@ from replay.bisect.promise import determinism_promise, promise_clause
 from replay.capture import StepRange
 from replay.diff import Divergence
 from replay.errors import CannotTestError, UsageError
+from replay.inspect.show import show_steps
 from replay.replayer import ReplayOptions, replay_capture
 
 NOTHING = "NOTHING TO EXPLAIN"
@@ -78,6 +79,8 @@ def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = Non
     opts = opts or ReplayOptions()
     runner = opts.overrides.get("runner", "builtin")
     steps = StepRange(step, step) if step is not None else opts.steps
+    if request is not None:  # a name no step schedules is a typo, not a request that matches
+        show_steps(path, steps, request, limit=1)
     base = dataclasses.replace(opts, repeat=max(opts.repeat, 2), steps=steps)
     log(f"replaying {path} twice" + (f" to step {step}" if step is not None else ""))
     rep = replay_capture(path, base)

@@ -7,7 +7,7 @@ import os
 
 import msgspec
 
-from replay.capture import CaptureReader, Crash, Damage, RequestAdded, Step, StepRange
+from replay.capture import CaptureReader, Crash, Damage, Keyframe, RequestAdded, Step, StepRange
 from replay.errors import CaptureError
 
 
@@ -16,7 +16,7 @@ class ShownSteps(msgspec.Struct):
 
     path: str
     steps: list[Step]
-    external_ids: dict[str, str]  # internal request id -> the user's id, from RequestAdded records read
+    external_ids: dict[str, str]  # internal request id -> the user's id, from the arrivals and keyframes read
     request: str | None  # the internal id selected with --request, if any
     damage: list[Damage]
     crashes: dict[int, Crash] = {}  # step index -> what the engine raised executing it (for the steps shown)
@@ -43,12 +43,13 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
             if isinstance(rec, Crash):
                 crashes[rec.step] = rec
                 continue
-            if isinstance(rec, RequestAdded):
-                rid, eid = rec.request.request_id, rec.request.external_req_id and rec.request.name
-                if eid is not None:
-                    ext[rid] = eid
-                    if request is not None and eid == request:
-                        internal = rid
+            if isinstance(rec, RequestAdded | Keyframe):  # (a keyframe's live requests arrived before it)
+                for arrival in [rec.request] if isinstance(rec, RequestAdded) else [x.request for x in rec.requests]:
+                    rid, eid = arrival.request_id, arrival.external_req_id and arrival.name
+                    if eid is not None:
+                        ext[rid] = eid
+                        if request is not None and eid == request:
+                            internal = rid
                 continue
             if not isinstance(rec, Step) or (rng is not None and rec.index not in rng):
                 continue
@@ -60,7 +61,7 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
                 break
         if not out:
             what = f"step {rng.first}" if rng is not None and rng.last == rng.first else \
-                f"steps {rng}" if rng is not None else "any step"
+                f"steps {rng}" if rng is not None else "step"
             who = f" scheduling request {request!r}" if request is not None else ""
             lost = f" (the capture is damaged: {r.damage[0].describe()})" if r.damage else ""
             raise CaptureError(path, f"no {what}{who} in this capture{lost}")

@@ -60,3 +60,8 @@ def test_a_leak_planted_in_the_replay_is_contamination_with_its_command(keyed_ca
 def test_a_replay_that_matches_has_nothing_to_explain(keyed_capture):
     res = explain_divergence(keyed_capture)
     assert res.found == NOTHING and not res.bug and res.re_executions == 2
+
+
+def test_a_request_no_step_schedules_is_a_mistake_not_a_match(keyed_capture, capsys):
+    code = main(["explain", str(keyed_capture), "--step", "5", "--request", "nope"])
+    assert code == 2 and "no step 5 scheduling request 'nope'" in capsys.readouterr().err

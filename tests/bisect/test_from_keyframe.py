@@ -151,3 +151,14 @@ def test_the_report_reads_a_rings_keyframes_as_arrivals_not_damage(ring, which, 
     early = [x for x in live.requests if x.request.request_id in facts.requests]
     assert early and all(facts.requests[x.request.request_id].arrival == x.arrived < first for x in early)
     assert write_report(capture, tmp_path / "r.html").data_lost == []
+
+
+def test_show_finds_a_request_live_at_the_opening_keyframe_by_its_own_id(ring):
+    from replay.inspect.show import show_steps
+
+    capture = sorted(ring.glob("segment-*.capture"))[-2]
+    with CaptureReader(capture) as r:
+        kf = next(x for x in r.records() if isinstance(x, Keyframe))
+    live = next(x.request for x in kf.requests if x.scheduled)
+    shown = show_steps(capture, request=live.name)
+    assert shown.request == live.request_id and shown.external_ids[live.request_id] == live.name and shown.steps
