@@ -55,7 +55,8 @@ def bisect_steps(
     emit(res, render_bisect_steps, json=json)
     if res.step is not None:
         raise typer.Exit(1)
-    if res.replay is not None and res.replay.data_lost:  # no divergence in the readable prefix, but data was lost
+    lost = res.replay.data_lost if res.replay is not None else res.capture_diff.data_lost if res.capture_diff else []
+    if lost:  # no divergence in the readable prefix (or prefixes), but data was lost
         raise typer.Exit(EXIT_DAMAGED)
 
 

@@ -125,7 +125,7 @@ def _prefix_lines(rep: ReplayReport) -> list[str]:
     """What a replay of a damaged or unfinished capture covered, and what it could not."""
     if not rep.data_lost:
         return []
-    where = rep.stopped or f"the replay covers the {rep.steps_replayed} steps that were readable"
+    where = rep.stopped or f"the replay covers {rep.steps_replayed} readable steps"
     return [f"capture damaged ({'; '.join(rep.data_lost[:3])}): {where}"]
 
 

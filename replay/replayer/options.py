@@ -48,5 +48,5 @@ class ReplayOptions:
         if name not in (None, "auto", "bitwise"):
             raise UsageError(f"--tolerance {name}: use auto or bitwise (or --atol/--rtol for numbers)")
         if name is not None and (atol or rtol):
-            raise UsageError(f"--tolerance {name} decides the tolerance itself: drop --atol/--rtol, or it")
+            raise UsageError(f"--tolerance {name} decides the tolerance itself: drop either it or --atol/--rtol")
         return Tolerance(atol, rtol, tie_margin), name == "auto"

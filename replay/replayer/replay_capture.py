@@ -187,14 +187,16 @@ class _Pass:
     rebuild_tolerance: Tolerance | None = None
     primed_tokens: int = 0
     draws_why: str = ""  # why the recording's seeded draws are not compared, where the reason is the version
+    span: tuple[int, int] | None = None  # the capture's first and last steps, where its index says
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
     """Replay the capture once, diffing the steps `opts.steps` selects."""
     out = _Pass()
     with CaptureReader(path) as r:
+        out.span = r.step_span()
         if opts.steps is not None:
-            _check_range(path, opts.steps, r.step_span())
+            _check_range(path, opts.steps, out.span)
         kind = opts.overrides.get("runner", "builtin")
         if opts.from_keyframe and opts.steps is None:
             raise UsageError("--from-keyframe needs --steps A-B: it starts at the keyframe nearest before step A")
@@ -354,7 +356,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
         raise CaptureDamagedError(path, f"no readable prefix of steps to replay ({p.data_lost[0]})")
     what = f"steps {opts.steps}" if opts.steps is not None else "the capture"
     if opts.diff and not p.summaries and p.crash is None:
-        raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p.steps)}); a verdict needs "
+        raise UsageError(f"{path}: {what}: no step to compare (the capture has {_span(p)}); a verdict needs "
                          "at least one compared step")
     if opts.diff and not p.count and p.crash is None and not any(
             s.tokens_compared or s.rows_compared or s.tokens_routed for s in p.summaries):
@@ -392,11 +394,14 @@ def _draws_by(p: _Pass, opts: ReplayOptions) -> str:
     return p.recorded_draws
 
 
-def _span(steps: int) -> str:
-    return "no steps" if steps == 0 else f"steps 0-{steps - 1}"
+def _span(p: _Pass) -> str:
+    """The capture's steps, in words."""
+    if p.span is not None:
+        return f"steps {p.span[0]}-{p.span[1]}"
+    return "no readable step there" if p.steps == 0 else f"{p.steps} readable steps"
 
 
 def _check_range(path: str | os.PathLike, rng: StepRange, span: tuple[int, int] | None) -> None:
     """Refuse a --steps range the capture's index says lies outside it, before replaying anything."""
-    if span is not None and rng.first > span[1]:
+    if span is not None and (rng.first > span[1] or rng.last is not None and rng.last < span[0]):
         raise UsageError(f"{path}: steps {rng}: the capture has steps {span[0]}-{span[1]}; nothing to compare")

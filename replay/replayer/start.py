@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from replay.capture import CaptureReader, Header, Record
+from replay.capture import CaptureReader, Header, Keyframe, Record, Step
 from replay.capture.reading.keyframe_seek import chunks_from, keyframe_steps
 from replay.errors import UsageError
 from replay.replayer.build import Runner
@@ -33,12 +33,12 @@ class Start:
 def start_at(reader: CaptureReader, first: int | None, *, from_start: bool = False) -> Start:
     """Where a replay that must reach step `first` starts (None: it replays everything, from the beginning).
     Raises UsageError for a capture that starts past step 0 without a keyframe there."""
-    span = reader.step_span()
-    if span is not None and span[0] > 0:
-        if span[0] not in keyframe_steps(reader):
-            raise UsageError(f"{reader.path}: capture starts at step {span[0]} without a keyframe there: a "
+    opens = _first_step(reader)
+    if opens is not None and opens > 0:
+        if opens not in keyframe_steps(reader):
+            raise UsageError(f"{reader.path}: capture starts at step {opens} without a keyframe there: a "
                              "SchedulerOutput is a diff against state the runner never saw")
-        opening = Start(span[0], OPENING)
+        opening = Start(opens, OPENING)
     else:
         opening = Start(None)
     if first is None or from_start:
@@ -48,6 +48,17 @@ def start_at(reader: CaptureReader, first: int | None, *, from_start: bool = Fal
         return opening
     return Start(before[-1], f"the nearest keyframe at or before step {first}; --from-start replays from "
                              f"{'step 0' if opening.keyframe is None else f'step {opening.keyframe}'}")
+
+
+def _first_step(reader: CaptureReader) -> int | None:
+    """The step the capture opens at: by the index, else the first keyframe or step read (a capture cut short)."""
+    span = reader.step_span()
+    if span is not None or reader.index is not None:
+        return span[0] if span is not None else None
+    for rec in reader.records():
+        if isinstance(rec, Keyframe | Step):
+            return rec.step if isinstance(rec, Keyframe) else rec.index
+    return None
 
 
 def prime_budget(runner: Runner, header: Header) -> int:

@@ -162,3 +162,30 @@ def test_show_finds_a_request_live_at_the_opening_keyframe_by_its_own_id(ring):
     live = next(x.request for x in kf.requests if x.scheduled)
     shown = show_steps(capture, request=live.name)
     assert shown.request == live.request_id and shown.external_ids[live.request_id] == live.name and shown.steps
+
+
+def test_steps_before_a_segment_opens_are_refused_naming_the_steps_it_has(ring):
+    from replay.errors import UsageError
+
+    capture = sorted(ring.glob("segment-*.capture"))[-2]
+    with CaptureReader(capture) as r:
+        first, last = r.step_span()
+    with pytest.raises(UsageError, match=f"the capture has steps {first}-{last}"):
+        replay_capture(capture, ReplayOptions(steps=StepRange(0, first - 1)))
+
+
+def test_a_snapshot_cut_short_still_opens_at_its_first_keyframe(ring, tmp_path):
+    """Without its seek index a capture's opening step is read from its first records: --from-start starts there,
+    and a replay from a later keyframe says so."""
+    from pathlib import Path
+
+    snap = Path(request_snapshot(ring).path)
+    with CaptureReader(snap) as r:
+        opening, later = keyframe_steps(r)[0], keyframe_steps(r)[1]
+    cut = tmp_path / "cut.capture"
+    data = snap.read_bytes()
+    cut.write_bytes(data[: len(data) * 3 // 4])
+    rep = replay_capture(cut, ReplayOptions(steps=StepRange(opening + 1, opening + 2), from_start=True))
+    assert rep.keyframe == opening and rep.data_lost
+    rep = replay_capture(cut, ReplayOptions(steps=StepRange(later + 1, later + 2)))
+    assert rep.keyframe == later and f"--from-start replays from step {opening}" in rep.keyframe_why

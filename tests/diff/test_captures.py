@@ -166,6 +166,8 @@ def test_a_damaged_capture_is_compared_up_to_where_it_lost_data(small_capture, t
         out = CliRunner().invoke(app, ["diff", str(small_capture), str(damaged)])
         assert out.exit_code == 3, out.output
         assert "capture damaged (B: " in out.stdout and "(data was lost: the readable prefixes match)" in out.stdout
+        out = CliRunner().invoke(app, ["bisect", "steps", str(small_capture), str(damaged)])
+        assert out.exit_code == 3 and "agree on every common request" in out.stdout, out.output
     out = CliRunner().invoke(app, ["diff", str(stub), str(small_capture)])
     assert out.exit_code == 3 and "no request readable in both captures to compare" in out.stderr
     # cut after each chunk: no request that has every output is cut, though vLLM names a finish one step late and
