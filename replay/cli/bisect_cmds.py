@@ -28,6 +28,7 @@ from replay.cli.common import (
     command,
     emit,
     fan_out_options,
+    knobs_with_runner,
     progress_log,
     replay_options,
     step_range,
@@ -81,7 +82,7 @@ def bisect_batch(
     from replay.diff import Tolerance
     from replay.replayer import parse_overrides
 
-    knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
+    knobs = knobs_with_runner(set_, runner)
     res = run_it(capture, step, request, tol=Tolerance(atol, rtol), overrides=parse_overrides(knobs),
                  log=progress_log(quiet), state=state, from_start=from_start)
     emit(res, render_bisect_batch, json=json)
@@ -109,7 +110,7 @@ def bisect_leak(
     from replay.cli.render_replay import render_bisect_leak
     from replay.replayer import Plant, parse_overrides
 
-    knobs = [*(set_ or []), *([f"runner={runner}"] if runner else [])]
+    knobs = knobs_with_runner(set_, runner)
     res = run_it(capture, step, request, contents=tuple(c.strip() for c in contents.split(",") if c.strip()),
                  overrides=parse_overrides(knobs), plant=Plant.parse(plant) if plant else None,
                  log=progress_log(quiet), from_start=from_start)
@@ -146,7 +147,7 @@ def bisect_layers(
     from replay.cli.render_replay import render_bisect_layers
     from replay.replayer import Plant, parse_overrides
 
-    overrides = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner else [])])
+    overrides = parse_overrides(knobs_with_runner(set_, runner))
     res = run_it(capture, step, request, against, plant=Plant.parse(plant) if plant else None,
                  overrides=overrides, dump=dump, dump_all=dump_all, log=progress_log(quiet), from_start=from_start)
     emit(res, render_bisect_layers, json=json)

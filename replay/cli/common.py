@@ -168,6 +168,17 @@ def step_range(text: str | None, flag: str = "--steps") -> StepRange | None:
     return None if text is None else StepRange.parse(text, flag)
 
 
+def knobs_with_runner(set_: list[str] | None, runner: str | None) -> list[str]:
+    """The --set knobs with `--runner R` as `runner=R`; a --set runner= that says otherwise is a UsageError."""
+    knobs = list(set_ or [])
+    if runner is None:
+        return knobs
+    said = [k.split("=", 1)[1].strip() for k in knobs if k.split("=", 1)[0].strip() == "runner" and "=" in k]
+    if any(v != runner for v in said):
+        raise UsageError(f"--runner {runner} and --set runner={said[0]} say two things: keep one")
+    return [*knobs, f"runner={runner}"]
+
+
 def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: float, rtol: float, tie_margin: float,
                    repeat: int, force: bool, plant: str | None, diff: bool = True,
                    runner: str | None = None, tolerance: str | None = None, from_start: bool = False) -> ReplayOptions:
@@ -176,9 +187,8 @@ def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: f
     from replay.replayer import Plant, ReplayOptions, parse_overrides
 
     tol, auto = ReplayOptions.tolerance_from(tolerance, atol, rtol, tie_margin)
-    knobs = set_ if runner is None else [*(set_ or []), f"runner={runner}"]
-    return ReplayOptions(mode=mode, overrides=parse_overrides(knobs), steps=step_range(steps),
-                         tolerance=tol, auto_tolerance=auto,
+    return ReplayOptions(mode=mode, overrides=parse_overrides(knobs_with_runner(set_, runner)),
+                         steps=step_range(steps), tolerance=tol, auto_tolerance=auto,
                          repeat=repeat, force=force,
                          plant=Plant.parse(plant) if plant else None, diff=diff, from_start=from_start,
                          progress=step_progress if sys.stderr.isatty() else None)

@@ -20,6 +20,7 @@ from replay.cli.common import (
     emit,
     fan_out_options,
     int_range,
+    knobs_with_runner,
     progress_log,
 )
 from replay.engine.config import RunnerConfig, SchedulerConfig
@@ -192,7 +193,7 @@ def stress(
     from replay.replayer import parse_overrides
     from replay.replayer.knobs import env_knobs
 
-    knobs = parse_overrides([*(set_ or []), *([f"runner={runner}"] if runner else []),
+    knobs = parse_overrides([*knobs_with_runner(set_, runner),
                              *([f"dtype={dtype}"] if dtype else []), *([f"threads={threads}"] if threads else []),
                              *([f"batch_invariant={str(batch_invariant).lower()}"] if batch_invariant is not None
                                else [])])

@@ -170,3 +170,12 @@ def test_help_lists_the_commands_in_the_order_of_a_users_day_and_points_at_the_r
                            "bisect", "stress", "check"], listed
     assert set(listed[12:]) == {"recover", "export", "synth", "demo"}
     assert "README.md" in out and "docs/guide.md" in out
+
+
+
+@pytest.mark.parametrize("cmd", [["run", "{c}", "--diff"], ["check", "{c}"], ["stress", "{c}"],
+                                 ["bisect", "batch", "{c}", "--step", "3", "--request", "r0"]])
+def test_runner_and_a_set_runner_that_disagree_are_refused(small_capture, cmd):
+    args = [str(small_capture) if a == "{c}" else a for a in cmd]
+    res = runner.invoke(app, [*args, "--runner", "vllm", "--set", "runner=builtin"])
+    assert res.exit_code in (2, 125) and "say two things" in res.stderr, res.output
