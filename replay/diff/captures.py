@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from replay.capture import CaptureReader, Header, RequestAdded, Step
+from replay.capture import CaptureReader, Damage, Header, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
 from replay.diff.rules import (
     Row,
@@ -106,12 +106,19 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
     marks: dict[str, int] = {}  # key -> its outputs so far where data was first lost while it was live
     limits: dict[str, int | None] = {}  # key -> max_tokens
     lost = seen = 0  # damage entries that lost records so far; damage entries of any kind looked at
+    gaps: list[Damage] = []  # steps missing where the reader saw no damage (a capture recovered from a loss)
+    last = None  # the last step read
     with CaptureReader(path) as r:
         side.header = r.header
         for rec in r.records():
             if len(r.damage) > seen:  # (a loss is rare: the check costs a record nothing else)
                 seen = len(r.damage)
-                lost = _mark(side, r.damage, lost, finished, marks)
+                lost = _mark(side, r.damage + gaps, lost, finished, marks)
+            elif isinstance(rec, Step) and last is not None and rec.index != last + 1:
+                gaps.append(Damage("gap", "steps missing", first_step=last + 1, last_step=rec.index - 1))
+                lost = _mark(side, r.damage + gaps, lost, finished, marks)
+            if isinstance(rec, Step):
+                last = rec.index
             if isinstance(rec, RequestAdded):
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())
@@ -142,8 +149,8 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                     first = mro.logprobs.first_row(i) if mro.logprobs is not None else 0
                     for k, t in enumerate(mro.sampled_token_ids[i]):  # several per step with spec decode
                         side.outputs[names[rid]].append((rec.index, t, row(mro.logprobs, first + k)))
-        _mark(side, r.damage, lost, finished, marks)  # a lost tail
-        side.lost = [d.describe() for d in r.damage]
+        _mark(side, r.damage + gaps, lost, finished, marks)  # a lost tail
+        side.lost = [d.describe() for d in r.damage + gaps]
     for key, n in marks.items():
         outputs = side.outputs.get(key, [])
         if len(outputs) > n:  # it went on after the gap: those outputs stand at positions the gap shifted

@@ -305,6 +305,9 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
         opts.progress(None)
     out.steps, out.replay_s, out.unrepeatable = loop.steps_run, loop.execute_s, len(unrepeatable)
     out.data_lost = [d.describe() for d in r.damage]
+    if loop.stopped and not out.data_lost:  # steps missing where the file lost nothing: a capture recovered from a loss
+        said = r.footer.status if r.footer is not None else ""
+        out.data_lost = [said if said.startswith("recovered from") else "steps missing"]
     out.stopped = loop.stopped
     out.crash = loop.crash
     if loop.priming is not None:

@@ -216,3 +216,27 @@ def test_different_model_is_refused_unless_forced(rich_capture, tmp_path):
     res = cli.invoke(app, ["run", str(rich_capture), "--diff", "--set", f"model={tmp_path / 'other'}", "--steps", "0-2",
                            "--force"])
     assert res.exit_code == 1 and "model weights differ" in res.stdout
+
+
+def test_a_capture_recovered_from_a_loss_still_says_data_was_lost(tmp_path):
+    """`recover` rewrites a capture whose middle chunk was lost into an intact file with a gap in its steps: a
+    replay stops at the gap and a diff cuts the requests live there, and both say data was lost (exit 3)."""
+    from replay.capture import CaptureReader
+    from replay.capture.reading.recover import recover
+    from replay.diff import diff_captures
+    from replay.record import SyntheticWorkload, synthetic
+    from tests.capture.reading.test_read_ahead import corrupt_chunk
+
+    path = tmp_path / "a.capture"
+    wl = synthetic(SyntheticWorkload(num_requests=12, arrival_rate=1.0, output_len=(8, 20)), 512)
+    record_builtin(RecordOptions(EngineConfig(runner=RunnerConfig(num_threads=1)), wl, path, flush_interval=0.0005))
+    with CaptureReader(path) as r:
+        middle = next(i for i, c in enumerate(r.index.chunks) if c.num_steps and c.first_step > 2)
+    corrupt_chunk(path, middle)
+    fixed = recover(path).output
+    rep = replay_capture(fixed)
+    assert rep.stopped and rep.data_lost and rep.data_lost[0].startswith("recovered from a.capture")
+    res = diff_captures(fixed, path)
+    assert not res.diverged and res.data_lost and res.requests_compared > 0
+    out = CliRunner().invoke(app, ["run", fixed, "--diff"])
+    assert out.exit_code == 3 and "data was lost" in out.stdout, out.output
