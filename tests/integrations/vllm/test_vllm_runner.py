@@ -58,3 +58,14 @@ def test_bisect_config_searches_vllms_layout_knobs(tp2_capture):
     assert res.minimal_change == {"tensor_parallel_size": "1"}  # eager is how it was recorded: not the cause
     assert "changing tensor_parallel_size=1 alone" in res.verdict
     assert res.engine_starts == 2  # one engine per layout tested (eager is the recorded setting)
+
+
+def test_bisect_config_on_the_builtin_runner_holds_a_vllm_capture_to_its_tolerance(tp2_capture):
+    """Our runner replays vLLM's numbers within 1e-4, never bitwise: bitwise, the good configuration diverges."""
+    from replay.bisect.config import bisect_config
+    from replay.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"already diverges \(bitwise; --atol/--rtol"):
+        bisect_config(tp2_capture, "", "dtype=bfloat16")
+    res = bisect_config(tp2_capture, "", "dtype=bfloat16,threads=1", tolerance=Tolerance(atol=1e-4))
+    assert res.minimal_change == {"dtype": "bfloat16"}
