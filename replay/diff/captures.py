@@ -107,18 +107,18 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
     limits: dict[str, int | None] = {}  # key -> max_tokens
     lost = seen = 0  # damage entries that lost records so far; damage entries of any kind looked at
     gaps: list[Damage] = []  # steps missing where the reader saw no damage (a capture recovered from a loss)
-    last = None  # the last step read
+    last, told = None, False  # the last step read; whether the reader named a loss since
     with CaptureReader(path) as r:
         side.header = r.header
         for rec in r.records():
             if len(r.damage) > seen:  # (a loss is rare: the check costs a record nothing else)
-                seen = len(r.damage)
-                lost = _mark(side, r.damage + gaps, lost, finished, marks)
-            elif isinstance(rec, Step) and last is not None and rec.index != last + 1:
-                gaps.append(Damage("gap", "steps missing", first_step=last + 1, last_step=rec.index - 1))
+                seen, told = len(r.damage), True
                 lost = _mark(side, r.damage + gaps, lost, finished, marks)
             if isinstance(rec, Step):
-                last = rec.index
+                if last is not None and rec.index != last + 1 and not told:
+                    gaps.append(Damage("gap", "steps missing", first_step=last + 1, last_step=rec.index - 1))
+                    lost = _mark(side, r.damage + gaps, lost, finished, marks)
+                last, told = rec.index, False
             if isinstance(rec, RequestAdded):
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())
