@@ -285,7 +285,11 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
         classify([(n.req_id, n.sampling_params) for n in so.scheduled_new_reqs])
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
-        out.digests.append((rec.index, _digest(actual, unrepeatable)))
+        drawn = unrepeatable
+        if so.scheduled_spec_decode_tokens and not unrepeatable.isdisjoint(so.num_scheduled_tokens):
+            # vLLM's rejection sampler draws for the whole batch: the drafts verified beside such draws go with them
+            drawn = unrepeatable | so.scheduled_spec_decode_tokens.keys()
+        out.digests.append((rec.index, _digest(actual, drawn)))
         if opts.diff and (rng is None or rec.index >= rng.first):
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,
@@ -347,8 +351,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     run_to_run = None
     if opts.repeat > 1:
         run_to_run = f"deterministic: {opts.repeat} replays bitwise identical" + (
-            f" (but for the draws of {p.unrepeatable} unseeded requests: vLLM's global generator, whose state at the "
-            "keyframe no capture holds)" if p.unrepeatable else "")
+            f" (but for the draws of {p.unrepeatable} unseeded requests, and the drafts verified beside them: vLLM's "
+            "global generator, whose state at the keyframe no capture holds)" if p.unrepeatable else "")
         for k, other in enumerate(_repeat_digests(path, opts), 2):
             s = next((a[0] for a, b in zip(p.digests, other) if a != b), None)
             if s is not None:

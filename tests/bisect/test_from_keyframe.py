@@ -181,10 +181,17 @@ def test_a_snapshot_cut_short_still_opens_at_its_first_keyframe(ring, tmp_path):
 
     snap = Path(request_snapshot(ring).path)
     with CaptureReader(snap) as r:
-        opening, later = keyframe_steps(r)[0], keyframe_steps(r)[1]
+        chunks = r.index.chunks
+    second = [i for i, c in enumerate(chunks) if c.keyframe >= 0][1]
+    end = chunks[min(second + 2, len(chunks) - 1)]  # (a cut past the second keyframe's steps, inside a chunk)
     cut = tmp_path / "cut.capture"
-    data = snap.read_bytes()
-    cut.write_bytes(data[: len(data) * 3 // 4])
+    cut.write_bytes(snap.read_bytes()[: end.offset + end.length // 2])
+    with CaptureReader(cut) as r:
+        assert r.index is None
+        last = max(x.index for x in r.records() if isinstance(x, Step))
+        keyframes = keyframe_steps(r)  # (read from the records: the cut took the index)
+    opening, later = keyframes[0], keyframes[1]
+    assert later + 2 <= last
     rep = replay_capture(cut, ReplayOptions(steps=StepRange(opening + 1, opening + 2), from_start=True))
     assert rep.keyframe == opening and rep.data_lost
     rep = replay_capture(cut, ReplayOptions(steps=StepRange(later + 1, later + 2)))

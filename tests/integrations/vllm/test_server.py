@@ -269,11 +269,14 @@ def _no_false_contamination(capture: Path, engines: Engines) -> None:
     one engine (which the replay before started)."""
     with CaptureReader(capture) as r:
         records = list(r.records())
+    # the greedy requests of the traffic's concurrent batch (not the long prompt, nor the twins sent alone after it)
     greedy = {x.request.request_id: x.request.name for x in records if isinstance(x, RequestAdded)
-              and x.request.sampling_params.temperature == 0}
-    # (the busiest step with a greedy request in it: on a loaded machine the busiest of all can hold none)
+              and x.request.sampling_params.temperature == 0 and list(x.request.prompt_token_ids)[1:4] == [17, 200, 3]}
+    # (the busiest step with one of them in it: on a loaded machine the busiest of all can hold none)
     steps = [x for x in records if isinstance(x, Step) and greedy.keys() & x.scheduler_output.num_scheduled_tokens]
     busiest = max(steps, key=lambda x: len(x.scheduler_output.num_scheduled_tokens))
+    assert len(busiest.scheduler_output.num_scheduled_tokens) > 1, [len(x.scheduler_output.num_scheduled_tokens)
+                                                                    for x in records if isinstance(x, Step)]
     watched = next(greedy[q] for q in busiest.scheduler_output.num_scheduled_tokens if q in greedy)
     leak = bisect_leak(capture, busiest.index, watched, overrides={"runner": "vllm"}, engines=engines)
     # (the 16 sequences of the traffic's one batch: on a loaded machine their arrivals can spread over the steps of
