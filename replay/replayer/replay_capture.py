@@ -112,24 +112,32 @@ def _random(sp: SamplingParams | None) -> bool:
     return sp is not None and sp.temperature >= SAMPLING_EPS
 
 
-def _digest(mro: ModelRunnerOutput | None, unrepeatable: set[str]) -> bytes:
-    """A step's output, for --repeat; the tokens the requests in `unrepeatable` drew (and those tokens' logprobs and
-    ranks, column 0 of their rows) left out, since no two replays draw them alike."""
+def _digest(mro: ModelRunnerOutput | None, drawn: set[str], verified: set[str] | frozenset = frozenset()) -> bytes:
+    """A step's output, for --repeat, without what no two replays from a keyframe give alike: the tokens the requests
+    in `drawn` drew (with those tokens' logprobs and ranks, column 0 of their rows), and every token and row of the
+    requests in `verified` (their drafts were verified with such draws: how many each accepted differs)."""
     if mro is None:
         return b""
-    drawn = [i for i, rid in enumerate(mro.req_ids) if rid in unrepeatable]
-    if drawn:
+    masked = [i for i, rid in enumerate(mro.req_ids) if rid in drawn or rid in verified]
+    if masked:
         lp = mro.logprobs
         sampled = list(mro.sampled_token_ids)
-        for i in drawn:
+        for i in masked:
             sampled[i] = []
         if lp is not None:
-            rows = [k for i in drawn for k in lp.rows_of(i)]
             ids, vals, ranks = (a.to_numpy().copy() for a in (lp.logprob_token_ids, lp.logprobs,
                                                               lp.sampled_token_ranks))
+            rows = [k for i in masked for k in lp.rows_of(i)]
             ids[rows, :1], vals[rows, :1], ranks[rows] = 0, 0.0, 0
-            lp = msgspec.structs.replace(lp, logprob_token_ids=Array.from_numpy(ids), logprobs=Array.from_numpy(vals),
-                                         sampled_token_ranks=Array.from_numpy(ranks))
+            gone = {k for i, rid in enumerate(mro.req_ids) if rid in verified for k in lp.rows_of(i)}
+            keep = [k for k in range(lp.num_rows) if k not in gone]
+            cu = None if lp.cu_num_generated_tokens is None else [0]
+            if cu is not None:
+                for i, rid in enumerate(mro.req_ids):
+                    cu.append(cu[-1] + (0 if rid in verified else len(lp.rows_of(i))))
+            lp = msgspec.structs.replace(lp, logprob_token_ids=Array.from_numpy(ids[keep]),
+                                         logprobs=Array.from_numpy(vals[keep]),
+                                         sampled_token_ranks=Array.from_numpy(ranks[keep]), cu_num_generated_tokens=cu)
         mro = msgspec.structs.replace(mro, sampled_token_ids=sampled, logprobs=lp)
     return hashlib.sha256(fmt.WIRE_ENCODER.encode(mro)).digest()
 
@@ -285,11 +293,10 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
         classify([(n.req_id, n.sampling_params) for n in so.scheduled_new_reqs])
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
-        drawn = unrepeatable
-        if so.scheduled_spec_decode_tokens and not unrepeatable.isdisjoint(so.num_scheduled_tokens):
-            # vLLM's rejection sampler draws for the whole batch: the drafts verified beside such draws go with them
-            drawn = unrepeatable | so.scheduled_spec_decode_tokens.keys()
-        out.digests.append((rec.index, _digest(actual, drawn)))
+        # vLLM's rejection sampler draws for the whole batch: the drafts verified beside such draws go with them
+        beside = so.scheduled_spec_decode_tokens.keys() if so.scheduled_spec_decode_tokens and \
+            not unrepeatable.isdisjoint(so.num_scheduled_tokens) else frozenset()
+        out.digests.append((rec.index, _digest(actual, unrepeatable, beside)))
         if opts.diff and (rng is None or rec.index >= rng.first):
             summary, divs = compare_step(rec.index, expected, actual, loop.external, loop.positions,
                                          out.tolerance, built.runner.margins(), so.total_num_scheduled_tokens,

@@ -240,3 +240,28 @@ def test_a_capture_recovered_from_a_loss_still_says_data_was_lost(tmp_path):
     assert not res.diverged and res.data_lost and res.requests_compared > 0
     out = CliRunner().invoke(app, ["run", fixed, "--diff"])
     assert out.exit_code == 3 and "data was lost" in out.stdout, out.output
+
+
+def test_the_repeat_digest_leaves_out_only_what_no_replay_from_a_keyframe_repeats():
+    """An unseeded request's draw (its token, and column 0 of its row) and a request whose drafts were verified with
+    such draws (its tokens and rows: how many it accepted differs) are left out; anything else counts."""
+    import numpy as np
+
+    from replay.contracts import Array, LogprobsLists, ModelRunnerOutput
+    from replay.replayer.replay_capture import _digest
+
+    def out(tokens: dict[str, list[int]], top: float = -2.0):
+        ids, vals, cu = [], [], [0]
+        for toks in tokens.values():
+            for t in toks:
+                ids.append([t, 7])
+                vals.append([-1.0 - t / 100, top])
+            cu.append(cu[-1] + len(toks))
+        lp = LogprobsLists(Array.from_numpy(np.array(ids, np.int32)), Array.from_numpy(np.array(vals, np.float32)),
+                           Array.from_numpy(np.ones(len(ids), np.int64)), cu)
+        return ModelRunnerOutput(list(tokens), {r: i for i, r in enumerate(tokens)}, list(tokens.values()), lp)
+
+    a = _digest(out({"u": [5], "g": [1, 2, 3], "x": [9]}), {"u"}, {"g"})
+    assert a == _digest(out({"u": [6], "g": [1], "x": [9]}), {"u"}, {"g"})  # another draw, another acceptance
+    assert a != _digest(out({"u": [5], "g": [1, 2, 3], "x": [8]}), {"u"}, {"g"})  # the others still count
+    assert _digest(out({"u": [5]}), {"u"}) != _digest(out({"u": [5]}, top=-3.0), {"u"})  # and its top-k
