@@ -98,6 +98,8 @@ def render_info(info: CaptureInfo) -> str:
     if info.damage:
         lines.append(f"damage    {len(info.damage)} problem(s); data was lost:")
         lines += render_damage(info.damage)
+    elif info.status.startswith("recovered from") and not info.status.endswith("nothing lost"):
+        lines.append("damage    none in this file; the capture it was recovered from lost data (status above)")
     else:
         lines.append("damage    none")
     return "\n".join(lines)

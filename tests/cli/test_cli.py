@@ -70,9 +70,11 @@ def test_recover_exit_codes(small_capture, tmp_path):
     partial.write_bytes(data[: index_at - 40])  # a crash mid-way through the last chunk
     res = invoke("recover", partial)
     assert res.exit_code == 3 and "lost:" in res.stdout
-    assert invoke("info", tmp_path / "run.capture").exit_code == 0
+    res = invoke("info", tmp_path / "run.capture")
+    assert res.exit_code == 0 and "the capture it was recovered from lost data" in res.stdout
     res = invoke("recover", small_capture, "-o", tmp_path / "same.capture")
     assert res.exit_code == 0 and "nothing was lost" in res.stdout
+    assert "damage    none\n" in invoke("info", tmp_path / "same.capture").stdout + "\n"
     (tmp_path / "tiny.capture").write_bytes(data[:25])
     res = invoke("recover", tmp_path / "tiny.capture")
     assert res.exit_code == 1 and "nothing recoverable" in res.stderr
