@@ -279,9 +279,9 @@ def _no_false_contamination(capture: Path, engines: Engines) -> None:
                                                                     for x in records if isinstance(x, Step)]
     watched = next(greedy[q] for q in busiest.scheduler_output.num_scheduled_tokens if q in greedy)
     leak = bisect_leak(capture, busiest.index, watched, overrides={"runner": "vllm"}, engines=engines)
-    # (the 16 sequences of the traffic's one batch: on a loaded machine their arrivals can spread over the steps of
-    # the first finishes, and the busiest step held 8 of them in one CI run)
-    assert leak.found == NO_LEAK and len(leak.neighbours) >= 6, leak.verdict
+    # (the 16 sequences of the traffic's one batch: on a loaded machine their arrivals spread over the steps of the
+    # first finishes, and the busiest step with one of its greedy requests held 8 of them in one CI run, 3 in another)
+    assert leak.found == NO_LEAK and len(leak.neighbours) >= 2, leak.verdict
     assert all(t.neighbours_changed > 0 for t in leak.tests), leak.tests
     classes = {tuple(g.requests): explain_pair(capture, *g.requests[:2], overrides={"runner": "vllm"},
                                                engines=engines).found for g in twin_groups(capture)}
