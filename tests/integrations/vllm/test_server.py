@@ -544,9 +544,14 @@ def test_a_worker_killed_mid_run_leaves_a_snapshot_that_says_the_engine_died(mod
                     env={"REPLAY_CAPTURE_RING": "1MB"})
     try:
         _kill_a_worker(server, model)
+        # the API server can exit before the engine's process has sealed the snapshot: the group lives on till then
+        deadline = time.monotonic() + 120
+        while not (snaps := list((server.capture / "snapshots").glob("*engine-died*.capture"))):
+            assert time.monotonic() < deadline, "no engine-died snapshot within 120 s of the server's exit"
+            time.sleep(0.5)
     finally:
         kill_group(server.proc)
-    [snap] = (server.capture / "snapshots").glob("*engine-died*.capture")
+    [snap] = snaps
     info = capture_info(snap)
     assert info.status == "error: the engine died (RuntimeError: Executor failed.)", info.status
     rep = replay_capture(snap, ReplayOptions(overrides={"runner": "vllm"}))
