@@ -13,7 +13,9 @@ from replay.bisect.ddmin import Ddmin
 from replay.capture import StepRange
 from replay.diff import Tolerance
 from replay.errors import UsageError
+from replay.integrations.vllm.engine_knobs import checked_engine_args
 from replay.integrations.vllm.engines import Engines, process_engines
+from replay.integrations.vllm.layout import engine_args
 from replay.processes.fanout import FanOut, fan_out
 from replay.processes.in_environment import Environments, applied
 from replay.replayer import ReplayOptions, parse_overrides, replay_capture
@@ -49,6 +51,9 @@ def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRa
     changes = [(k, v) for k, v in b.items() if g.get(k) != v]
     if not changes:
         raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")
+    for knobs in (g, b):  # an engine argument a replay refuses, said now rather than after the good side's engine
+        if engine_args(knobs):
+            checked_engine_args(knobs)
 
     stack = ExitStack()
     envs = stack.enter_context(Environments())  # tests with the same env.* knobs: one process, and its engines

@@ -17,6 +17,7 @@ from replay.bisect.steps import bisect_steps
 from replay.capture import CaptureReader, RequestAdded, Step, StepRange
 from replay.cli import app
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.errors import UsageError
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 from replay.replayer import Plant, ReplayOptions
 
@@ -111,6 +112,23 @@ def test_config_bisect_names_dtype(crowd):
     path, _ = crowd
     res = bisect_config(path, "dtype=float32,seed=0", "dtype=bfloat16,seed=5", steps=StepRange(0, 6))
     assert res.minimal_change == {"dtype": "bfloat16"}
+
+
+def test_config_bisect_refuses_an_engine_argument_the_steps_fix_before_any_replay(crowd, monkeypatch):
+    """vLLM's runner would refuse `vllm.max_num_seqs` only as it starts the engine, after the good side's replay
+    (~24 s on vLLM's runner): the bisect says so first."""
+    pytest.importorskip("vllm")
+    import replay.bisect.config as config
+
+    def replayed(*a, **k):
+        raise AssertionError("the bisect replayed before refusing")
+
+    monkeypatch.setattr(config, "replay_capture", replayed)
+    path, _ = crowd
+    with pytest.raises(UsageError, match="vllm.max_num_seqs: a replay runs the recorded steps"):
+        bisect_config(path, "runner=vllm", "runner=vllm,vllm.max_num_seqs=4", steps=StepRange(0, 4))
+    with pytest.raises(UsageError, match="has no argument 'max_num_seq'"):
+        bisect_config(path, "runner=vllm,vllm.max_num_seq=4", "runner=vllm,dtype=bfloat16", steps=StepRange(0, 4))
 
 
 def test_config_bisect_fanned_out_gives_the_serial_verdict(crowd):
