@@ -44,6 +44,7 @@ from tests.vllm_server import ENV, Server, finished, kill_group, mixed_traffic, 
 GREEDY = 4  # greedy requests with top-3 logprobs
 RING_SIZE = "128KB"
 SEEDED_N = 3  # one seeded request with n=3: three sequences
+DROPPED = [9, 8, 7, 6]  # the prompt of the stream the client drops after its first event
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def _traffic(port: int, model: Path, seeded: bool = True) -> int:
         t.start()
     # as long as the model's length allows: with speculative decoding 300 tokens once finished before the server
     # saw the client hang up
-    post(port, {"model": str(model), "prompt": [9, 8, 7, 6], "max_tokens": 500, "temperature": 0, "stream": True,
+    post(port, {"model": str(model), "prompt": DROPPED, "max_tokens": 500, "temperature": 0, "stream": True,
                  "ignore_eos": True}, drop_stream=True)
     for t in threads:
         t.join()
@@ -119,6 +120,15 @@ def _traffic(port: int, model: Path, seeded: bool = True) -> int:
 def _arrivals(capture: Path) -> int:
     with CaptureReader(capture) as r:
         return sum(isinstance(x, RequestAdded) for x in r.records())
+
+
+def _sampled(capture: Path, prompt: list[int]) -> int:
+    """How many tokens the capture's steps sampled for the request with this prompt (drafts accepted included)."""
+    with CaptureReader(capture) as r:
+        recs = list(r.records())
+    [rid] = [x.request.request_id for x in recs if isinstance(x, RequestAdded) and x.request.prompt_token_ids == prompt]
+    return sum(len(t) for x in recs if isinstance(x, Step) and x.model_runner_output is not None
+               for q, t in zip(x.model_runner_output.req_ids, x.model_runner_output.sampled_token_ids) if q == rid)
 
 
 def _aborts(capture: Path) -> list[str]:
@@ -138,7 +148,9 @@ def test_a_speculative_decoding_server_stopped_with_sigint_leaves_a_finished_cap
     stop(server.proc, signal.SIGINT)
     finished(capture)
     assert _arrivals(capture) == asked
-    assert len(_aborts(capture)) == 1  # the stream the client dropped: one abort, one record
+    # the stream the client dropped: one abort, one record; unless its drafts ran it to max_tokens before the
+    # server's loop (slow under load) saw the hang-up
+    assert len(_aborts(capture)) == 1 or _sampled(capture, DROPPED) >= 500, _sampled(capture, DROPPED)
     assert capture_info(capture).drafts.drafted > 0
     rep = replay_capture(capture, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.tokens_compared > 0, rep.first_divergence  # bitwise on vLLM's runner
