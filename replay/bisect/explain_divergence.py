@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from collections.abc import Callable
 
 import msgspec
@@ -31,7 +32,7 @@ from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
 from replay.capture import StepRange
-from replay.diff import Divergence
+from replay.diff import Divergence, Tolerance
 from replay.errors import CannotTestError, UsageError
 from replay.inspect.show import show_steps
 from replay.replayer import ReplayOptions, replay_capture
@@ -137,8 +138,9 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
             log(f"bisect config: {e}")
         if found is not None:
             return DivergenceExplanation(path, CONFIG, f"{CONFIG}: {at} moves because of the settings: "
-                                         f"{found.verdict}", False, f"replay bisect config {path} --bad "
-                                         f"{_text(opts.overrides)}", d, [found.verdict], config=found,
+                                         f"{found.verdict}", False, _config_command(path, good, opts, d.step,
+                                                                                    rep.tolerance),
+                                         d, [found.verdict], config=found,
                                          re_executions=runs + found.re_executions, **common)
     if rep.suspect and rep.suspect != rep.unknown:
         return DivergenceExplanation(path, CONFIG, f"{CONFIG}: {at} parts where the replay runs otherwise than the "
@@ -146,18 +148,20 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
                                      re_executions=runs, **common)
     if rep.unknown:
         log("replaying under the cross-hardware tolerance")
+        first = opts.steps.first if opts.steps else 0
         auto = replay_capture(path, dataclasses.replace(opts, auto_tolerance=True, repeat=1,
-                                                        steps=StepRange(opts.steps.first if opts.steps else 0,
-                                                                        d.step)))
+                                                        steps=StepRange(first, d.step)))
         a = auto.first_divergence
         cross = f"atol {auto.tolerance.atol:g}"
         within = (f"within the cross-hardware tolerance ({cross}) it matches" if a is None
                   else f"it parts beyond the cross-hardware tolerance too ({cross}; max |Δlogprob| "
                        f"{a.max_abs_logprob_diff:.3g}), so what the header does not name (the processor, a thread "
                        "setting) is the suspect")
+        rerun = _command(["replay", "run", path, "--diff", "--steps", f"{first}-{d.step}", "--tolerance", "auto"],
+                         opts.overrides)
         return DivergenceExplanation(path, CONFIG, f"{CONFIG} (hardware unknown): {at} parts, and {rep.unknown}; "
-                                     f"{within}", False, f"replay run {path} --diff --tolerance auto", d,
-                                     [rep.unknown, within], re_executions=runs + 1, **common)
+                                     f"{within}", False, rerun, d, [rep.unknown, within], re_executions=runs + 1,
+                                     **common)
     return None
 
 
@@ -167,6 +171,22 @@ def _plant_text(p) -> str:
 
 def _text(knobs: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in knobs.items())
+
+
+def _command(args: list[str], overrides: dict[str, str], from_start: bool = False) -> str:
+    """A command line that reproduces a test of the explanation: its knobs (the runner among them) as `--set`."""
+    args = args + [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")] + ["--from-start"] * from_start
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _config_command(path: str, good: dict[str, str], opts: ReplayOptions, step: int, tol: Tolerance) -> str:
+    """`bisect config` as the explanation ran it: the runner on both sides, its steps and its tolerance."""
+    args = ["replay", "bisect", "config", path, "--bad", _text(opts.overrides), "--steps", f"0-{step}"]
+    if good:
+        args[4:4] = ["--good", _text(good)]
+    if not tol.bitwise:
+        args += ["--atol", f"{tol.atol:g}", "--rtol", f"{tol.rtol:g}"]
+    return _command(args, {})
 
 
 def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceExplanation:
@@ -180,11 +200,12 @@ def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceE
                                    plant=opts.plant if opts.plant and opts.plant.step == d.step else None)
             runs += leak.re_executions
             if leak.contaminated:
-                planted = "" if opts.plant is None else f" --plant '{_plant_text(opts.plant)}'"
+                planted = [] if opts.plant is None else ["--plant", _plant_text(opts.plant)]
                 said = leak.verdict.removeprefix(CONTAMINATION + ": ")
                 return DivergenceExplanation(path, CONTAMINATION, f"{CONTAMINATION}: {at}: {said}", True,
-                                             f"replay bisect leak {path} --step {d.step} --request "
-                                             f"{d.request_id}{planted}", d, [], leak=leak, re_executions=runs,
+                                             _command(["replay", "bisect", "leak", path, "--step", str(d.step),
+                                                       "--request", d.request_id, *planted], opts.overrides,
+                                                      opts.from_start), d, [], leak=leak, re_executions=runs,
                                              **common)
         alone = s.run(rid, keep={rid})
         moved = []
@@ -207,7 +228,8 @@ def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceE
         return DivergenceExplanation(path, BATCH_VARIANCE, f"{BATCH_VARIANCE}: {at}: no neighbour's content moves it, "
                                      f"but the batch's size alone does (from {k} padding request(s)): a batch laid "
                                      "out otherwise than the recording's explains it", False,
-                                     f"replay bisect batch {path} --step {d.step} --request {d.request_id}", d,
+                                     _command(["replay", "bisect", "batch", path, "--step", str(d.step), "--request",
+                                               d.request_id], opts.overrides, opts.from_start), d,
                                      evidence, leak=leak, re_executions=runs, **common)
     return DivergenceExplanation(path, NOT_REPEATABLE, f"{NOT_REPEATABLE}: {at}: the replay repeats itself with the "
                                  "recorded settings, and neither a neighbour's content nor the batch's size moves "

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -40,10 +41,23 @@ def test_a_first_release_capture_names_its_unknown_hardware_and_is_config_not_a_
     assert res["verdict"].startswith("CONFIG (hardware unknown)") and "--tolerance auto" in res["command"]
 
 
+def _reproduce(out: str) -> list[str]:
+    """The arguments of the command an explanation printed."""
+    [line] = [x for x in out.splitlines() if x.strip().startswith("reproduce: ")]
+    args = shlex.split(line.split("reproduce: ", 1)[1])
+    assert args[0] == "replay", line
+    return args[1:]
+
+
 def test_a_knob_is_found_as_the_config_that_parts_the_replay(keyed_capture, capsys):
-    code = main(["explain", str(keyed_capture), "--set", "dtype=bfloat16", "-q"])
+    code = main(["explain", str(keyed_capture), "--set", "dtype=bfloat16", "--atol", "1e-6", "-q"])
     out = capsys.readouterr().out
     assert code == 0 and out.startswith(f"{CONFIG}: ") and "changing dtype=bfloat16 alone" in out, out
+    # the command it prints finds the same, under the tolerance it was given
+    args = _reproduce(out)
+    assert args[:2] == ["bisect", "config"] and "--atol" in args, args
+    code = main([*args, "-q"])
+    assert code == 0 and "changing dtype=bfloat16 alone" in capsys.readouterr().out
     res = explain_divergence(keyed_capture, ReplayOptions(overrides={"env.MKL_CBWR": "COMPATIBLE"}))
     assert res.found == CONFIG and res.config.minimal_change == {"env.MKL_CBWR": "COMPATIBLE"}, res.verdict
 
@@ -53,8 +67,10 @@ def test_a_leak_planted_in_the_replay_is_contamination_with_its_command(keyed_ca
     code = main(["explain", str(keyed_capture), "--plant", plant, "--from-start", "-q"])
     out = capsys.readouterr().out
     assert code == 1 and out.startswith(f"{CONTAMINATION}: request r6 at step 29"), out
-    assert f"reproduce: replay bisect leak {keyed_capture} --step 29 --request r6 --plant '{plant}'" in out
+    assert f"reproduce: replay bisect leak {keyed_capture} --step 29 --request r6 --plant '{plant}' --from-start" in out
     assert "first module whose output for it moves is layers.1.self_attn.o_proj" in out
+    code = main([*_reproduce(out), "-q"])
+    assert code == 1 and "layers.1.self_attn.o_proj" in capsys.readouterr().out
 
 
 def test_a_replay_that_matches_has_nothing_to_explain(keyed_capture):
@@ -65,3 +81,15 @@ def test_a_replay_that_matches_has_nothing_to_explain(keyed_capture):
 def test_a_request_no_step_schedules_is_a_mistake_not_a_match(keyed_capture, capsys):
     code = main(["explain", str(keyed_capture), "--step", "5", "--request", "nope"])
     assert code == 2 and "no step 5 scheduling request 'nope'" in capsys.readouterr().err
+
+
+def test_the_config_command_keeps_the_runner_on_the_good_side_and_the_tolerance():
+    """On vLLM's runner the good side is vLLM's runner as recorded: without it the good side replays on ours and
+    already diverges, and the bisect refuses."""
+    from replay.bisect.explain_divergence import _config_command
+    from replay.diff import Tolerance
+
+    opts = ReplayOptions(overrides={"runner": "vllm", "tensor_parallel_size": "1"})
+    cmd = _config_command("a b.capture", {"runner": "vllm"}, opts, 7, Tolerance(atol=1e-4))
+    assert cmd == ("replay bisect config 'a b.capture' --good runner=vllm --bad runner=vllm,tensor_parallel_size=1 "
+                   "--steps 0-7 --atol 0.0001 --rtol 0"), cmd
