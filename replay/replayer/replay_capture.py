@@ -100,6 +100,7 @@ class ReplayReport(msgspec.Struct):
     keyframe_why: str = ""  # why the replay started at `keyframe`
     unknown: str = ""  # what the recording's header does not name and the replay's does (an older capture)
     rows_compared: int = 0  # logprob rows without a sampled token (partial prefills' discarded ones, prompt logprobs)
+    rerun: str = ""  # the command that runs this comparison again, as it was asked for
 
 
 def recorded_draws(header: Header) -> str:
@@ -147,9 +148,26 @@ def _repro(path: str, step: int, opts: ReplayOptions, p: _Pass) -> str:
     a keyframe nearer the step would rebuild requests that this replay computed from their recorded steps."""
     between = [k for k in p.keyframes if (p.keyframe or 0) < k <= step]
     first = p.keyframe if between and p.keyframe is not None and p.keyframe_why != OPENING else step
-    args = ["replay", "run", path, "--diff", "--steps", f"{first}-{step}", "--mode", opts.mode]
+    args = _replay_args(path, opts, StepRange(first, step))
     if between and first == step:
         args.append("--from-start")
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _rerun(path: str, opts: ReplayOptions) -> str:
+    """The command that runs this whole comparison again, as it was asked for."""
+    args = _replay_args(path, opts, opts.steps)
+    if opts.from_start:
+        args.append("--from-start")
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _replay_args(path: str, opts: ReplayOptions, steps: StepRange | None) -> list[str]:
+    """`replay run PATH --diff` over `steps` with the replay's mode, tolerance, knobs and planted fault."""
+    args = ["replay", "run", path, "--diff"]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    args += ["--mode", opts.mode]
     if opts.auto_tolerance:
         args += ["--tolerance", "auto"]
     elif not opts.tolerance.bitwise:
@@ -159,7 +177,7 @@ def _repro(path: str, step: int, opts: ReplayOptions, p: _Pass) -> str:
     if opts.plant is not None:
         p = opts.plant
         args += ["--plant", f"{p.step}:{p.request}:{p.module}:{p.size}" + (f"*{p.source}" if p.source else "")]
-    return " ".join(shlex.quote(a) for a in args)
+    return args
 
 
 @dataclass(slots=True)
@@ -398,7 +416,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.suspect if p.count or crash_diverged else "", p.ignored, p.keyframe, p.rebuilt,
                         p.rebuild_tolerance, p.primed_tokens, p.draws_why,
                         sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries),
-                        p.keyframe_why, p.unknown, sum(s.rows_compared for s in p.summaries))
+                        p.keyframe_why, p.unknown, sum(s.rows_compared for s in p.summaries), _rerun(str(path), opts))
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

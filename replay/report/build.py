@@ -121,15 +121,10 @@ def _run_page(run: RunFacts) -> Page:
 
 def _commands(rep: ReplayReport) -> list[tuple[str, str]]:
     """The re-run of the first divergent step, and the whole comparison, in the terminal and as this report."""
-    if rep.repro is None:
-        args = ["replay", "run", rep.capture, "--diff", "--mode", rep.mode]
-        return [("the comparison in the terminal", shlex.join(args)),
-                ("this report", shlex.join(["replay", "report", *args[2:]]))]
-    args = shlex.split(rep.repro)
-    i = args.index("--steps") if "--steps" in args else len(args)
-    whole = args[:i] + args[i + 2:]  # the same command on every step
-    return [("re-run the first divergent step", rep.repro), ("the whole comparison in the terminal", shlex.join(whole)),
-            ("this report", shlex.join(["replay", "report", *whole[2:]]))]
+    whole = shlex.split(rep.rerun)
+    out = [("the whole comparison in the terminal", rep.rerun), ("this report", shlex.join(["replay", "report",
+                                                                                           *whole[2:]]))]
+    return out if rep.repro is None else [("re-run the first divergent step", rep.repro), *out]
 
 
 def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:

@@ -80,6 +80,21 @@ def test_a_self_replay_reports_a_match_and_every_cell_equal(recorded, tmp_path):
     assert page_data(tmp_path / "self.html")["comparison"] is None  # nothing to map: no divergence
 
 
+def test_a_match_within_a_tolerance_offers_the_commands_that_match_again(recorded, tmp_path):
+    """A report of a MATCH within --atol offers the comparison again with that tolerance and those knobs (without,
+    the command it offers diverges)."""
+    page = tmp_path / "sdpa.html"
+    code, out, _ = cli("report", str(recorded), "--diff", "--set", "attention=sdpa", "--atol", "1e-4", "-o", str(page))
+    assert code == 0 and out.splitlines()[1].startswith("MATCH"), out
+    commands = Dom(page.read_text()).text["commands"]
+    for offered in (f"replay run {recorded} --diff --mode forced --atol 0.0001 --rtol 0 --set attention=sdpa",
+                    f"replay report {recorded} --diff --mode forced --atol 0.0001 --rtol 0 --set attention=sdpa"):
+        assert offered in commands, commands
+        args = offered.split()[1:]
+        code, out, _ = cli(*args, *["-o", str(tmp_path / "again.html")] * (args[0] == "report"))
+        assert code == 0 and "MATCH" in out, out
+
+
 def test_two_runs_report_the_verdict_and_first_divergence_of_replay_diff(two_runs, recorded, recorded_other):
     verdict = _verdict_line(two_runs.terminal)
     assert two_runs.code == 1 and two_runs.stdout.splitlines()[1] == verdict
