@@ -143,6 +143,8 @@ def render_corpus_row(r: CorpusRow) -> str:
             line += f"; suspect {r.suspect}"
     elif r.code not in (0, 1):
         line += f"  ({r.reason.removeprefix(r.capture + ': ')})"
+    if r.data_lost:
+        line += f"  (data was lost, its readable prefix checked: {r.data_lost})"
     return line
 
 
@@ -156,6 +158,8 @@ def render_corpus(res: CorpusResult) -> str:
         lines.append(f"{counts}: {what}")
     resumed = f", {res.resumed} resumed from the results file" if res.resumed else ""
     started = f", {res.engine_starts} vLLM engine(s) started" if res.engine_starts else ""
+    lost = sum(bool(r.data_lost) for r in res.rows)
+    started += f"; {lost} of them lost data" if lost else ""
     lines.append(f"{len(res.rows)} captures: {res.good} good, {res.bad} bad, {res.cannot_test} cannot test "
                  f"({res.how}, {res.seconds:.1f} s{resumed}{started})")
     return "\n".join(lines)

@@ -65,6 +65,7 @@ class CorpusRow(msgspec.Struct, omit_defaults=True):
     suspect: str = ""  # the leading difference between the recording and this runner, on a divergence
     differences: list[str] = []  # every numerics-relevant difference between the recording and this runner
     engine_starts: int = 0  # vLLM engines this check started (0: it reused one, or ran on the builtin runner)
+    data_lost: str = ""  # the capture's first loss (damage, an unfinished tail): only its readable prefix was checked
 
 
 class CorpusGroup(msgspec.Struct):
@@ -162,7 +163,8 @@ def check_one(task: tuple[str, CheckSpec], engines: Engines | None = None) -> Co
             first = f"step {d.step}, request {d.request_id} ({d.kind})"
         suspect = rep.suspect
     return CorpusRow(path, res.verdict, res.code, res.reason, round(time.perf_counter() - t, 3), _key(Path(path)),
-                     first, suspect, differences, pool.starts - before if pool is not None else 0)
+                     first, suspect, differences, pool.starts - before if pool is not None else 0,
+                     rep.data_lost[0] if rep is not None and rep.data_lost else "")
 
 
 def check_in_worker(task: tuple[str, CheckSpec]) -> CorpusRow:

@@ -63,6 +63,13 @@ def _e(x: object) -> str:
     return html.escape(str(x))
 
 
+def _why(r: CorpusRow) -> str:
+    """Why a row could not be tested, or what its capture lost (its readable prefix was checked)."""
+    if r.code == EXIT_CANNOT_TEST:
+        return r.reason
+    return f"data was lost, its readable prefix checked: {r.data_lost}" if r.data_lost else ""
+
+
 def write_corpus_report(result: CorpusResult | list[CorpusRow], output: str | os.PathLike) -> CorpusReport:
     """Write the page for a corpus check (its result, or the rows of its results file)."""
     rows = result.rows if isinstance(result, CorpusResult) else list(result)
@@ -70,7 +77,9 @@ def write_corpus_report(result: CorpusResult | list[CorpusRow], output: str | os
     good = sum(r.code == EXIT_OK for r in rows)
     bad = sum(r.code == EXIT_DIVERGED for r in rows)
     cannot = len(rows) - good - bad
-    summary = f"{len(rows)} captures: {good} good, {bad} bad, {cannot} cannot test"
+    lost = sum(bool(r.data_lost) for r in rows)
+    summary = f"{len(rows)} captures: {good} good, {bad} bad, {cannot} cannot test" + (
+        f"; {lost} of them lost data" if lost else "")
     kind = "diverged" if bad else "match" if good else "none"
     group_rows = "".join(
         f"<tr><td class='num'>{g.diverged} of {g.captures}</td><td class='num'>{g.cannot_test}</td>"
@@ -79,7 +88,7 @@ def write_corpus_report(result: CorpusResult | list[CorpusRow], output: str | os
     body = "".join(
         f"<tr class='{'diverged' if r.code == EXIT_DIVERGED else ''}'><td>{_e(r.verdict.upper())}</td>"
                     f"<td>{_e(r.capture)}</td><td>{_e(r.first_divergence)}</td><td>{_e(r.suspect)}</td>"
-        f"<td class='num'>{r.seconds:.1f}</td><td>{_e(r.reason if r.code == EXIT_CANNOT_TEST else '')}</td></tr>"
+        f"<td class='num'>{r.seconds:.1f}</td><td>{_e(_why(r))}</td></tr>"
         for r in sorted(rows, key=lambda r: (_ORDER.get(r.code, 1), r.capture)))
     page = f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
@@ -93,7 +102,8 @@ runner in</th></tr></thead><tbody>{group_rows}</tbody></table>
 <h2>Captures</h2><p class="muted">diverging first, then those that could not be tested, then the good ones</p>
 <div class="tablewrap"><table class="data" id="rows">
 <thead><tr><th>verdict</th><th>capture</th><th>first divergence</th>
-<th>suspect</th><th>seconds</th><th>why it could not be tested</th></tr></thead><tbody>{body}</tbody></table></div>
+<th>suspect</th><th>seconds</th><th>why it could not be tested, or what it lost</th></tr></thead>
+<tbody>{body}</tbody></table></div>
 </main></body></html>
 """
     out = Path(output)

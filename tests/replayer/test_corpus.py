@@ -109,3 +109,17 @@ def test_the_command_line_prints_a_row_each_and_a_summary_with_bisect_exit_codes
     listing.write_text(f"{corpus / DAMAGED}\n{corpus / 'nowhere.capture'}\n")
     assert main(["check", str(listing)]) == 125  # nothing could be tested: skip, not "bad commit"
     assert main(["check", str(tmp_path / "empty-*.capture")]) == 125
+
+
+def test_a_capture_cut_short_is_checked_on_its_readable_prefix_and_the_loss_is_said(tmp_path, capsys):
+    """A recording whose file ends early (a host that died) is good or bad on what it holds, never silently so: its
+    row and the summary say it lost data."""
+    whole, cut = tmp_path / "whole.capture", tmp_path / "cut.capture"
+    wl = SyntheticWorkload(num_requests=24, prompt_len=(4, 12), output_len=(20, 40), seed=3, sampling="greedy")
+    record(EngineOptions(model="tiny", threads=1), synthetic(wl, 512), whole, flush_interval=0.001)  # many chunks
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size * 2 // 3])
+    assert main(["check", str(tmp_path / "*.capture")]) == 0
+    out = capsys.readouterr().out
+    [row] = [line for line in out.splitlines() if line.endswith(")") and "cut.capture" in line]
+    assert row.startswith("GOOD") and "(data was lost, its readable prefix checked: " in row, out
+    assert "2 captures: 2 good, 0 bad, 0 cannot test" in out and "; 1 of them lost data" in out, out

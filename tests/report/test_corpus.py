@@ -43,6 +43,19 @@ def test_check_writes_the_page_and_report_rewrites_it_from_the_results_file(corp
     assert len(read_results_file(results)) == 4
 
 
+def test_a_good_row_whose_capture_lost_data_says_so(tmp_path):
+    from replay.replayer.corpus import CorpusRow
+    from replay.report.corpus import write_corpus_report
+
+    rows = [CorpusRow("a.capture", "good", 0, "a.capture: replays", 1.0, "k"),
+            CorpusRow("b.capture", "good", 0, "b.capture: replays", 1.0, "k", data_lost="truncated: chunk 3")]
+    page = tmp_path / "lost.html"
+    write_corpus_report(rows, page)
+    dom = Dom(page.read_text())
+    assert dom.text["verdict"] == "2 captures: 2 good, 0 bad, 0 cannot test; 1 of them lost data"
+    assert "data was lost, its readable prefix checked: truncated: chunk 3" in page.read_text()
+
+
 @needs_chromium
 def test_the_page_opens_offline_without_a_console_line(corpus, tmp_path, capsys):
     page = tmp_path / "check.html"
