@@ -62,6 +62,7 @@ class DivergenceExplanation(msgspec.Struct):
     re_executions: int = 0
     runner: str = "builtin"
     notes: list[str] = []
+    data_lost: list[str] = []  # what the capture lost: the explanation is of its readable prefix
 
 
 def _pick(divergences: list[Divergence], step: int | None, request: str | None) -> Divergence | None:
@@ -88,7 +89,7 @@ def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = Non
     runs = 2
     d = _pick(rep.divergences, step, request)
     where = f" at step {step}" + (f" for request {request}" if request else "") if step is not None else ""
-    common = dict(runner=runner, notes=list(rep.environment_differences))
+    common = dict(runner=runner, notes=list(rep.environment_differences), data_lost=list(rep.data_lost))
     if d is None:
         tol = rep.tolerance
         how = "bitwise" if tol.bitwise else f"within atol {tol.atol:g}, rtol {tol.rtol:g}"

@@ -56,6 +56,7 @@ def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, s
         target = _find(r, request)
         start = start_at(r, target.first if target.first >= 0 else None, from_start=from_start)
         header = r.header
+        lost = [d.describe() for d in r.damage]
         live = _live_at(r, start)
     if target.first < 0 and start.keyframe is None:
         raise UsageError(f"{path}: request {request!r} started before this capture's first step")
@@ -83,8 +84,9 @@ def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, s
                 f"{len(set(b for b, _ in runs[-1].batch))} batch sizes")
     finally:
         runner.close()
-    return _report(path, target, start, runs, plans, neighbours, kept, live, built.kind, overrides,
-                   engines.starts if engines is not None else int(built.kind == "vllm"))
+    rep = _report(path, target, start, runs, plans, neighbours, kept, live, built.kind, overrides,
+                  engines.starts if engines is not None else int(built.kind == "vllm"))
+    return replace(rep, data_lost=lost)
 
 
 def _find(reader: CaptureReader, request: str) -> _Target:

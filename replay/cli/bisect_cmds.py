@@ -218,7 +218,8 @@ def explain(
     """Bug or noise? Why the replay parts from the recording (the first divergence, or --step/--request), or why two
     requests with the same prompt and sampling answered differently (--pair, --pairs): RUN-TO-RUN, NOT-ARGMAX,
     SAMPLER, CONFIG, CONTAMINATION, BATCH VARIANCE or RECORDING NOT REPEATABLE, with the evidence and a command.
-    Exit 1 for a bug, 0 for expected numerics or nothing to explain, 125 when it cannot test."""
+    Exit 1 for a bug, 0 for expected numerics or nothing to explain, 3 when that holds of a damaged capture's
+    readable prefix, 125 when it cannot test."""
     from replay.bisect.explain_divergence import explain_divergence
     from replay.bisect.explain_pair import explain_pair, twin_groups
     from replay.cli.render_explain import render_divergence, render_pair, render_twins
@@ -239,6 +240,8 @@ def explain(
         emit(res, render_divergence, json=json)
         if res.bug:
             raise typer.Exit(1)
+        if res.data_lost:
+            raise typer.Exit(EXIT_DAMAGED)
         return
     if pair is None:
         groups = twin_groups(capture)

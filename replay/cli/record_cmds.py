@@ -24,7 +24,7 @@ from replay.cli.common import (
     progress_log,
 )
 from replay.engine.config import RunnerConfig, SchedulerConfig
-from replay.errors import UsageError
+from replay.errors import EXIT_DAMAGED, UsageError
 
 # The builtin engine's defaults, for --help only: `replay.record.builtin_config` applies them, the CLI passes only
 # what the user gave.
@@ -185,7 +185,8 @@ def stress(
     """The same prompt N times, greedy, under varied co-batching: how many unique completions and logprob sequences?
     Trials run in parallel with --jobs or --ray (their co-batching is drawn up front: the answer is the serial one).
     On a capture: its request --request, replayed N times from the keyframe nearest it, each time leaving out
-    another random subset of the neighbours it really had."""
+    another random subset of the neighbours it really had; exit 3 when the capture lost data (the request's steps
+    end where its readable prefix does)."""
     from replay.cli.render_replay import render_stress
     from replay.record import EngineOptions, builtin_config
     from replay.record.stress import prompt_ids
@@ -208,6 +209,8 @@ def stress(
         res = stress_capture(capture, request, trials=trials, seed=seed, overrides=knobs, force=force,
                              from_start=from_start, log=progress_log(quiet))
         emit(res, render_stress, json=json)
+        if res.data_lost:
+            raise typer.Exit(EXIT_DAMAGED)
         return
     other = [k for k in parse_overrides(set_) if not k.startswith("env.")]
     if other:

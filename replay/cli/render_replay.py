@@ -358,6 +358,9 @@ def render_stress(res: StressReport) -> str:
     lines += [f"  note: {n}" for n in res.notes]
     if res.engine_starts:
         lines.append(f"  {res.engine_starts} vLLM engine{'s' if res.engine_starts != 1 else ''} started")
+    if res.data_lost:
+        lines.append(f"  capture damaged ({'; '.join(res.data_lost[:3])}): the request's steps end where its "
+                     "readable prefix does")
     return "\n".join(lines)
 
 

@@ -41,6 +41,7 @@ class StressReport(msgspec.Struct):
     notes: list[str] = []
     left_out: list[int] = []  # on a capture: the neighbours each trial left out
     engine_starts: int = 0  # on a capture: vLLM engines started
+    data_lost: list[str] = []  # on a capture: what it lost (the request's steps end where its readable prefix does)
 
 
 @dataclass(slots=True)

@@ -93,3 +93,12 @@ def test_the_config_command_keeps_the_runner_on_the_good_side_and_the_tolerance(
     cmd = _config_command("a b.capture", {"runner": "vllm"}, opts, 7, Tolerance(atol=1e-4))
     assert cmd == ("replay bisect config 'a b.capture' --good runner=vllm --bad runner=vllm,tensor_parallel_size=1 "
                    "--steps 0-7 --atol 0.0001 --rtol 0"), cmd
+
+
+def test_a_capture_cut_short_is_explained_on_its_readable_prefix_and_exits_3(keyed_capture, tmp_path, capsys):
+    cut = tmp_path / "cut.capture"
+    data = Path(keyed_capture).read_bytes()
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    code = main(["explain", str(cut), "-q"])
+    out = capsys.readouterr().out
+    assert code == 3 and out.startswith(f"{NOTHING}: ") and "only its readable prefix was replayed" in out, out

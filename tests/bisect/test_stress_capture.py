@@ -102,3 +102,14 @@ def test_stress_on_a_capture_from_the_command_line(ring):
         assert bad.exit_code == 2 and said in bad.output, bad.output
     with pytest.raises(UsageError, match="--trials must be at least 2"):
         stress_capture(capture, request, trials=1)
+
+
+def test_stress_on_a_capture_cut_short_says_what_it_lost_and_exits_3(ring, tmp_path):
+    capture = _segment(ring)
+    cut = tmp_path / "cut.capture"
+    data = capture.read_bytes()
+    cut.write_bytes(data[: len(data) * 3 // 4])  # the writer's host died: no index, a torn last chunk
+    _, request, _ = _crowded(cut)
+    out = CliRunner().invoke(app, ["stress", str(cut), "--request", request, "--trials", "2", "-q"])
+    assert out.exit_code == 3 and "capture damaged (" in out.output, out.output
+    assert "the request's steps end where its readable prefix does" in out.output
