@@ -259,6 +259,13 @@ def render_capture_diff(res: CaptureDiff, verbose: bool | None = None) -> str:
     lines += [f"note: {c}" for c in res.config_differences]
     if verbose if verbose is not None else os.environ.get(VERBOSE_ENV) == "1":
         lines += [f"note (cannot change numerics by itself): {c}" for c in res.host_differences]
+    if res.aligned_by_prompt:
+        lines.append("note: the runs share no request id (a server names its requests at random; a client's "
+                     "X-Request-Id header names them): requests aligned by prompt and arrival order, named as in A")
+    if res.draws_differ:
+        lines.append(f"note: {res.draws_differ} unseeded random request(s) drew another token from the same "
+                     "logprobs: compared up to that draw (an unseeded generator differs from run to run; a seed "
+                     "makes them comparable)")
     if res.only_in_a or res.only_in_b:
         lines.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
     if res.data_lost:

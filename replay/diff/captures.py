@@ -1,7 +1,9 @@
 """`diff_captures`: two captures of the same workload, recorded separately, compared request by request.
 
 Steps do not line up between runs (another batch size, another engine, another machine), so requests are aligned
-by external id (else by prompt and arrival order) and compared output position by output position. At the first
+by external id (else by prompt and arrival order: also when the two runs share no id, as two runs of a server that
+names its requests at random do) and compared output position by output position. An unseeded random request's
+draws are independent from run to run: it is compared up to the first token the two drew otherwise. At the first
 divergence both sides' batches are shown: if they differ, batch variance is the suspect; if they are the same,
 run-to-run nondeterminism is.
 """
@@ -42,13 +44,19 @@ class AlignedRun:
     outputs: dict[str, list[tuple[int, int, Row | None]]] = field(default_factory=lambda: defaultdict(list))
     batches: dict[int, BatchComposition] = field(default_factory=dict)
     key_of: dict[str, str] = field(default_factory=dict)  # internal id -> key
+    names: dict[str, str] = field(default_factory=dict)  # key -> the request's name in this capture
     header: Header | None = None
     random: set[str] = field(default_factory=set)  # keys of random-sampling requests: their flips are draws
+    unseeded: set[str] = field(default_factory=set)  # ... without a seed: their draws differ from run to run
     # key -> token index -> (step, its MoE routing [num_moe_layers, top_k]), where the capture kept routing
     routing: dict[str, dict[int, tuple[int, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
     lost: list[str] = field(default_factory=list)  # where the capture lost data (`Damage.describe`)
     # keys of requests live where data was lost: their outputs stop there, so a shorter run is no divergence
     cut: set[str] = field(default_factory=set)
+
+    def name(self, key: str) -> str:
+        """The request's name in this capture (its external id, else its id)."""
+        return self.names.get(key) or key.partition(":")[2]
 
 
 class TokenMismatch(msgspec.Struct, omit_defaults=True):
@@ -96,10 +104,14 @@ class CaptureDiff(msgspec.Struct):
     # what differs but cannot change numerics by itself (platform, Python, executor backend): shown with -v
     host_differences: list[str] = []
     data_lost: list[str] = []  # "A: ..." / "B: ...": where a capture lost data (compared up to it)
+    aligned_by_prompt: bool = False  # the runs share no request id: requests aligned by prompt and arrival order
+    # unseeded random requests whose draws parted (from equal logprobs): compared up to there, not divergences
+    draws_differ: int = 0
 
 
-def read_aligned(path: str | os.PathLike) -> AlignedRun:
-    """Read a capture's requests, outputs and batches, keyed for alignment with another run's."""
+def read_aligned(path: str | os.PathLike, by_prompt: bool = False) -> AlignedRun:
+    """Read a capture's requests, outputs and batches, keyed for alignment with another run's (`by_prompt`: by prompt
+    and arrival order even where requests have external ids)."""
     side = AlignedRun()
     seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
     finished: set[str] = set()
@@ -122,16 +134,19 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
             if isinstance(rec, RequestAdded):
                 req = rec.request
                 prompt = tuple(req.prompt_token_ids or ())
-                if req.external_req_id is not None:
+                if req.external_req_id is not None and not by_prompt:
                     key = f"id:{req.name}"
                 else:  # no user id: the n-th request with this prompt
                     key = f"prompt:{hash(prompt)}:{seen_prompts[prompt]}"
                     seen_prompts[prompt] += 1
                 side.key_of[req.request_id] = key
+                side.names[key] = req.name
                 side.prompts[key] = prompt
                 sp = req.sampling_params
                 if sp is not None and sp.temperature >= SAMPLING_EPS:
                     side.random.add(key)
+                    if sp.seed is None:
+                        side.unseeded.add(key)
                 limits[key] = sp.max_tokens if sp is not None else None
                 side.order.append(key)
             elif isinstance(rec, Step):
@@ -141,7 +156,7 @@ def read_aligned(path: str | os.PathLike) -> AlignedRun:
                     continue
                 names = {rid: side.key_of.get(rid, f"id:{rid}") for rid in mro.req_ids}
                 side.batches[rec.index] = batch_composition(rec.index, rec.scheduler_output,
-                                                            {k: v.partition(':')[2] for k, v in names.items()})
+                                                            {k: side.name(v) for k, v in names.items()})
                 for rid, (start, rows) in mro.routing(rec.scheduler_output).items():
                     key = names.get(rid) or side.key_of.get(rid, f"id:{rid}")
                     side.routing[key].update((start + t, (rec.index, r)) for t, r in enumerate(rows))
@@ -174,10 +189,12 @@ def _mark(side: AlignedRun, damage: list, lost: int, finished: set[str], marks: 
 
 
 def _same_batch(a: BatchComposition | None, b: BatchComposition | None) -> bool:
-    return a is not None and b is not None and a.num_scheduled_tokens == b.num_scheduled_tokens
+    """The same shapes: as many requests, scheduling the same numbers of tokens (whatever the runs named them)."""
+    return a is not None and b is not None and sorted(a.num_scheduled_tokens.values()) == sorted(
+        b.num_scheduled_tokens.values())
 
 
-def _routing_mismatch(key: str, ra: dict[int, tuple[int, np.ndarray]],
+def _routing_mismatch(name: str, ra: dict[int, tuple[int, np.ndarray]],
                       rb: dict[int, tuple[int, np.ndarray]]) -> TokenMismatch | None:
     """The first token both captures routed, and routed to other experts; None where none was (or none kept)."""
     for t in sorted(ra.keys() & rb.keys()):
@@ -186,7 +203,7 @@ def _routing_mismatch(key: str, ra: dict[int, tuple[int, np.ndarray]],
             continue
         layer = int(np.nonzero(ea != eb)[0][0]) if ea.shape == eb.shape else None
         pick = (lambda e: e[layer].tolist()) if layer is not None else (lambda e: e.ravel().tolist())
-        return TokenMismatch(key.partition(":")[2], t, "routed_experts", sa, sb, moe_layer=layer,
+        return TokenMismatch(name, t, "routed_experts", sa, sb, moe_layer=layer,
                              a_experts=pick(ea), b_experts=pick(eb))
     return None
 
@@ -195,6 +212,9 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
     """Compare two captures request by request (see the module docstring)."""
     tol = tol or Tolerance()
     a, b = read_aligned(a_path), read_aligned(b_path)
+    by_prompt = not any(k in b.prompts for k in a.order) and (a.names or b.names)
+    if by_prompt:  # no id in common (a server names requests at random): the prompts, in arrival order
+        a, b = read_aligned(a_path, by_prompt=True), read_aligned(b_path, by_prompt=True)
     differences = header_differences(a.header, b.header)
     common = [k for k in a.order if k in b.prompts and (a.outputs.get(k) or b.outputs.get(k))]
     if not common:  # an empty comparison is no match
@@ -205,16 +225,17 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         raise UsageError(f"{a_path} and {b_path}: " + ("no request both hold sampled a token: nothing to compare"
                                                        if either else "no request in common (two workloads?)"))
     first: TokenMismatch | None = None
-    diverged_reqs = near_ties = 0
+    diverged_reqs = near_ties = draws_differ = 0
     for key in common:
         oa, ob = a.outputs.get(key, []), b.outputs.get(key, [])
+        name = a.name(key)
         mismatch = None
         for pos in range(max(len(oa), len(ob))):
             if pos >= len(oa) or pos >= len(ob):
                 if key in (a.cut if pos >= len(oa) else b.cut):
                     break  # the shorter side lost the rest with its capture's damage: no divergence
                 sa, sb = (oa[pos][0] if pos < len(oa) else None), (ob[pos][0] if pos < len(ob) else None)
-                mismatch = TokenMismatch(key.partition(":")[2], pos, "length", sa, sb)
+                mismatch = TokenMismatch(name, pos, "length", sa, sb)
                 break
             (sa, ta, ra), (sb, tb, rb) = oa[pos], ob[pos]
             lp_diff, lp_equal, alike = 0.0, (ra is None) == (rb is None), False
@@ -223,18 +244,22 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
                 lp_diff, lp_equal, alike = cmp.max_abs, cmp.equal, same_distribution(cmp)
                 near_ties += cmp.near_tie and ta == tb
             m = margin(ra)
+            unseeded_draw = ta != tb and key in a.unseeded | b.unseeded
+            if unseeded_draw and (alike or lp_equal):
+                draws_differ += 1  # another draw from the same logprobs, by a generator no run repeats
+                break
             if ta != tb:
                 draw = key in a.random
-                mismatch = TokenMismatch(key.partition(":")[2], pos, "token", sa, sb, ta, tb, lp_diff, m,
+                mismatch = TokenMismatch(name, pos, "token", sa, sb, ta, tb, lp_diff, m,
                                          "draw" if draw else classify(m, tol, lp_diff),
                                          same_distribution=draw and alike)
                 break
             if not lp_equal:
-                mismatch = TokenMismatch(key.partition(":")[2], pos, "logprobs", sa, sb, ta, tb, lp_diff, m,
+                mismatch = TokenMismatch(name, pos, "logprobs", sa, sb, ta, tb, lp_diff, m,
                                          a_rank=ra.rank if ra else None, b_rank=rb.rank if rb else None,
                                          topk_changed=cmp.topk_changed if ra is not None and rb is not None else False)
                 break
-        routed = _routing_mismatch(key, a.routing.get(key, {}), b.routing.get(key, {}))
+        routed = _routing_mismatch(name, a.routing.get(key, {}), b.routing.get(key, {}))
         if routed is not None and (mismatch is None or mismatch.a_step is None or routed.a_step <= mismatch.a_step):
             mismatch = routed  # the routing decided what followed
         if mismatch is None:
@@ -265,9 +290,9 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
             first.suspect = "configuration (" + "; ".join(knobs[:3]) + ")"
         else:
             first.suspect = "run-to-run nondeterminism"
-    strip = lambda keys: [k.partition(":")[2] for k in keys]  # noqa: E731
     return CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
-                       strip(k for k in a.order if k not in b.prompts), strip(k for k in b.order if k not in a.prompts),
+                       [a.name(k) for k in a.order if k not in b.prompts],
+                       [b.name(k) for k in b.order if k not in a.prompts],
                        tol, [d.as_pair() for d in differences if d.affects != "host"], near_ties,
                        [d.as_pair() for d in differences if d.affects == "host"],
-                       [f"A: {x}" for x in a.lost] + [f"B: {x}" for x in b.lost])
+                       [f"A: {x}" for x in a.lost] + [f"B: {x}" for x in b.lost], bool(by_prompt), draws_differ)

@@ -189,3 +189,30 @@ def test_two_workloads_with_no_request_in_common_are_no_match(tmp_path):
     b = record_builtin(RecordOptions(cfg, other, tmp_path / "other.capture")).path
     out = CliRunner().invoke(app, ["diff", str(_record(tmp_path, "a", 64)), str(b)])
     assert out.exit_code == 2 and "no request in common (two workloads?)" in out.stderr
+
+
+def test_two_runs_of_a_server_that_names_requests_at_random_align_by_prompt(tmp_path):
+    """A vLLM server names each request `cmpl-<random>-0`: two runs of one workload share no id, and are aligned by
+    prompt and arrival order. An unseeded random request draws from a generator no run repeats: another token from
+    the same logprobs is where its comparison ends, not a divergence."""
+    import dataclasses
+    import random
+
+    from replay.contracts import SamplingParams
+
+    reqs = synthetic(WL, 512)
+    reqs.append(dataclasses.replace(reqs[0], params=SamplingParams(temperature=1.5, max_tokens=12, logprobs=5),
+                                    prompt_token_ids=[7, 8, 9, 10, 11, 12]))
+    paths = []
+    for name, seed in (("a", 0), ("b", 1)):  # another engine seed: the unseeded request draws otherwise
+        rng = random.Random(name)
+        named = [dataclasses.replace(r, request_id=f"cmpl-{rng.getrandbits(64):016x}-0") for r in reqs]
+        cfg = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64, block_size=8, num_gpu_blocks=256),
+                           runner=RunnerConfig(num_threads=1, seed=seed))
+        paths.append(record_builtin(RecordOptions(cfg, named, tmp_path / f"{name}.capture")).path)
+    res = diff_captures(*paths)
+    assert res.aligned_by_prompt and res.requests_compared == 9 and not res.only_in_a, res
+    assert not res.diverged and res.draws_differ == 1, res.first_divergence
+    out = CliRunner().invoke(app, ["diff", *map(str, paths)])
+    assert out.exit_code == 0 and "requests aligned by prompt and arrival order" in out.stdout, out.stdout
+    assert "1 unseeded random request(s) drew another token" in out.stdout
