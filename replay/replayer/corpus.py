@@ -249,7 +249,10 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
         else:
             todo.append((str(p), spec))
     resumed = len(rows)
-    out = open(results, "ab") if results is not None else None
+    try:
+        out = open(results, "ab") if results is not None else None
+    except OSError as e:
+        raise UsageError(f"--results {results}: cannot write it ({e.strerror})") from None
     if out is not None and out.tell() and not _ends_with_newline(Path(results)):
         out.write(b"\n")  # a run killed mid-row left a torn line: the next row starts on its own
     in_here = not how.ray and (how.jobs <= 1 or len(todo) <= 1)  # then one vLLM engine serves each layout

@@ -109,6 +109,9 @@ def test_the_command_line_prints_a_row_each_and_a_summary_with_bisect_exit_codes
     listing.write_text(f"{corpus / DAMAGED}\n{corpus / 'nowhere.capture'}\n")
     assert main(["check", str(listing)]) == 125  # nothing could be tested: skip, not "bad commit"
     assert main(["check", str(tmp_path / "empty-*.capture")]) == 125
+    # an unwritable results file: one line, and cannot test (a mistake is no bad commit)
+    assert main(["check", str(corpus / "w01.capture"), "--results", str(tmp_path / "no-dir" / "r.jsonl")]) == 125
+    assert "r.jsonl: cannot write it (No such file or directory)" in capsys.readouterr().err
 
 
 def test_a_capture_cut_short_is_checked_on_its_readable_prefix_and_the_loss_is_said(tmp_path, capsys):
