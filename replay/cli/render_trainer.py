@@ -30,12 +30,13 @@ def render_trainer(r: TrainerReport) -> str:
             f"{b.first}{'' if b.last == b.first else f'-{b.last}'}: {b.mean_abs:.2g} (max {b.max_abs:.2g})"
             for b in r.by_position))
     if r.worst:
-        lines.append(f"  {'request':<16} {'pos':>4} {'step':>5} {'batch':>14} {'token':>7} {'trainer':>12} "
+        width = max(len("request"), *(len(w.request) for w in r.worst))
+        lines.append(f"  {'request':<{width}} {'pos':>4} {'step':>5} {'batch':>14} {'token':>7} {'trainer':>12} "
                      f"{'vLLM':>12} {'Δ':>9}")
         for w in r.worst:
             batch = f"{w.batch_requests} req/{w.batch_tokens} tok"
-            lines.append(f"  {w.request:<16} {w.position:>4} {w.step:>5} {batch:>14} {w.token:>7} {w.trainer:>12.6f} "
-                         f"{w.vllm:>12.6f} {w.delta:>9.2g}")
+            lines.append(f"  {w.request:<{width}} {w.position:>4} {w.step:>5} {batch:>14} {w.token:>7} "
+                         f"{w.trainer:>12.6f} {w.vllm:>12.6f} {w.delta:>9.2g}")
     for s in r.requests:
         if s.set_aside:
             lines.append(f"  set aside: {s.request}: {s.set_aside}")

@@ -34,6 +34,7 @@ class Rollouts:
     header: Header
     rollouts: list[Rollout] = field(default_factory=list)
     batches: dict[int, tuple[int, int]] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # every request's name, picked or not
 
 
 def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Rollouts:
@@ -44,6 +45,7 @@ def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Ro
     out = Rollouts(side.header, batches={s: (b.num_requests, b.num_tokens) for s, b in side.batches.items()})
     for rec in arrivals:
         req = rec.request
+        out.names.append(req.name)
         if names is not None and req.name not in names and req.request_id not in names:
             continue
         key = side.key_of.get(req.request_id, "")

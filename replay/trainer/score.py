@@ -19,7 +19,7 @@ from replay.replayer.tolerance import CROSS_HARDWARE_ATOL
 from replay.trainer.figures import Bin, Bucket, Figures, by_position, figures, histogram
 from replay.trainer.forward import check_device, load_model, teacher_forced
 from replay.trainer.layers import TrainerLayers, check_against, trainer_layers
-from replay.trainer.rollouts import Rollout, read_rollouts
+from replay.trainer.rollouts import Rollout, Rollouts, read_rollouts
 from replay.trainer.routing import RoutingAgreement, RoutingTally
 from replay.trainer.semantics import Semantics, like_vllm, semantics, trainer_logprobs
 
@@ -109,6 +109,8 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     opts = opts or TrainerOptions()
     if opts.micro_batch < 1 or opts.clip <= 0:
         raise UsageError("--micro-batch must be at least 1 and --clip above 0")
+    if opts.dump is not None and not opts.bisect:
+        raise UsageError("--dump needs --bisect: it writes the bisect's module outputs")
     check_against(opts.against)
     check_device(opts.device)
     data = read_rollouts(path, opts.requests)
@@ -116,19 +118,22 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     mode = header.engine_config.logprobs_mode
     model_id = header.model
     model_path = opts.model or (model_id.path or model_id.name if model_id else "")
+    if opts.model and not os.path.isdir(opts.model):
+        raise UsageError(f"--model {opts.model}: not a checkpoint here (a directory with the trainer's config and "
+                         "weights)")
     if not model_path or not os.path.isdir(model_path):
         raise UsageError(f"{path}: the recording's model {model_path or '(unnamed)'} is not a checkpoint here: "
                          "give the trainer's with --model PATH")
     dtype = opts.dtype or (model_id.dtype if model_id and model_id.dtype else "float32")
-    if opts.requests is not None and not data.rollouts:
-        raise UsageError(f"{path}: no request {', '.join(opts.requests)} generated a token")
+    if opts.requests is not None:
+        _check_named(path, opts.requests, data)
     notes = _checkpoint_notes(model_path, model_id, dtype)
     model = load_model(model_path, dtype, opts.attention, opts.device)
 
     scores: dict[str, RequestScore] = {}
     deltas: list[np.ndarray] = []
     naive: list[np.ndarray] = []
-    worst: list[WorstToken] = []
+    compared: list[WorstToken] = []
     meaning = {r.name: semantics(r.params, mode) for r in data.rollouts}
     for r in data.rollouts:
         why = meaning[r.name].set_aside or ("" if r.params.logprobs is not None and any(v is not None for v in r.values)
@@ -150,8 +155,11 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
         deltas.append(d)
         if gap_d is not None:
             naive.append(gap_d)
-        worst += tokens
-    worst = sorted(worst, key=lambda w: -abs(w.delta))[:opts.worst]
+        compared += tokens
+    # the verdict and the bisect take the worst compared token, whatever --worst asks to print
+    compared.sort(key=lambda w: -abs(w.delta))
+    top = compared[0] if compared else None
+    worst = compared[:opts.worst]
     logits = mode.endswith("_logits")
     overall = figures(deltas, opts.clip, logprobs=not logits)
     tol = CROSS_HARDWARE_ATOL.get(dtype, CROSS_HARDWARE_ATOL["float32"])
@@ -160,21 +168,21 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     differs = any(x.semantics and x.semantic_gap for x in ordered)
     units = "logit" if logits else "logprob"
     res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, opts.pack, mode,
-                        _verdict(overall, worst, tol, rounding, ordered, units), rounding, tol, units, overall,
+                        _verdict(overall, top, tol, rounding, ordered, units), rounding, tol, units, overall,
                         figures(naive, opts.clip) if differs else None, by_position(deltas), histogram(deltas),
                         worst, ordered, notes, tally.result(), device=opts.device)
     if opts.bisect:
-        res.layers = _bisect(path, opts, worst, model_path, dtype, engines, model)
+        res.layers = _bisect(path, opts, top, model_path, dtype, engines, model)
     return res
 
 
-def _bisect(path, opts: TrainerOptions, worst: list[WorstToken], model_path: str, dtype: str,
+def _bisect(path, opts: TrainerOptions, top: WorstToken | None, model_path: str, dtype: str,
             engines: Engines | None, model: Any) -> TrainerLayers:
-    """The module where the trainer and the replay part, at `opts.token` or the worst token, on the model the
-    scoring loaded."""
-    if opts.token is None and not worst:
+    """The module where the trainer and the replay part, at `opts.token` or the worst compared token `top`, on the
+    model the scoring loaded."""
+    if opts.token is None and top is None:
         raise UsageError("--bisect: no token was compared; name one with --token REQUEST:POSITION")
-    request, position = opts.token or (worst[0].request, worst[0].position)
+    request, position = opts.token or (top.request, top.position)
     own = engines or Engines(keep=1)
     try:
         return trainer_layers(path, request, position, model_path=model_path, dtype=dtype,
@@ -220,7 +228,20 @@ def _checkpoint_notes(path: str, recorded, dtype: str) -> list[str]:
     return notes
 
 
-def _verdict(f: Figures, worst: list[WorstToken], tol: float, rounding: bool, scores: list[RequestScore],
+def _check_named(path, names: list[str], data: Rollouts) -> None:
+    """Refuse `--request` names that cannot be compared: one that generated no token (naming the sequences of an
+    n > 1 request named by its parent's id), one that asked for no logprobs."""
+    if not data.rollouts:
+        children = [n for n in data.names if any(n.startswith(f"{x}#") for x in names)]
+        hint = f" (its sequences: {', '.join(children)})" if children else ""
+        raise UsageError(f"{path}: no request {', '.join(names)} generated a token{hint}")
+    quiet = [r.name for r in data.rollouts if r.params.logprobs is None or all(v is None for v in r.values)]
+    if quiet:
+        raise UsageError(f"--request {', '.join(quiet)}: recorded no logprobs (the request asked for none), so there "
+                         "is nothing to compare: record it with logprobs")
+
+
+def _verdict(f: Figures, top: WorstToken | None, tol: float, rounding: bool, scores: list[RequestScore],
              units: str) -> str:
     """One line: agree at the rounding level, or where they part most, and what a clip would touch."""
     aside = sum(1 for s in scores if s.set_aside)
@@ -233,6 +254,6 @@ def _verdict(f: Figures, worst: list[WorstToken], tol: float, rounding: bool, sc
     head = (f"the trainer and vLLM agree at the rounding level (max |Δ{units}| {f.max_abs:.3g} <= {tol:g}) over "
             f"{f.tokens} tokens of {f.sequences} sequence(s)" if rounding else
             f"the trainer and vLLM part beyond the rounding level ({tol:g}): max |Δ{units}| {f.max_abs:.3g} at "
-            f"request {worst[0].request}, position {worst[0].position} (step {worst[0].step}, a batch of "
-            f"{worst[0].batch_requests}), mean {f.mean_abs:.3g} over {f.tokens} tokens")
+            f"request {top.request}, position {top.position} (step {top.step}, a batch of "
+            f"{top.batch_requests}), mean {f.mean_abs:.3g} over {f.tokens} tokens")
     return f"{head}{clip}{tail}"

@@ -16,10 +16,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+from replay.capture.writing.writer_process import ProcessCaptureWriter  # noqa: E402
 from replay.cli import main  # noqa: E402
-from replay.contracts import SamplingParams  # noqa: E402
+from replay.cli.render_trainer import render_trainer  # noqa: E402
+from replay.contracts import EngineCoreRequest, SamplingParams  # noqa: E402
 from replay.engine.config import LOGPROBS_MODES, EngineConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+from replay.engine.engine import LLMEngine  # noqa: E402
 from replay.record import RecordOptions, WorkloadRequest, record_builtin  # noqa: E402
+from replay.record.tap import CaptureTap  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from replay.trainer import TrainerOptions, score_capture  # noqa: E402
 from testbed.checkpoints import real_vocab_qwen2  # noqa: E402
@@ -57,6 +61,34 @@ def captures(qwen, tmp_path_factory):
         record_builtin(RecordOptions(cfg, _workload(), path))
         out[mode if dtype == "float32" else dtype] = path
     return out
+
+
+PARENT = "cmpl-a934e848e6489fa3-0"  # an OpenAI server's id, as vLLM's front end names an n=2 request's children
+
+
+@pytest.fixture(scope="module")
+def fanned(qwen, tmp_path_factory):
+    """An n=2 request as vLLM's front end hands it to the engine core: two children `{index}_{parent's internal id}`
+    under the parent's user id (shown `{user id}#{index}`), each with logprobs."""
+    path = tmp_path_factory.mktemp("fanned") / "n2.capture"
+    cfg = EngineConfig(model=str(qwen), scheduler=SchedulerConfig(block_size=16, num_gpu_blocks=64),
+                       runner=RunnerConfig(dtype="float32", num_threads=1))
+    engine = LLMEngine(cfg)
+    writer = ProcessCaptureWriter(path, engine.header())
+    engine.listeners.append(CaptureTap(writer))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.7, logprobs=2)
+    for i in range(2):
+        engine.add_engine_core_request(EngineCoreRequest(f"{i}_{PARENT}-8fbb1136", PROMPT, None, sp, None, 0.0, None,
+                                                         None, None, external_req_id=PARENT))
+    while engine.has_unfinished_requests():
+        engine.step()
+    writer.close()
+    return path
+
+
+def _fault(model) -> None:
+    """A trainer-side fault: the final norm scaled, every logit moved."""
+    model.model.norm.weight.data.mul_(1.5)
 
 
 def _by_name(res) -> dict:
@@ -119,7 +151,7 @@ def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(capture
     res = json.loads(capsys.readouterr().out)
     assert [r["request"] for r in res["requests"]] == ["greedy"] and res["overall"]["tokens"] == 8
     assert main(["trainer", str(captures["raw_logprobs"]), "--model", str(qwen / "missing")]) == 2
-    assert "not a checkpoint here" in capsys.readouterr().err
+    assert f"--model {qwen / 'missing'}: not a checkpoint here" in capsys.readouterr().err  # the user's checkpoint
     assert main(["trainer", str(captures["raw_logprobs"]), "--against", "megatron"]) == 2
     assert "--against megatron: expected one of transformers, builtin" in capsys.readouterr().err
     assert main(["trainer", str(captures["raw_logprobs"]), "--against", "builtin"]) == 2  # (implies --bisect)
@@ -169,3 +201,36 @@ def test_the_report_shows_the_figures_a_histogram_and_delta_by_position(captures
     assert not [c for c in console if "Error" in c], console
     assert main(["report", str(capture), "--trainer", str(capture)]) == 2  # a capture, not a trainer report
     assert "cannot read a trainer report" in capsys.readouterr().err
+
+
+def test_the_verdict_and_the_bisect_take_the_worst_token_whatever_worst_prints(captures):
+    """--worst 0 prints no worst token; the verdict still names where the two part most, and --bisect still bisects
+    there."""
+    shown, silent = (score_capture(captures["raw_logprobs"], TrainerOptions(worst=n), hook=_fault) for n in (1, 0))
+    assert not silent.rounding and silent.worst == [] and silent.verdict == shown.verdict
+    top = shown.worst[0]
+    assert f"at request {top.request}, position {top.position}" in silent.verdict
+    res = score_capture(captures["raw_logprobs"], TrainerOptions(worst=0, bisect=True))
+    assert res.worst == [] and res.layers is not None and res.layers.modules
+    best = score_capture(captures["raw_logprobs"], TrainerOptions(worst=1)).worst[0]
+    assert (res.layers.request, res.layers.position) == (best.request, best.position)
+
+
+def test_the_worst_token_table_fits_vllms_request_ids(fanned):
+    res = score_capture(fanned, TrainerOptions(worst=4))
+    assert res.worst and {w.request for w in res.worst} <= {f"{PARENT}#0", f"{PARENT}#1"}
+    lines = render_trainer(res).splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.lstrip().startswith("request")):][:1 + len(res.worst)]
+    assert len({len(line) for line in table}) == 1, table  # every column in line with the header's
+
+
+def test_the_command_refuses_requests_it_cannot_compare_and_a_dump_without_a_bisect(captures, fanned, tmp_path,
+                                                                                    capsys):
+    assert main(["trainer", str(fanned), "--request", PARENT]) == 2  # the parent of an n=2 request: name its sequences
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no request {PARENT} generated a token (its sequences: {PARENT}#0, {PARENT}#1)" in err[0]
+    assert main(["trainer", str(captures["raw_logprobs"]), "--request", "quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--request quiet: recorded no logprobs" in err[0] and "record it with logprobs" in err[0]
+    assert main(["trainer", str(captures["raw_logprobs"]), "--dump", str(tmp_path / "dump")]) == 2
+    assert "--dump needs --bisect" in capsys.readouterr().err and not (tmp_path / "dump").exists()
