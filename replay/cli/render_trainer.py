@@ -45,6 +45,9 @@ def render_trainer(r: TrainerReport) -> str:
             gap = f" (the gap, not counted: max {s.semantic_gap:.3g})" if s.semantic_gap else ""
             lines.append(f"  semantics: {s.request}: {s.semantics}{gap}")
     lines += [f"  note: {n}" for n in r.notes]
+    if r.data_lost:
+        lines.append(f"  capture damaged ({'; '.join(r.data_lost[:3])}): the sequences it cut are scored up to "
+                     "where it lost data")
     if r.routing is not None:
         g = r.routing
         lines.append(f"  MoE routing: {g.tokens} tokens; the trainer's router picks vLLM's experts in " + ", ".join(

@@ -41,9 +41,10 @@ def trainer(
     over the whole vocabulary) against the logprobs vLLM returned, like for like: mean and max |Δ|, the k3 KL, what
     a truncated-importance-sampling clip at C would touch, Δ by position, the worst tokens. Differences of meaning
     (raw logprobs of a tempered request, top-p renormalisation) are named and not counted. --bisect: the first module
-    where the replay of the token's step and the trainer's forward part beyond the dtype's tolerance."""
+    where the replay of the token's step and the trainer's forward part beyond the dtype's tolerance. Exit 3 when the
+    capture lost data (what it holds is scored)."""
     from replay.cli.render_trainer import render_trainer
-    from replay.errors import UsageError
+    from replay.errors import EXIT_DAMAGED, UsageError
     from replay.replayer import Plant
     from replay.trainer import TrainerOptions, score_capture
 
@@ -58,3 +59,5 @@ def trainer(
         bisect or where is not None or against != "transformers", where,
         Plant.parse(plant) if plant else None, runner, str(dump) if dump else None, against, device))
     emit(res, render_trainer, json=json)
+    if res.data_lost:
+        raise typer.Exit(EXIT_DAMAGED)

@@ -35,6 +35,7 @@ class Rollouts:
     rollouts: list[Rollout] = field(default_factory=list)
     batches: dict[int, tuple[int, int]] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)  # every request's name, picked or not
+    lost: list[str] = field(default_factory=list)  # where the capture lost data: sequences end there
 
 
 def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Rollouts:
@@ -42,7 +43,8 @@ def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Ro
     side = read_aligned(path)
     with CaptureReader(path) as r:
         arrivals = [rec for rec in r.records() if isinstance(rec, RequestAdded)]
-    out = Rollouts(side.header, batches={s: (b.num_requests, b.num_tokens) for s, b in side.batches.items()})
+    out = Rollouts(side.header, batches={s: (b.num_requests, b.num_tokens) for s, b in side.batches.items()},
+                   lost=list(side.lost))
     for rec in arrivals:
         req = rec.request
         out.names.append(req.name)

@@ -100,6 +100,7 @@ class TrainerReport(msgspec.Struct):
     routing: RoutingAgreement | None = None  # where the capture kept MoE routing: the trainer's router against it
     layers: TrainerLayers | None = None  # with `bisect`: the module where they part
     device: str = "cpu"  # where the trainer's forward ran
+    data_lost: list[str] = []  # what the capture lost: the sequences it cut are scored up to there
 
 
 def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *,
@@ -170,7 +171,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     res = TrainerReport(str(path), model_path, dtype, opts.attention, opts.micro_batch, opts.pack, mode,
                         _verdict(overall, top, tol, rounding, ordered, units), rounding, tol, units, overall,
                         figures(naive, opts.clip) if differs else None, by_position(deltas), histogram(deltas),
-                        worst, ordered, notes, tally.result(), device=opts.device)
+                        worst, ordered, notes, tally.result(), device=opts.device, data_lost=data.lost)
     if opts.bisect:
         res.layers = _bisect(path, opts, top, model_path, dtype, engines, model)
     return res

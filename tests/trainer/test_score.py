@@ -234,3 +234,14 @@ def test_the_command_refuses_requests_it_cannot_compare_and_a_dump_without_a_bis
     assert len(err) == 1 and "--request quiet: recorded no logprobs" in err[0] and "record it with logprobs" in err[0]
     assert main(["trainer", str(captures["raw_logprobs"]), "--dump", str(tmp_path / "dump")]) == 2
     assert "--dump needs --bisect" in capsys.readouterr().err and not (tmp_path / "dump").exists()
+
+
+def test_a_capture_cut_short_is_scored_on_what_it_holds_and_exits_3(qwen, tmp_path, capsys):
+    whole, cut = tmp_path / "whole.capture", tmp_path / "cut.capture"
+    cfg = EngineConfig(model=str(qwen), scheduler=SchedulerConfig(block_size=16, num_gpu_blocks=64),
+                       runner=RunnerConfig(num_threads=1))
+    record_builtin(RecordOptions(cfg, _workload(), whole, flush_interval=0.001))  # a chunk a step or so
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size * 3 // 4])
+    assert main(["trainer", str(cut)]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("the trainer and vLLM agree") and "capture damaged (" in out, out
