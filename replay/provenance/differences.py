@@ -167,6 +167,10 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
             continue
         if name == "fingerprint" and (not x or not y):
             continue
+        if name == "engine_version" and a.engine != b.engine:
+            continue  # one engine's version against another's says nothing: said with the engines
+        if name == "engine" and x != y:
+            x, y = (f"{h.engine} {h.engine_version}".strip() for h in (a, b))
         if x != y:
             out.append(HeaderDifference(f"{section}.{name}" if section else name, label, _text(name, x),
                                         _text(name, y), affects))

@@ -44,6 +44,14 @@ def test_differences_come_in_one_order_with_labels_and_what_they_affect():
     assert diffs[0].as_pair() == "dtype: float32 vs bfloat16"
 
 
+def test_another_engine_names_each_ones_version_and_no_version_difference():
+    vllm = _header(engine="vllm", engine_version="0.32.0")
+    notes = [d.as_note() for d in header_differences(vllm, _header())]
+    assert notes == ["engine: recorded vllm 0.32.0, replay builtin 1"]
+    upgraded = header_differences(vllm, _header(engine="vllm", engine_version="0.33.0"))
+    assert [d.as_note() for d in upgraded] == ["engine version: recorded 0.32.0, replay 0.33.0"]
+
+
 def test_an_unknown_fingerprint_or_a_missing_model_is_not_a_difference():
     assert header_differences(_header(), _header(**{"model.fingerprint": ""})) == []
     no_model = _header()
