@@ -94,10 +94,14 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
         if modules or name == LOGITS:
             key = name if calls == 1 else f"{name}#{calls}"
             sizes = list(getattr(module, "output_sizes", None) or [])
+            # with fewer KV heads than ranks, each KV head is copied onto `num_kv_head_replicas` consecutive ranks
+            kv = getattr(module, "num_kv_head_replicas", 1) if len(sizes) == 3 else 1
+            replicas = [1, kv, kv] if kv > 1 else [1] * len(sizes)
             for j, t in enumerate(parts):
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == parts[0].shape[0]:
                     rows = t.reshape(t.shape[0], -1)[a:b].detach().to("cpu").clone()
-                    state["rows"].append((key if j == 0 else f"{key}[{j}]", rows, sizes if j == 0 else []))
+                    state["rows"].append((key if j == 0 else f"{key}[{j}]", rows, sizes if j == 0 else [],
+                                          replicas if j == 0 else []))
         return changed
 
     for name, m in named:
@@ -107,9 +111,10 @@ def install_taps(worker: Any, watch: str, modules: bool, plant: tuple[str, float
     return [n for n, _ in named]
 
 
-def collect_taps(worker: Any) -> tuple[list[tuple[str, Any, list[int]]], int]:
+def collect_taps(worker: Any) -> tuple[list[tuple[str, Any, list[int], list[int]]], int]:
     """On one worker: remove the hooks and hand over what they kept, in execution order ((name, rows, output_sizes
-    of a merged projection, else [])), and how many times the planted fault was added."""
+    of a merged projection and how many ranks hold a copy of each output's shard, else [] and [])), and how many
+    times the planted fault was added."""
     state = getattr(worker, _TAPS, None) or {"rows": [], "handles": [], "planted": 0}
     for h in state["handles"]:
         h.remove()
@@ -117,15 +122,17 @@ def collect_taps(worker: Any) -> tuple[list[tuple[str, Any, list[int]]], int]:
     return state["rows"], state["planted"]
 
 
-def gather_ranks(per_rank: list[list[tuple[str, Any, list[int]]]]) -> list[ModuleRows]:
+def gather_ranks(per_rank: list[list[tuple]]) -> list[ModuleRows]:
     """Every module rank 0 kept, in its order: whole where every rank holds the same rows, else its shards put back
     in the unsharded column order (a merged projection, like vLLM's qkv_proj or gate_up_proj, shard by shard of each
-    of its outputs)."""
+    of its outputs; an output copied onto r consecutive ranks, as qkv_proj's K and V with fewer KV heads than ranks,
+    from one rank of each r). Each rank's entries are (name, rows, output_sizes[, replicas])."""
     import torch
 
-    others = [{name: rows for name, rows, _ in rank} for rank in per_rank[1:]]
+    others = [{name: rows for name, rows, *_ in rank} for rank in per_rank[1:]]
     out = []
-    for name, rows, sizes in per_rank[0]:
+    for name, rows, sizes, *rest in per_rank[0]:
+        replicas = rest[0] if rest and rest[0] else [1] * len(sizes)
         shards = [rows] + [o[name] for o in others if name in o]
         if len(shards) == 1 or all(s.shape == rows.shape and torch.equal(s, rows) for s in shards[1:]):
             out.append(ModuleRows(name, rows))
@@ -133,7 +140,8 @@ def gather_ranks(per_rank: list[list[tuple[str, Any, list[int]]]]) -> list[Modul
         tp = len(shards)
         if sizes and all(s % tp == 0 for s in sizes) and sum(s // tp for s in sizes) == rows.shape[1]:
             pieces = [torch.split(s, [n // tp for n in sizes], dim=1) for s in shards]
-            whole = torch.cat([p[k] for k in range(len(sizes)) for p in pieces], dim=1)
+            whole = torch.cat([p[k] for k in range(len(sizes)) for i, p in enumerate(pieces)
+                               if i % replicas[k] == 0], dim=1)
         else:
             whole = torch.cat(shards, dim=1)
         out.append(ModuleRows(name, whole, gathered=True))

@@ -59,8 +59,9 @@ def vocab_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vocab_model_tp(tmp_path_factory):
-    """The real vocabulary with 4 query and 2 KV heads, which split over two tensor-parallel ranks."""
-    return add_tokenizer(real_vocab_qwen2(tmp_path_factory.mktemp("vocab-tp") / "qwen2-vocab", heads=4, kv_heads=2))
+    """The real vocabulary with 4 query heads and one KV head, which vLLM copies onto both tensor-parallel ranks (the
+    README's checkpoint has one too; KV heads split over the ranks: tests/integrations/vllm/test_taps.py)."""
+    return add_tokenizer(real_vocab_qwen2(tmp_path_factory.mktemp("vocab-tp") / "qwen2-vocab", heads=4, kv_heads=1))
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +342,7 @@ def test_a_tensor_parallel_real_vocabulary_server_shows_no_false_contamination(v
     t = res.layers  # vLLM's modules in both workers, the sharded ones put back together, against the trainer's
     assert t.runner == "vllm" and t.first_module is None and len(t.modules) > 20, t.verdict
     assert t.modules[0].module == "model.embed_tokens" and t.modules[-1].module == "logits_processor"
+    assert "model.layers.0.self_attn.qkv_proj" in {m.module for m in t.modules}  # its copied K and V taken once
 
 
 def _ring_bytes(ring: Path) -> int:

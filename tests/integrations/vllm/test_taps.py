@@ -31,3 +31,13 @@ def test_what_only_the_first_rank_holds_is_taken_as_it_is():
     logits = torch.randn(1, 16)
     (m,) = gather_ranks([[("logits_processor", logits, [])], []])  # gathered to rank 0 only, as vLLM does
     assert not m.gathered and m.rows is logits
+
+
+def test_kv_heads_copied_onto_several_ranks_are_taken_once():
+    """One KV head at TP=2: vLLM copies it onto both ranks (`num_kv_head_replicas` 2, `output_sizes` [4, 4, 4]), and
+    the TP=1 layout [q(4) | k(2) | v(2)] holds it once."""
+    q, k, v = torch.arange(4.0), torch.arange(10.0, 12.0), torch.arange(20.0, 22.0)
+    rank0 = torch.cat([q[:2], k, v]).reshape(1, 6)
+    rank1 = torch.cat([q[2:], k, v]).reshape(1, 6)
+    (m,) = gather_ranks([[("qkv_proj", rank0, [4, 4, 4], [1, 2, 2])], [("qkv_proj", rank1, [4, 4, 4], [1, 2, 2])]])
+    assert m.gathered and torch.equal(m.rows, torch.cat([q, k, v]).reshape(1, 8))
