@@ -155,12 +155,15 @@ def progress_log(quiet: bool) -> Callable[[str], None]:
 
 
 def int_range(text: str, flag: str) -> tuple[int, int]:
-    """`MIN:MAX` (or `N`) -> (MIN, MAX); anything else is a UsageError naming the flag."""
+    """`MIN:MAX` (or `N`) -> (MIN, MAX), 0 <= MIN <= MAX; anything else is a UsageError naming the flag."""
     try:
         lo, _, hi = text.partition(":")
-        return int(lo), int(hi or lo)
+        pair = int(lo), int(hi or lo)
     except ValueError:
         raise UsageError(f"{flag} {text!r}: expected MIN:MAX (integers)") from None
+    if not 0 <= pair[0] <= pair[1]:
+        raise UsageError(f"{flag} {text!r}: expected 0 <= MIN <= MAX")
+    return pair
 
 
 def step_range(text: str | None, flag: str = "--steps") -> StepRange | None:

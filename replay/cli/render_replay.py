@@ -358,7 +358,11 @@ def render_stress(res: StressReport) -> str:
     """`replay stress`: the verdict and where the trials first fork."""
     lines = [res.verdict]
     f = res.first_fork
-    if f is not None:
+    if f is not None and (f.batch_sizes[0], f.batch_tokens[0]) == (f.batch_sizes[1], f.batch_tokens[1]):
+        lines.append(f"  trials {f.trials[0]} and {f.trials[1]} part at output position {f.position}, where the "
+                     f"target ran in batches of the same size in both ({f.batch_sizes[0]} requests, "
+                     f"{f.batch_tokens[0]} tokens): what parted them came in the steps before")
+    elif f is not None:
         lines.append(f"  trials {f.trials[0]} and {f.trials[1]} part at output position {f.position}: the target ran "
                      f"in batches of {f.batch_sizes[0]} and {f.batch_sizes[1]} requests ({f.batch_tokens[0]} and "
                      f"{f.batch_tokens[1]} tokens)")

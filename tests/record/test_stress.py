@@ -44,6 +44,8 @@ def test_stress_in_an_environment_of_its_own_runs_there_and_refuses_other_knobs(
     assert stress(PROMPT, cfg, trials=3, seed=3, env={"OMP_WAIT_POLICY": "PASSIVE"}) == serial  # a fresh process
     out = CliRunner().invoke(app, ["stress", "--prompt-token-ids", "5,6,7", "--set", "dtype=float64"])
     assert out.exit_code == 2 and "stress runs the builtin engine" in out.output
+    out = CliRunner().invoke(app, ["stress", "--prompt-token-ids", "5,6,7", "--neighbours", "5:1"])
+    assert out.exit_code == 2 and "--neighbours '5:1': expected 0 <= MIN <= MAX" in out.output
 
 
 def test_batch_invariant_linear_gives_a_row_the_same_bits_whatever_the_batch():
@@ -72,3 +74,16 @@ def test_stress_cli():
     assert res.exit_code == 0 and '"unique_logprob_sequences":1' in res.stdout
     res = CliRunner().invoke(app, ["stress", "--trials", "3"])
     assert res.exit_code == 2 and "exactly one of" in res.stderr
+
+
+def test_a_fork_in_batches_of_one_size_points_at_the_steps_before():
+    from replay.cli.render_replay import render_stress
+    from replay.record.stress import Fork, StressReport
+
+    def said(sizes, tokens) -> str:
+        fork = Fork(14, "token", [0, 3], sizes, tokens)
+        return render_stress(StressReport(4, 2, 2, fork, False, "4 replays")).splitlines()[1]
+
+    assert said([1, 1], [1, 1]).endswith("batches of the same size in both (1 requests, 1 tokens): what parted them "
+                                         "came in the steps before")
+    assert said([1, 3], [1, 3]).endswith("the target ran in batches of 1 and 3 requests (1 and 3 tokens)")
