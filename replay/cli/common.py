@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from typer.core import TyperGroup
 
+from replay.capture.reading.liveness import STILL_WRITTEN
 from replay.capture.reading.step_range import StepRange
 from replay.diff.rules import DEFAULT_TIE_MARGIN
 from replay.errors import (
@@ -140,7 +141,10 @@ def damage_exit(damage: list[Damage], *, listed: bool = True) -> None:
         if not listed:
             for d in damage:
                 err(f"{d.kind}: {d.describe()}")
-        err(f"capture is damaged: {len(damage)} problem(s), data was lost" + (" (see above)" if listed else ""))
+        live = all(d.reason == STILL_WRITTEN for d in damage)
+        what = ("capture is still being written: read what is on disk so far" if live
+                else f"capture is damaged: {len(damage)} problem(s), data was lost")
+        err(what + (" (see above)" if listed else ""))
         raise typer.Exit(EXIT_DAMAGED)
 
 

@@ -35,6 +35,7 @@ from replay.capture.format.peek import is_unknown_tag, peek
 from replay.capture.reading.bounds import load_index, read_prologue
 from replay.capture.reading.damage import Damage
 from replay.capture.reading.inflate import ChunkInflater, ChunkUnreadable
+from replay.capture.reading.liveness import STILL_WRITTEN, being_written
 from replay.capture.reading.read_ahead import ReadAhead, default_workers
 from replay.errors import (
     CaptureDamagedError,
@@ -99,7 +100,10 @@ class CaptureReader:
         except NotACaptureError:
             raise
         except FileNotFoundError:
-            raise NotACaptureError(p, "no such file") from None
+            partial = p.with_name(p.name + ".partial")
+            raise NotACaptureError(p, "no such file" + (f" ({partial.name} is there: still being written, or cut "
+                                                       "short; `replay info` reads it)" if partial.exists() else "")
+                                   ) from None
         except OSError as e:
             raise NotACaptureError(p, f"cannot open: {e.strerror or e}") from None
         if size == 0:
@@ -289,7 +293,8 @@ class CaptureReader:
                         saw_footer = True
                     yield rec
         if chunks is None and not saw_footer and self.index is None:
-            self._add_damage(Damage("unfinished", "capture was not closed (the recording stopped): records of its "
+            self._add_damage(Damage("unfinished", STILL_WRITTEN) if being_written(self.path) else
+                             Damage("unfinished", "capture was not closed (the recording stopped): records of its "
                                     "last open chunk are lost; `replay recover` rewrites it with an index"))
 
     def _image_decoder(self):

@@ -29,6 +29,17 @@ def capture_mode() -> int:
     return mode
 
 
+def hold(f: BinaryIO) -> None:
+    """Hold a shared lock on a capture being written, for as long as `f` is open: readers then know it is still
+    being written (`replay.capture.reading.liveness`). A file system without locks goes without."""
+    import fcntl
+
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pass
+
+
 def create(path: str | os.PathLike, *, append: bool = False, mode: int | None = None) -> BinaryIO:
     """Open `path` for writing (truncated, or appended to), with exactly `mode` (default `capture_mode()`), whatever
     the umask or the mode of a file that was there before."""

@@ -86,6 +86,7 @@ class CaptureWriter(WriterContext):
         try:
             self.partial_path.parent.mkdir(parents=True, exist_ok=True)
             self._f = filemode.create(self.partial_path, mode=mode)
+            filemode.hold(self._f)
             self._out = open_emitter(self._f, level=level, fsync=fsync, interval=flush_interval, idle=self._idle_seal,
                                     catch_up_level=catch_up_level)
             prologue = fmt.PROLOGUE_ID + struct.pack("<HH", fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR)
