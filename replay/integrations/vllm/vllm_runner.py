@@ -166,7 +166,7 @@ class VllmRunner:
         except UsageError:
             raise
         except Exception as e:  # noqa: BLE001 - vLLM refuses configurations in many ways; say which, in one line
-            msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            msg = " ".join(_said(e).split())[:300]
             hint = ""
             if "block size" in msg.lower():
                 hint = (f" (the capture's KV block size is {ec.block_size}; vLLM's CPU attention takes multiples of "
@@ -388,3 +388,17 @@ def _grammar_to_vllm(go: GrammarOutput[str] | None):
     return VGO(**_vllm_kwargs(VGO, dict(structured_output_request_ids=list(go.structured_output_request_ids),
                                         grammar_bitmask=go.grammar_bitmask.to_numpy(),
                                         num_acceptable_drafts=go.num_acceptable_drafts)))
+
+
+def _said(e: Exception) -> str:
+    """What an engine's refusal says: a pydantic validation error by its messages alone (its text repeats every
+    argument of the configuration, and a line cut to size would end inside it)."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            msgs = [str(x.get("msg", "")) for x in errors()]
+        except Exception:  # noqa: BLE001 - not pydantic's errors(): its text then
+            msgs = []
+        if any(msgs):
+            return f"{type(e).__name__}: {'; '.join(m for m in msgs if m)}"
+    return f"{type(e).__name__}: {e}"

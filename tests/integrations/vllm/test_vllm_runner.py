@@ -69,3 +69,26 @@ def test_bisect_config_on_the_builtin_runner_holds_a_vllm_capture_to_its_toleran
         bisect_config(tp2_capture, "", "dtype=bfloat16")
     res = bisect_config(tp2_capture, "", "dtype=bfloat16,threads=1", tolerance=Tolerance(atol=1e-4))
     assert res.minimal_change == {"dtype": "bfloat16"}
+
+
+def test_an_engine_refused_by_pydantic_is_said_by_its_messages_not_cut_inside_its_arguments():
+    """vLLM validates its configuration with pydantic, whose text repeats every argument it was given: the line a
+    refusal makes keeps the messages (a TP size the heads do not divide, say)."""
+    import pydantic
+
+    from replay.integrations.vllm.vllm_runner import _said
+
+    class Config(pydantic.BaseModel):
+        tensor_parallel_size: int
+        arguments: str
+
+        @pydantic.model_validator(mode="after")
+        def heads(self):
+            raise ValueError("Total number of attention heads (2) must be divisible by tensor parallel size (3).")
+
+    with pytest.raises(pydantic.ValidationError) as e:
+        Config(tensor_parallel_size=3, arguments="x" * 5000)
+    said = _said(e.value)
+    assert said == ("ValidationError: Value error, Total number of attention heads (2) must be divisible by tensor "
+                    "parallel size (3)."), said
+    assert _said(RuntimeError("no")) == "RuntimeError: no"
