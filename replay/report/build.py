@@ -161,11 +161,16 @@ def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
 
 def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
     notes = [f"note: {c}" for c in res.config_differences]
+    if res.aligned_by_prompt:
+        notes.append("note: the runs share no request id: requests aligned by prompt and arrival order, named as in A")
+    if res.draws_differ:
+        notes.append(f"note: {res.draws_differ} unseeded random request(s) drew another token from the same logprobs: "
+                     "compared up to that draw")
     if res.only_in_a or res.only_in_b:
         notes.append(f"not in both: {len(res.only_in_a)} only in A, {len(res.only_in_b)} only in B")
     opts = [] if tol.bitwise else ["--atol", f"{tol.atol:g}", "--rtol", f"{tol.rtol:g}"]
     commands = [("the comparison in the terminal", shlex.join(["replay", "diff", res.a, res.b, *opts])),
-                ("the first step where they part", shlex.join(["replay", "bisect", "steps", res.a, res.b])),
+                ("the first step where they part", shlex.join(["replay", "bisect", "steps", res.a, res.b, *opts])),
                 ("this report", shlex.join(["replay", "report", res.a, res.b, *opts]))]
     text = (f"Two recorded runs, A ({res.a}) and B ({res.b}), request by request: {res.requests_compared:,} requests "
             f"compared, {res.requests_diverged:,} differ. Steps and the heat map's columns are A's; a request is "
@@ -181,8 +186,9 @@ def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
         flip = next((x for x in divs if x.kind in ("token", "length")), None)
         cards.append(Card("first-divergence", "First divergence", [
             ("request", d.request_id), ("token" if d.kind == "routed_experts" else "output position", d.position),
-            ("what", d.kind), ("step in A", d.a_step),
+            ("what", _what_parts(d)), ("step in A", d.a_step),
             ("step in B", d.b_step), ("token in A", d.a_token), ("token in B", d.b_token),
+            ("rank", None if d.a_rank is None else f"{d.a_rank} → {d.b_rank}"),
             ("max |Δlogprob|", _g(d.max_abs_logprob_diff)), ("top1-top2 margin", _g(d.margin)), ("flip", d.flip),
             ("MoE layer", d.moe_layer), ("experts in A", d.a_experts), ("experts in B", d.b_experts),
             ("suspect", d.suspect)], {"step": d.a_step, "request": d.request_id, "position": d.position,
@@ -192,12 +198,20 @@ def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
         if flip is not None:
             cards.append(_divergence_card("first-flip", "First token flip", flip, ("A", "B")))
         for side, b in (("A", d.a_batch), ("B", d.b_batch)):
-            if b is not None:
-                batches.append(_batch(b, first, divs, side))
+            if b is not None:  # (the divergences are placed at A's steps: B's batch marks the first one alone)
+                batches.append(_batch(b, first, divs if side == "A" else [], side))
     return _page(run, capture_diff_verdict(res), "diverged" if res.diverged else "match", notes=notes,
                  commands=commands, cards=cards, batches=batches, comparison_text=text,
                  legend=_legend(data), comparison=data, per_request=per_request,
                  subtitle=f"A: {res.a} · B: {res.b} · written by replay {__version__}")
+
+
+def _what_parts(d) -> str:
+    """How two runs part at their first divergence, in the terminal's words."""
+    if d.kind == "logprobs":
+        return "same token, " + ("top-k ids or order changed, " if d.topk_changed else "") + "logprobs differ"
+    return {"token": "token flip", "length": "one side generated more tokens",
+            "routed_experts": "an MoE layer routed a token to other experts"}.get(d.kind, d.kind)
 
 
 def _g(x: float | None) -> str | None:
@@ -232,10 +246,14 @@ def _marks(run: RunFacts, first: Divergence | None, flip: Divergence | None) -> 
 
 
 def _batch(b: BatchComposition, first: Divergence | None, divs: list[Divergence], side: str = "") -> Batch:
+    """The batch of a step, its diverging requests marked (on B's side of two runs: the first divergence's alone)."""
     bad = {d.request_id for d in divs if d.step == b.step}
+    if side == "B" and first is not None:
+        bad = {first.request_id} & set(b.num_scheduled_tokens)
     marks = {r: "first" if first is not None and r == first.request_id else "diverged" for r in bad}
+    there = "the first divergence's request marked" if side == "B" else f"diverging there: {len(bad)}"
     title = (f"{side + ': ' if side else ''}step {b.step}: {b.num_requests} requests, {b.num_tokens} tokens "
-             f"({b.num_prefill} prefill, {b.num_decode} decode); diverging there: {len(bad)}")
+             f"({b.num_prefill} prefill, {b.num_decode} decode); {there}")
     return Batch(title, dict(b.num_scheduled_tokens), marks)
 
 

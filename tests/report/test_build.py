@@ -105,6 +105,10 @@ def test_two_runs_report_the_verdict_and_first_divergence_of_replay_diff(two_run
         first["a_step"], first["request_id"], first["position"])
     cells = _cells(page_data(two_runs.page))
     assert (cells >= FIRST_LEVEL).any() and (cells == EQUAL).any()
+    text = two_runs.page.read_text()  # B's batch: its steps are not A's, so only the first divergence is marked
+    assert "B: step " in text and "the first divergence&#x27;s request marked" in text
+    if first["kind"] == "logprobs":  # in the terminal's words, not the JSON's kind
+        assert "same token, " in dom.text["first-divergence"], dom.text["first-divergence"]
     res = diff_captures(recorded, recorded_other)
     if any(d for d in [res.first_divergence] if d.kind == "token"):
         assert (cells == NOT_COMPARED).any()  # after a token flip the runs are not compared
