@@ -96,7 +96,7 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
     check_against(against)
     data = read_rollouts(path, [request])
     if not data.rollouts:
-        raise UsageError(f"{path}: no request {request!r} generated a token")
+        raise UsageError(data.none_generated(path, [request]))
     r = data.rollouts[0]
     if not r.prompt:
         raise UsageError(f"--token {request}:{position}: its prompt has no token ids (prompt embeddings)")

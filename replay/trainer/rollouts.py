@@ -37,6 +37,13 @@ class Rollouts:
     names: list[str] = field(default_factory=list)  # every request's name, picked or not
     lost: list[str] = field(default_factory=list)  # where the capture lost data: sequences end there
 
+    def none_generated(self, path: str | os.PathLike, names: list[str]) -> str:
+        """The refusal for `names` that generated no token, naming the sequences of an n > 1 request named by its
+        parent's id."""
+        children = [n for n in self.names if any(n.startswith(f"{x}#") for x in names)]
+        hint = f" (its sequences: {', '.join(children)})" if children else ""
+        return f"{path}: no request {', '.join(names)} generated a token{hint}"
+
 
 def read_rollouts(path: str | os.PathLike, names: list[str] | None = None) -> Rollouts:
     """The capture's requests that generated at least one token (or those `names` pick), in arrival order."""

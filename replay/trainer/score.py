@@ -233,9 +233,7 @@ def _check_named(path, names: list[str], data: Rollouts) -> None:
     """Refuse `--request` names that cannot be compared: one that generated no token (naming the sequences of an
     n > 1 request named by its parent's id), one that asked for no logprobs."""
     if not data.rollouts:
-        children = [n for n in data.names if any(n.startswith(f"{x}#") for x in names)]
-        hint = f" (its sequences: {', '.join(children)})" if children else ""
-        raise UsageError(f"{path}: no request {', '.join(names)} generated a token{hint}")
+        raise UsageError(data.none_generated(path, names))
     quiet = [r.name for r in data.rollouts if r.params.logprobs is None or all(v is None for v in r.values)]
     if quiet:
         raise UsageError(f"--request {', '.join(quiet)}: recorded no logprobs (the request asked for none), so there "

@@ -229,6 +229,8 @@ def test_the_command_refuses_requests_it_cannot_compare_and_a_dump_without_a_bis
     assert main(["trainer", str(fanned), "--request", PARENT]) == 2  # the parent of an n=2 request: name its sequences
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"no request {PARENT} generated a token (its sequences: {PARENT}#0, {PARENT}#1)" in err[0]
+    assert main(["trainer", str(fanned), "--token", f"{PARENT}:0"]) == 2  # the same for the token a bisect takes
+    assert f"(its sequences: {PARENT}#0, {PARENT}#1)" in capsys.readouterr().err
     assert main(["trainer", str(captures["raw_logprobs"]), "--request", "quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--request quiet: recorded no logprobs" in err[0] and "record it with logprobs" in err[0]
