@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +93,9 @@ def _on_ray(fn: Callable[[Any], Any], args: list[Any], how: FanOut,
     if not ray.is_initialized():
         _quiet_default_auth_notice()
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            with warnings.catch_warnings():  # (a client that cannot connect warns, then raises: the raise is said)
+                warnings.simplefilter("ignore", UserWarning)
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         except Exception as e:  # noqa: BLE001 - no cluster at that address, a version mismatch: one line
             raise UsageError(f"--ray: cannot join a Ray cluster at {address or 'a new local node'}: "
                              f"{type(e).__name__}: {e}"[:400]) from None
