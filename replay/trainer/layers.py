@@ -149,6 +149,11 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
         verdict = (f"{where}: the first module beyond {dtype}'s tolerance (relative {tol:g}) against {other} is "
                    f"{first.module} ({other}'s {first.trainer}; max |Δ| {first.max_abs:.3g}, relative "
                    f"{first.relative:.3g}, {first.max_ulps:.3g} ULPs)")
+    compared = {d.module for d in diffs}
+    shaped = [n for n, _ in mine if n not in compared]  # a counterpart, but not of the same shape: said by name
+    if shaped:
+        notes = [*notes, f"not compared, their shape differs from {other}'s: {', '.join(shaped[:6])}"
+                 + (f" and {len(shaped) - 6} more" if len(shaped) > 6 else "")]
     res = TrainerLayers(path, r.name, position, step, runner, dtype, tol, verdict, first.module if first else None,
                         differs.module if differs else None, gaps, len(replay_side) - len(diffs), list(notes),
                         against=against)

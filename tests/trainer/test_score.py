@@ -247,3 +247,22 @@ def test_a_capture_cut_short_is_scored_on_what_it_holds_and_exits_3(qwen, tmp_pa
     assert main(["trainer", str(cut)]) == 3
     out = capsys.readouterr().out
     assert out.startswith("the trainer and vLLM agree") and "capture damaged (" in out, out
+
+
+def test_a_module_whose_shape_differs_from_the_trainers_is_named_not_counted_silently(captures, monkeypatch):
+    """A module put together otherwise than the trainer's (the KV heads of a TP layout gathered wrongly, say) cannot
+    be compared: the bisect names it."""
+    import replay.trainer.layers as layers
+
+    real = layers._trainer_modules
+
+    def one_column_more(model, seq, rows):
+        out, sources = real(model, seq, rows)
+        t = out["layers.0.mlp.down_proj"]
+        out["layers.0.mlp.down_proj"] = torch.cat([t, t[:, :1]], dim=1)
+        return out, sources
+
+    monkeypatch.setattr(layers, "_trainer_modules", one_column_more)
+    res = score_capture(captures["raw_logprobs"], TrainerOptions(worst=1, bisect=True))
+    assert not any(m.module.endswith("layers.0.mlp.down_proj") for m in res.layers.modules)
+    assert "not compared, their shape differs from the trainer's: layers.0.mlp.down_proj" in res.layers.notes
