@@ -182,9 +182,8 @@ def _command(args: list[str], overrides: dict[str, str], from_start: bool = Fals
 
 def _config_command(path: str, good: dict[str, str], opts: ReplayOptions, step: int, tol: Tolerance) -> str:
     """`bisect config` as the explanation ran it: the runner on both sides, its steps and its tolerance."""
-    args = ["replay", "bisect", "config", path, "--bad", _text(opts.overrides), "--steps", f"0-{step}"]
-    if good:
-        args[4:4] = ["--good", _text(good)]
+    args = ["replay", "bisect", "config", path, *(["--good", _text(good)] if good else []),
+            "--bad", _text(opts.overrides), "--steps", f"0-{step}"]
     if not tol.bitwise:
         args += ["--atol", f"{tol.atol:g}", "--rtol", f"{tol.rtol:g}"]
     return _command(args, {})

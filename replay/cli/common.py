@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from typer.core import TyperGroup
 
-from replay.capture.reading.liveness import STILL_WRITTEN
+from replay.capture.reading.liveness import still_written
 from replay.capture.reading.step_range import StepRange
 from replay.diff.rules import DEFAULT_TIE_MARGIN
 from replay.errors import (
@@ -141,8 +141,7 @@ def damage_exit(damage: list[Damage], *, listed: bool = True) -> None:
         if not listed:
             for d in damage:
                 err(f"{d.kind}: {d.describe()}")
-        live = all(d.reason == STILL_WRITTEN for d in damage)
-        what = ("capture is still being written: read what is on disk so far" if live
+        what = ("capture is still being written: read what is on disk so far" if still_written(damage)
                 else f"capture is damaged: {len(damage)} problem(s), data was lost")
         err(what + (" (see above)" if listed else ""))
         raise typer.Exit(EXIT_DAMAGED)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
-from replay.capture.reading.liveness import STILL_WRITTEN
+from replay.capture.reading.liveness import still_written
 from replay.contracts import accepted_drafts
 from replay.contracts.unkept import unkept
 
@@ -97,8 +97,8 @@ def render_info(info: CaptureInfo) -> str:
     if info.unknown_records:
         lines.append(f"skipped   {info.unknown_records} records of a newer format version")
     if info.damage:
-        live = all(d.reason == STILL_WRITTEN for d in info.damage)
-        lines.append(f"damage    {len(info.damage)} problem(s); " + ("not all of it on disk yet:" if live else
+        lines.append(f"damage    {len(info.damage)} problem(s); " + ("not all of it on disk yet:"
+                                                                     if still_written(info.damage) else
                                                                      "data was lost:"))
         lines += render_damage(info.damage)
     elif info.status.startswith("recovered from") and not info.status.endswith("nothing lost"):

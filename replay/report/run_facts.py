@@ -23,7 +23,7 @@ from replay.capture import CaptureReader, Damage, Header
 from replay.capture.codec.columns import ColumnSource
 from replay.capture.format import records as fmt
 from replay.capture.format.peek import is_unknown_tag
-from replay.capture.reading.liveness import STILL_WRITTEN, being_written
+from replay.capture.reading.liveness import unfinished
 from replay.contracts import SamplingParams
 from replay.contracts.image_decoder import ImageDecoder
 from replay.inspect.step_summary import StepSummarizer, prefill_tokens
@@ -332,7 +332,5 @@ def run_facts(path: str | os.PathLike) -> RunFacts:
         header = r.header
         damage = list(r.damage) + damage
         if not saw_footer and r.index is None:
-            damage.append(Damage("unfinished", STILL_WRITTEN) if being_written(path) else
-                          Damage("unfinished", "capture was not closed (the recording stopped): records of its last "
-                                 "open chunk are lost"))
+            damage.append(unfinished(path))
     return scan.facts(str(path), header, status, damage)

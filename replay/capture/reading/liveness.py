@@ -7,6 +7,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+from replay.capture.reading.damage import Damage
+
 # what the reader says of a capture still being written, in place of the loss an unfinished one means
 STILL_WRITTEN = ("capture is still being written (its recorder holds it open): what it has not flushed yet is not "
                  "on disk; read it again once the recorder closes it")
@@ -28,3 +30,17 @@ def being_written(path: str | os.PathLike) -> bool:
     finally:
         os.close(fd)  # (closing releases a lock taken here)
     return False
+
+
+def unfinished(path: str | os.PathLike, advice: str = "") -> Damage:
+    """What a capture without a footer or an index lacks: the tail its writer has not flushed yet, or (its writer
+    gone) the records of its last open chunk, with `advice` after."""
+    if being_written(path):
+        return Damage("unfinished", STILL_WRITTEN)
+    return Damage("unfinished", "capture was not closed (the recording stopped): records of its last open chunk are "
+                                f"lost{advice}")
+
+
+def still_written(damage: list[Damage]) -> bool:
+    """Whether all that `damage` says is that the capture is still being written (nothing was lost)."""
+    return bool(damage) and all(d.reason == STILL_WRITTEN for d in damage)

@@ -35,7 +35,7 @@ from replay.capture.format.peek import is_unknown_tag, peek
 from replay.capture.reading.bounds import load_index, read_prologue
 from replay.capture.reading.damage import Damage
 from replay.capture.reading.inflate import ChunkInflater, ChunkUnreadable
-from replay.capture.reading.liveness import STILL_WRITTEN, being_written
+from replay.capture.reading.liveness import unfinished
 from replay.capture.reading.read_ahead import ReadAhead, default_workers
 from replay.errors import (
     CaptureDamagedError,
@@ -293,9 +293,7 @@ class CaptureReader:
                         saw_footer = True
                     yield rec
         if chunks is None and not saw_footer and self.index is None:
-            self._add_damage(Damage("unfinished", STILL_WRITTEN) if being_written(self.path) else
-                             Damage("unfinished", "capture was not closed (the recording stopped): records of its "
-                                    "last open chunk are lost; `replay recover` rewrites it with an index"))
+            self._add_damage(unfinished(self.path, "; `replay recover` rewrites it with an index"))
 
     def _image_decoder(self):
         """The converter of this capture's image steps (made on first use: most captures have none)."""
