@@ -154,8 +154,11 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
                                                         steps=StepRange(first, d.step)))
         a = auto.first_divergence
         cross = f"atol {auto.tolerance.atol:g}"
+        # the first divergence beyond that tolerance may be another request's, at another step: name whose it is
+        where = "" if a is None or (a.request_id, a.step) == (d.request_id, d.step) else \
+            f"request {a.request_id} at step {a.step}, "
         within = (f"within the cross-hardware tolerance ({cross}) it matches" if a is None
-                  else f"it parts beyond the cross-hardware tolerance too ({cross}; max |Δlogprob| "
+                  else f"the replay parts beyond the cross-hardware tolerance too ({cross}; {where}max |Δlogprob| "
                        f"{a.max_abs_logprob_diff:.3g}), so what the header does not name (the processor, a thread "
                        "setting) is the suspect")
         rerun = _command(["replay", "run", path, "--diff", "--steps", f"{first}-{d.step}", "--tolerance", "auto"],

@@ -20,6 +20,7 @@ import pytest
 
 from replay.bisect.explain_divergence import CONFIG, NOTHING, explain_divergence
 from replay.bisect.leak import CONTAMINATION
+from replay.capture import StepRange
 from replay.cli import main
 from replay.replayer import ReplayOptions, replay_capture
 
@@ -39,6 +40,13 @@ def test_a_first_release_capture_names_its_unknown_hardware_and_is_config_not_a_
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["found"] == CONFIG and not res["bug"], res["verdict"]
     assert res["verdict"].startswith("CONFIG (hardware unknown)") and "--tolerance auto" in res["command"]
+    # the size it names beyond the cross-hardware tolerance is that replay's, under the name of its own request
+    d = rep.first_divergence
+    a = replay_capture(old, ReplayOptions(auto_tolerance=True, steps=StepRange(0, d.step))).first_divergence
+    if a is not None:
+        assert f"max |Δlogprob| {a.max_abs_logprob_diff:.3g})" in res["verdict"], res["verdict"]
+        assert (a.request_id, a.step) == (d.request_id, d.step) or \
+            f"request {a.request_id} at step {a.step}, max" in res["verdict"], res["verdict"]
 
 
 def _reproduce(out: str) -> list[str]:
