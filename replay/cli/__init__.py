@@ -21,7 +21,7 @@ from replay.cli import (  # noqa: F401  (they register commands)
     trainer_cmds,
 )
 from replay.cli.common import VERBOSE_ENV, app, err
-from replay.errors import EXIT_OK, EXIT_USAGE
+from replay.errors import EXIT_CANNOT_TEST, EXIT_OK, EXIT_USAGE
 
 __all__ = ["app", "main", "run"]
 
@@ -51,8 +51,16 @@ def _main(argv: list[str] | None) -> int:
             print(e.format_message(), file=sys.stderr)
         else:
             err(e.format_message() if hasattr(e, "format_message") else str(e))
+        if _command(e) == "check":  # under `git bisect run`, 2 would mark a commit that lacks a flag bad
+            return EXIT_CANNOT_TEST
         return getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE
     return rc if isinstance(rc, int) else EXIT_OK
+
+
+def _command(e: TyperException) -> str:
+    """The subcommand a usage error is about ("" for `replay` itself)."""
+    ctx = getattr(e, "ctx", None)
+    return ctx.info_name if ctx is not None and ctx.parent is not None else ""
 
 
 def run() -> None:
