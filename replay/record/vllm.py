@@ -105,8 +105,11 @@ class EngineRefused(UsageError):
 
 
 def _build(opts: VllmRecordOptions):
-    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    previous = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler must live in this process to be stepped
+    # vllm-cpu sizes an unbounded KV cache from the machine's memory (21 GB of 23 seen, minutes of paging): 1 GiB,
+    # as replays on vLLM's runner take, unless the user says otherwise
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
         from vllm import LLM
     except ImportError:
@@ -135,10 +138,11 @@ def _build(opts: VllmRecordOptions):
                     "--vllm-arg gpu_memory_utilization=0.5 lowers the share of memory vLLM reserves)")
         raise EngineRefused(f"vLLM cannot build this engine: {type(e).__name__}: {msg}{hint}") from None
     finally:
-        if previous is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _on_cpu() -> bool:
