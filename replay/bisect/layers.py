@@ -16,11 +16,11 @@ from replay.bisect.dump import write_dump
 from replay.bisect.module_compare import LayersBisect, compare_modules, module_verdict
 from replay.bisect.open_session import make_session
 from replay.bisect.session import Run
-from replay.errors import CannotTestError
+from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.replayer import Plant, parse_overrides
-from replay.replayer.knobs import env_knobs, split_knobs
+from replay.replayer.knobs import RUNNERS, env_knobs, split_knobs
 
 
 def side_runs(path: str, step: int, request: str, overrides: dict[str, str], runs: list[tuple[bool, Plant | None]],
@@ -56,6 +56,8 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     log = log or (lambda msg: None)
     path = str(path)
     runner = runner or (overrides or {}).get("runner", "builtin")
+    if runner not in RUNNERS:
+        raise UsageError(f"runner {runner!r}: expected {' or '.join(RUNNERS)}")
     base = {**(overrides or {}), **({"runner": runner} if runner == "vllm" else {})}
     if against in ("solo", "", "same", "none"):
         log(f"replaying {path} to step {step}, twice ({'R alone' if against == 'solo' else 'as recorded'})")

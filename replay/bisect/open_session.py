@@ -8,6 +8,7 @@ from collections.abc import Callable
 from replay.bisect.builtin_session import StepSession
 from replay.bisect.session import Session
 from replay.integrations.vllm.engines import Engines
+from replay.replayer.knobs import check_overrides
 
 
 def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
@@ -15,7 +16,8 @@ def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] |
                  from_start: bool = False, engines: Engines | None = None) -> Session:
     """A session on the runner the `runner` knob names (builtin by default), its replay to the step started at the
     nearest keyframe unless `from_start`; on vLLM's runner, on an engine of `engines` where one fits."""
-    if (overrides or {}).get("runner") == "vllm":
+    overrides = check_overrides(overrides or {})  # (a script's misspelt knob must not bisect as if it were unset)
+    if overrides.get("runner") == "vllm":
         from replay.bisect.vllm_session import VllmStepSession
 
         return VllmStepSession(path, step, overrides, force=force, log=log, from_start=from_start, engines=engines)

@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from replay.contracts import LogprobsLists
+from replay.errors import UsageError
 
 DEFAULT_TIE_MARGIN = 0.05  # nats: a flip whose top1-top2 margin is below this is a tie flip
 
@@ -30,6 +31,11 @@ class Tolerance(msgspec.Struct, frozen=True):
     atol: float = 0.0
     rtol: float = 0.0
     tie_margin: float = DEFAULT_TIE_MARGIN
+
+    def __post_init__(self) -> None:
+        if not (self.atol >= 0 and self.rtol >= 0 and self.tie_margin >= 0):  # (NaN fails too)
+            raise UsageError(f"tolerance atol={self.atol:g}, rtol={self.rtol:g}, tie margin {self.tie_margin:g}: "
+                             "expected numbers >= 0")
 
     @property
     def bitwise(self) -> bool:

@@ -56,6 +56,11 @@ def parse_overrides(items: list[str] | None) -> dict[str, str]:
     return out
 
 
+def check_overrides(overrides: dict[str, object]) -> dict[str, str]:
+    """Knobs given from Python ({"dtype": "bfloat16", "threads": 2}), checked and normalised as `--set` does them."""
+    return parse_overrides([f"{k}={'' if v is None else v}" for k, v in overrides.items()]) if overrides else {}
+
+
 def _checked(key: str, value: str) -> str:
     """`value` of our own knob `key`, checked and normalised."""
     if key == "threads" and not (value.isdigit() and int(value) >= 1):

@@ -10,6 +10,7 @@ from replay.capture import StepRange
 from replay.diff import DEFAULT_TIE_MARGIN, Tolerance
 from replay.errors import UsageError
 from replay.processes.fanout import FanOut
+from replay.replayer.knobs import check_overrides
 from replay.replayer.plant import Plant
 
 if TYPE_CHECKING:
@@ -39,6 +40,14 @@ class ReplayOptions:
     # started vLLM engines this replay may reuse, and leaves its own to (`replay.integrations.vllm.engines`); they
     # stay in this process: a replay run elsewhere (another environment, a fanned-out repeat) starts its own
     engines: Engines | None = None
+
+    def __post_init__(self) -> None:
+        # what Python hands in is checked as `--set` and `--steps` are: a misspelt knob must not replay as if unset
+        if not isinstance(self.overrides, dict):
+            raise UsageError(f"overrides: expected a dict of knob -> value, not {type(self.overrides).__name__}")
+        self.overrides = check_overrides(self.overrides)
+        if self.steps is not None and not isinstance(self.steps, StepRange):
+            raise UsageError(f"steps: expected a StepRange (StepRange.parse('0-3')), not {self.steps!r}")
 
     @staticmethod
     def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,

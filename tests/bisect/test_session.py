@@ -5,9 +5,14 @@ the blocks it found computed)."""
 
 from __future__ import annotations
 
+import pytest
+
+from replay.bisect.batch import bisect_batch
+from replay.bisect.layers import bisect_layers
 from replay.bisect.session import co_batched
 from replay.capture import CaptureReader, Step
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from replay.errors import UsageError
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
 
 
@@ -85,3 +90,13 @@ def test_each_kv_cache_group_has_block_ids_of_its_own(tmp_path):
     w.write_record(step(1, new("b", ([0, 30], [10, 31]), 4), also=("a",)))
     w.close()
     assert kv_readers(whole, 1, "b", 4) == ([], ["a"], {})
+
+
+def test_a_bisect_from_python_checks_its_knobs_and_runner(tmp_path):
+    """What a script hands a bisect is checked as `--set` and `--runner` are, before any replay."""
+    wl = SyntheticWorkload(num_requests=3, prompt_len=(4, 6), output_len=(3, 4), arrival_rate=0, seed=1)
+    path = record_builtin(RecordOptions(EngineConfig(), synthetic(wl, 512), tmp_path / "a.capture")).path
+    with pytest.raises(UsageError, match="unknown knob 'nonsense'"):
+        bisect_batch(path, 2, "req-0", overrides={"nonsense": "1"})
+    with pytest.raises(UsageError, match="runner 'bogus'"):
+        bisect_layers(path, 2, "req-0", runner="bogus")

@@ -1,4 +1,5 @@
-"""`ReplayOptions.tolerance_from`: `--tolerance NAME` and `--atol/--rtol` into one tolerance, or one clear refusal."""
+"""`ReplayOptions`: `--tolerance NAME` and `--atol/--rtol` into one tolerance, or one clear refusal; what Python hands
+in checked as the flags are."""
 
 from __future__ import annotations
 
@@ -24,3 +25,24 @@ def test_auto_decides_the_numbers_itself():
 def test_an_unknown_name_is_refused_with_the_names_there_are():
     with pytest.raises(UsageError, match="--tolerance loose: use auto or bitwise"):
         ReplayOptions.tolerance_from("loose")
+
+
+def test_knobs_given_from_python_are_checked_as_set_checks_them():
+    """A misspelt knob from a script must not replay as if it were unset (MATCH with the knob never applied)."""
+    with pytest.raises(UsageError, match="unknown knob 'dtyp'"):
+        ReplayOptions(overrides={"dtyp": "bfloat16"})
+    with pytest.raises(UsageError, match="a vLLM layout knob; it needs vLLM's runner"):
+        ReplayOptions(overrides={"tensor_parallel_size": 2})
+    with pytest.raises(UsageError, match="expected a dict"):
+        ReplayOptions(overrides=["dtype=bfloat16"])
+    assert ReplayOptions(overrides={"threads": 2, "batch_invariant": True}).overrides == {
+        "threads": "2", "batch_invariant": "True"}
+
+
+def test_steps_and_tolerances_from_python_are_checked():
+    with pytest.raises(UsageError, match=r"StepRange\.parse"):
+        ReplayOptions(steps="0-3")
+    with pytest.raises(UsageError, match="expected numbers >= 0"):
+        Tolerance(atol=-1e-4)
+    with pytest.raises(UsageError, match="expected numbers >= 0"):
+        Tolerance(rtol=float("nan"))
