@@ -67,10 +67,16 @@ def row(lp: LogprobsLists | None, i: int) -> Row | None:
 
 
 def margin(r: Row | None) -> float | None:
-    """top1 - top2 raw logprob of a row (None without at least two top-k columns)."""
+    """top1 - top2 raw logprob of a row (None without at least two top-k columns, or where columns 1 and 2 cannot
+    be a top1-top2 pair: both -inf, the padding of a row beside a `logprob_token_ids` request, or a larger second
+    column, a `logprob_token_ids` row's ids in the request's order). None sends the diff to the runner's own margin,
+    or counts the flip as confident: two paddings are no evidence of a near-tie."""
     if r is None or len(r.values) < 3:
         return None
-    return float(r.values[1] - r.values[2])
+    top1, top2 = float(r.values[1]), float(r.values[2])  # (Python floats: -inf - -inf would warn in numpy)
+    if top1 == top2 == float("-inf") or top1 < top2:
+        return None
+    return top1 - top2
 
 
 class RowDiff(NamedTuple):

@@ -74,6 +74,8 @@ class LLMEngine:
     def add_engine_core_request(self, ecr: EngineCoreRequest) -> None:
         """Queue a request built elsewhere (same fields as vLLM's)."""
         try:
+            if ecr.sampling_params is not None:
+                check_logprob_token_ids(ecr.sampling_params, self.model_config.vocab_size)
             self.scheduler.add_request(ecr)
         except ValueError as e:  # the scheduler's refusal of an impossible request is the user's input error
             raise UsageError(f"request {ecr.name!r}: {e}") from None
@@ -118,6 +120,25 @@ class LLMEngine:
     def header(self) -> Header:
         """The capture header of a recording of this engine."""
         return builtin_header(self.config, self.model_config, self.fingerprint)
+
+
+# vLLM: MAX_LOGPROB_TOKEN_IDS, the longest `logprob_token_ids` its sampler takes
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
+def check_logprob_token_ids(sp: SamplingParams, vocab_size: int) -> None:
+    """Refuse `logprob_token_ids` as vLLM's `SamplingParams.verify` does (ValueError): too many, out of the
+    vocabulary (the sampler would index past its logprobs), or beside a `logprobs` of another count."""
+    ids = sp.logprob_token_ids
+    if ids is None:
+        return
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise ValueError(f"{len(ids)} logprob_token_ids, more than the {MAX_LOGPROB_TOKEN_IDS} allowed")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"logprob_token_ids {bad} outside the model's vocabulary of {vocab_size}")
+    if sp.logprobs is not None and sp.logprobs != len(ids):
+        raise ValueError(f"logprobs={sp.logprobs} beside {len(ids)} logprob_token_ids: vLLM wants them equal")
 
 
 def builtin_header(config: EngineConfig, model_config: ModelConfig, fingerprint: str) -> Header:

@@ -12,6 +12,8 @@
    rank (1 + number of tokens with a strictly higher logprob). vLLM's other `logprobs_mode`s score the same way
    from other values: `raw_logits` (the float32 logits), `processed_logprobs` (the log_softmax of the row after
    step 2 and, for a random row, temperature, min-p, top-k and top-p: -inf where dropped), `processed_logits`.
+   When any row of the batch asks `logprob_token_ids`, the whole batch gets those instead of the top-k
+   (`specific_logprob_rows`), as vLLM's `Sampler.forward` prefers them.
 
 Rows are processed one by one on purpose: a row's result must not depend on its neighbours. (Greedy rows that no
 processor touches take their argmax together, which is the same per row: the first index of the row's largest value.)
@@ -46,10 +48,11 @@ class SampleRow:
 
 @dataclass(slots=True)
 class SampleResult:
-    """Per row: the token, and (if asked) top-k ids/logprobs with the sampled token first, and its rank."""
+    """Per row: the token, and (if asked) top-k ids/logprobs with the sampled token first, and its rank (or, when
+    a row asks `logprob_token_ids`, those ids' logprobs instead of the top-k: `specific_logprob_rows`)."""
 
     tokens: list[int]
-    logprob_token_ids: torch.Tensor | None  # [B, k + 1] int32
+    logprob_token_ids: torch.Tensor | None  # [B, k + 1] int32 (k: max len(logprob_token_ids) when any row asks)
     logprobs: torch.Tensor | None  # [B, k + 1] float32
     ranks: torch.Tensor | None  # [B] int64
 
@@ -171,11 +174,14 @@ def _random(x: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, dra
 def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int,
            mode: str = "raw_logprobs") -> SampleResult:
     """Sample one token per row of `logits` [B, V]; `num_logprobs` = the largest top-k asked in the batch
-    (-1: none asked; 0: only the sampled token's logprob); `mode`: vLLM's `logprobs_mode`, what they are of."""
+    (-1: none asked; 0: only the sampled token's logprob); `mode`: vLLM's `logprobs_mode`, what they are of.
+    A row whose params name `logprob_token_ids` turns the whole batch's logprobs into `specific_logprob_rows`."""
     logits = logits.float()
-    processed = mode.startswith("processed") and num_logprobs >= 0
+    specific = specific_token_ids(rows)
+    scoring = num_logprobs >= 0 or bool(specific)
+    processed = mode.startswith("processed") and scoring
     scored = None
-    if num_logprobs >= 0:
+    if scoring:
         scored = logits.clone() if mode.endswith("_logits") else torch.log_softmax(logits, dim=-1)
     plain = [i for i, row in enumerate(rows) if row.params.temperature < SAMPLING_EPS and not needs_processing(row)]
     best = dict(zip(plain, argmax_rows(logits if len(plain) == len(rows) else logits[plain]))) if plain else {}
@@ -194,7 +200,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], num_logprobs: int,
             scored[i] = x if mode.endswith("_logits") else torch.log_softmax(x, dim=-1)
     if scored is None:
         return SampleResult(tokens, None, None, None)
+    if specific:  # vLLM prefers them to the top-k, whatever the other rows asked
+        return specific_logprob_rows(scored, tokens, specific)
     return logprob_rows(scored, tokens, num_logprobs)
+
+
+def specific_token_ids(rows: list[SampleRow]) -> dict[int, list[int]]:
+    """Row index -> the `logprob_token_ids` its request asked (vLLM's `SamplingMetadata.logprob_token_ids`: every
+    row whose list is not None, an empty one included, as `InputBatch` keeps it)."""
+    return {i: list(row.params.logprob_token_ids) for i, row in enumerate(rows)
+            if row.params.logprob_token_ids is not None}
 
 
 def logprob_rows(raw: torch.Tensor, tokens: list[int], num_logprobs: int) -> SampleResult:
@@ -202,7 +217,7 @@ def logprob_rows(raw: torch.Tensor, tokens: list[int], num_logprobs: int) -> Sam
     (one per row): the sampled token's logprob, then the top `num_logprobs`, and its rank."""
     sampled = torch.tensor(tokens, dtype=torch.long)
     sampled_lp = raw.gather(1, sampled[:, None])
-    ranks = (raw > sampled_lp).sum(dim=-1) + 1
+    ranks = _ranks(raw, sampled_lp)
     if num_logprobs > 0:
         top_lp, top_ids = torch.topk(raw, num_logprobs, dim=-1)
         ids = torch.cat([sampled[:, None], top_ids], dim=1)
@@ -210,3 +225,24 @@ def logprob_rows(raw: torch.Tensor, tokens: list[int], num_logprobs: int) -> Sam
     else:
         ids, lps = sampled[:, None], sampled_lp
     return SampleResult(tokens, ids.to(torch.int32), lps.float(), ranks.to(torch.int64))
+
+
+def specific_logprob_rows(scored: torch.Tensor, tokens: list[int], token_ids: dict[int, list[int]]) -> SampleResult:
+    """vLLM's `Sampler.gather_specific_token_logprobs`: per row of `scored` [B, V], column 0 the sampled token, then
+    the ids its request asked (`token_ids`: row -> ids), padded to the batch's longest list with token 0 at -inf
+    (a row that asked none has only column 0), and the sampled token's rank, as the top-k layout ranks it."""
+    width = max(len(ids) for ids in token_ids.values()) + 1
+    sampled = torch.tensor(tokens, dtype=torch.long)
+    ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    valid = torch.zeros(len(tokens), width, dtype=torch.bool)
+    ids[:, 0], valid[:, 0] = sampled, True
+    for i, asked in token_ids.items():
+        ids[i, 1:len(asked) + 1] = torch.tensor(asked, dtype=torch.long)
+        valid[i, 1:len(asked) + 1] = True
+    lps = scored.gather(1, ids).masked_fill(~valid, float("-inf"))
+    return SampleResult(tokens, ids.to(torch.int32), lps.float(), _ranks(scored, lps[:, :1]).to(torch.int64))
+
+
+def _ranks(scored: torch.Tensor, sampled_lp: torch.Tensor) -> torch.Tensor:
+    """The rank of each row's sampled token [B] from its logprob `sampled_lp` [B, 1]: 1 + the tokens scored higher."""
+    return (scored > sampled_lp).sum(dim=-1) + 1

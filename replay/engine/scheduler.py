@@ -300,7 +300,8 @@ class Scheduler:
                 self._free_request(request)
                 (stopped_running if status_before_stop == RequestStatus.RUNNING else stopped_waiting).add(req_id)
             new_logprobs = None
-            if request.sampling_params.logprobs is not None and logprobs is not None:
+            # vLLM's `num_logprobs`: a request that asked only `logprob_token_ids` gets its rows too
+            if request.sampling_params.num_logprobs is not None and logprobs is not None:
                 new_logprobs = logprobs.slice_request(req_index, len(new_token_ids))
             prompt_logprobs_tensors = model_runner_output.prompt_logprobs_dict.get(req_id)
             if new_token_ids or stopped:

@@ -20,7 +20,7 @@ from replay.contracts import SamplingParams
 from replay.errors import UsageError
 
 SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "prompt_logprobs",
-                   "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                   "logprob_token_ids", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
                    "structured_outputs")
 _KEYS = frozenset(SAMPLING_FIELDS) | {"prompt", "prompt_token_ids", "request_id", "arrival_step"}

@@ -6,7 +6,10 @@ sits within 1e-6 of it, and a tie in the logits that a kernel orders another way
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import pytest
 
 from replay.cli.render_replay import render_divergence
 from replay.contracts import Array, LogprobsLists, ModelRunnerOutput
@@ -144,3 +147,25 @@ def test_same_distribution_follows_rtol_and_never_takes_a_nan_on_one_side():
     for tol in (Tolerance(), Tolerance(atol=1.0)):
         d = compare_rows(recorded, nan, tol)
         assert d.max_abs == 0.0 and not same_distribution(d)  # max_abs skips the NaN; the rule does not
+
+
+def _padded(token: int) -> ModelRunnerOutput:
+    """A greedy request's output in a step where a neighbour asked `logprob_token_ids`: column 0, then padding."""
+    lp = LogprobsLists(Array.from_numpy(np.array([[token, 0, 0]], np.int32)),
+                       Array.from_numpy(np.array([[-0.7, -np.inf, -np.inf]], np.float32)),
+                       Array.from_numpy(np.array([1], np.int64)))
+    return ModelRunnerOutput(["r"], {"r": 0}, [[token]], lp)
+
+
+def test_padding_has_no_margin_so_a_flip_beside_logprob_token_ids_takes_the_runners_margin_without_a_warning():
+    from replay.diff.rules import margin
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's -inf - -inf: "invalid value encountered in scalar subtract"
+        assert margin(_row([4, 0, 0], [-0.7, -np.inf, -np.inf], 1)) is None
+        assert margin(_row([4, 9, 3], [-0.7, -2.0, -0.5], 1)) is None  # asked ids in the request's order
+        assert margin(_row([4, 4, 3], [-0.7, -0.7, -0.9], 1)) == pytest.approx(0.2)  # a top-k row, as before
+        _, (tie,) = compare_step(0, _padded(4), _padded(5), {"r": "cmpl-1"}, {}, TOL, actual_margins={"r": 0.01})
+        _, (unknown,) = compare_step(0, _padded(4), _padded(5), {"r": "cmpl-1"}, {}, TOL)
+    assert tie.flip == "tie" and tie.margin == 0.01
+    assert unknown.flip == "confident" and unknown.margin is None  # two paddings are no evidence of a near-tie

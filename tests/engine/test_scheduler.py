@@ -514,6 +514,18 @@ def test_logprobs_rows_go_to_the_requests_that_asked():
     assert out["a"].new_prompt_logprobs_tensors is plp
 
 
+def test_a_request_asking_only_logprob_token_ids_gets_its_rows_as_vllms_num_logprobs_says():
+    sched = Scheduler(config(), eos_token_id=EOS)
+    sched.add_request(make_ecr("a", prompt(10, 4), max_tokens=5, logprob_token_ids=[3, 4]))
+    so = sched.schedule()
+    ids = np.array([[7, 3, 4]], dtype=np.int32)
+    lps = np.array([[-0.1, -2.0, -3.0]], dtype=np.float32)
+    lists = LogprobsLists(Array.from_numpy(ids), Array.from_numpy(lps), Array.from_numpy(np.array([1], np.int32)))
+    mro = ModelRunnerOutput(["a"], {"a": 0}, [[7]], lists, {})
+    (out,) = sched.update_from_output(so, mro).outputs
+    assert out.new_logprobs.logprob_token_ids.to_numpy().tolist() == [[7, 3, 4]]
+
+
 def test_new_request_data_mirrors_vllm():
     sched = Scheduler(config(), eos_token_id=EOS)
     sched.add_request(make_ecr("a", prompt(10, 5), max_tokens=5, temperature=0.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -117,12 +118,45 @@ def test_record_from_jsonl_with_text_prompts(tmp_path):
     assert added[1].step >= 2
 
 
+def test_a_request_asking_logprob_token_ids_records_vllms_layout_and_replays_it_bitwise(tmp_path):
+    """Every row of a step where one request asks `logprob_token_ids` has its columns: the sampled token, then the
+    asked ids (padded with token 0 at -inf), even a row that asked for the top 2 (vLLM prefers the ids)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0, "logprob_token_ids": [9, 10, 11],
+         "request_id": "scored"},
+        {"prompt_token_ids": [12, 13, 14], "max_tokens": 4, "temperature": 0.0, "logprobs": 2, "request_id": "top2"},
+        {"prompt_token_ids": [20, 21], "max_tokens": 4, "temperature": 0.7, "seed": 3, "request_id": "plain"},
+    ]) + "\n")
+    cap = tmp_path / "ids.capture"
+    res = CliRunner().invoke(app, ["record", "--prompts", str(prompts), "--out", str(cap), "--threads", "1"])
+    assert res.exit_code == 0, res.stderr
+    ext, rows = {}, {}
+    with CaptureReader(cap) as r:
+        for rec in r.records():
+            if isinstance(rec, RequestAdded):
+                ext[rec.request.request_id] = rec.request.external_req_id
+            elif isinstance(rec, Step) and rec.model_runner_output is not None:
+                lp = rec.model_runner_output.logprobs
+                for i, rid in enumerate(rec.model_runner_output.req_ids):
+                    rows.setdefault(ext[rid], []).append((lp.logprob_token_ids.to_numpy()[i],
+                                                          lp.logprobs.to_numpy()[i]))
+    assert sorted(rows) == ["plain", "scored", "top2"]
+    for name, got in rows.items():
+        for ids, values in got:
+            assert ids[1:].tolist() == ([9, 10, 11] if name == "scored" else [0, 0, 0])
+            assert np.isfinite(values).all() if name == "scored" else np.isneginf(values[1:]).all()
+    res = CliRunner().invoke(app, ["run", str(cap), "--diff"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "x", "prompt_token_ids": [1]}', "exactly one of"),
     ('{"prompt": "x", "temprature": 0.5}', "unknown field(s) temprature"),
     ('{"prompt": "x", "max_tokens": "many"}', "invalid sampling field"),
     ('not json', "not JSON"),
     ('{"prompt_token_ids": [1, 99999]}', "outside the model's vocabulary"),
+    ('{"prompt": "x", "logprob_token_ids": [7, 99999]}', "logprob_token_ids [99999] outside the model's vocabulary"),
 ])
 def test_bad_prompts_file_is_one_line_exit_2(tmp_path, line, message):
     prompts = tmp_path / "bad.jsonl"
