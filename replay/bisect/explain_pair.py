@@ -3,10 +3,13 @@
 1. The first output position p where they part, and the steps that computed it (S_A, S_B).
 2. Each re-executed alone, in every step up to its S: on a deterministic engine A alone and B alone, on the same
    schedule, are bitwise equal. A replay that does not repeat itself is RUN-TO-RUN; two schedules of their own
-   (another chunking of the prefill, a prefix-cache hit) that part alone are the shape of their own history.
-3. Equal alone: the batches did it. B's neighbours are given other content of the same shapes (`bisect leak`): if
-   B moves, B reads something of theirs (CONTAMINATION, the neighbour and the module named); if not, the batch's
-   shape did it (BATCH VARIANCE: both batches' shapes, the margin at p, and the knob that removes it).
+   (another chunking of the prefill, a prefix-cache hit) that part alone are the shape of their own history, as
+   far as it goes: a parting alone that cannot reach the recorded one leaves the rest to the batches.
+3. B's neighbours are given other content of the same shapes (`bisect leak`), then A's: if one moves, it reads
+   something of theirs (CONTAMINATION, the neighbour and the module named), whatever the alone runs showed (a
+   schedule's own difference never rules a leak out); if not, the shapes did it (BATCH VARIANCE: their own
+   schedules where those account for the recorded difference, else both batches' shapes; the margin at p, and
+   the knob that removes it).
 
 `twin_groups` lists every group of identical requests whose outputs differ: "did my server ever answer the same
 prompt twice, differently?".
@@ -29,7 +32,7 @@ from replay.bisect.promise import determinism_promise, promise_clause
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
 from replay.diff.captures import AlignedRun, read_aligned
-from replay.diff.rules import margin
+from replay.diff.rules import Tolerance, compare_rows, margin
 from replay.diff.step import BatchComposition
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -72,6 +75,7 @@ class PairExplanation(msgspec.Struct):
     re_executions: int = 0
     runner: str = "builtin"
     notes: list[str] = []
+    recorded_max_abs_logprob_diff: float | None = None  # at p, over the logprobs both recorded rows hold
 
 
 def _requests(path: str | os.PathLike) -> dict[str, RequestAdded]:
@@ -206,16 +210,19 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
         said = " and prompt logprobs" if rows else ""
         return PairExplanation(path, a, b, NOTHING, f"{NOTHING}: requests {a} and {b} gave the same "
                                f"{len(seq_a)} tokens and logprobs{said}", False, runner=runner)
-    p, kind, _ = parted
+    p, kind, recorded = parted
     if kind == "length":
         raise UsageError(f"requests {a} and {b} agree on their {p} common tokens and stop apart: nothing to "
                          "re-execute")
     step_a, step_b = seq_a[p][0], seq_b[p][0]
+    if kind == "token":  # what the two rows differ by, where both hold logprobs
+        ra, rb = seq_a[p][2], seq_b[p][2]
+        recorded = compare_rows(ra, rb, Tolerance()).max_abs if ra is not None and rb is not None else None
     m = margin(seq_a[p][2])
     log(f"{a} and {b} part at output position {p} ({kind}): steps {step_a} and {step_b}")
     own = engines if engines is not None or runner != "vllm" else Engines(keep=1)
     try:
-        return _explain(_Parted(path, a, b, p, kind, step_a, step_b, m, side, ids),
+        return _explain(_Parted(path, a, b, p, kind, step_a, step_b, m, recorded, side, ids),
                         _How(overrides, plant, log, from_start, own))
     finally:
         if own is not engines:
@@ -234,6 +241,7 @@ class _Parted:
     step_a: int
     step_b: int
     margin: float | None
+    recorded: float | None  # max |Δlogprob| of their rows at p, as recorded (None: no logprobs to weigh)
     side: AlignedRun  # the recorded outputs and batches
     ids: dict[str, str]  # external -> internal id
 
@@ -286,6 +294,10 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
                                alone_max_abs_logit_diff=diff, re_executions=runs, **common)
     same = torch.equal(a1.logits, b1.logits)
     diff = 0.0 if same else float((a1.logits - b1.logits).abs().max())
+    recorded = job.recorded
+    common.update(alone_equal=same, alone_max_abs_logit_diff=diff, recorded_max_abs_logprob_diff=recorded)
+    alone = f"requests {a} and {b} are bitwise equal alone{on}"
+    accounted: bool | None = None  # whether what parts them alone can reach the recorded difference (None: unknown)
     if not same:
         ids = {side_ids[a], side_ids[b]}
         own = _schedules(path, ids)
@@ -294,17 +306,22 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
             verdict = (f"{RUN_TO_RUN}: requests {a} and {b}, alone{on} on the same schedule of their own, part at "
                        f"output position {p} (max |Δlogit| {diff:.3g}): the same computation gave two answers"
                        + promise_clause(promise))
-            return PairExplanation(path, a, b, RUN_TO_RUN, verdict, bool(promise), alone_equal=False,
-                                   alone_max_abs_logit_diff=diff, re_executions=runs, **common)
-        verdict = (f"{BATCH_VARIANCE}: requests {a} and {b} part at output position {p} even alone{on} (max "
-                   f"|Δlogit| {diff:.3g}), and each repeats itself: their own schedules differ ({_own(sa)} against "
-                   f"{_own(sb)})")
-        return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, alone_equal=False,
-                               alone_max_abs_logit_diff=diff, knob=_knob(kind_of_runner), re_executions=runs,
-                               **common)
+            return PairExplanation(path, a, b, RUN_TO_RUN, verdict, bool(promise), re_executions=runs, **common)
+        schedules = f"{_own(sa)} against {_own(sb)}"
+        # Each logit alone moves by at most `diff`, and so does their logsumexp: a logprob by at most twice it, and
+        # a top1-top2 gap too. A recorded difference beyond that came from the batches, their shapes or a leak.
+        accounted = None if recorded is None else recorded <= 2 * diff
+        if accounted is False:
+            alone = (f"requests {a} and {b} part alone{on} by max |Δlogit| {diff:.3g}, as their own schedules "
+                     f"differ ({schedules}): at most {2 * diff:.3g} in a logprob, too little for the recorded max "
+                     f"|Δlogprob| {recorded:.3g}")
+        else:
+            alone = (f"requests {a} and {b} part at output position {p} even alone{on} (max |Δlogit| {diff:.3g}), "
+                     f"and each repeats itself: their own schedules differ ({schedules})")
     leaks: list[LeakBisect] = []
     for name, step in ((b, step_b), (a, step_a)):  # a leak into either parts them: B first
-        log(f"{a} and {b} alone are bitwise equal: swapping {name}'s neighbours' content at step {step}")
+        log(f"{a} and {b} alone " + ("are bitwise equal" if same else f"part by {diff:.3g}") +
+            f": swapping {name}'s neighbours' content at step {step}")
         s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
         try:
             if s.swap_candidates(s.request_id(name)):
@@ -314,30 +331,40 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
             s.close()
         if leaks and leaks[-1].contaminated:
             break
+    knob = _knob(kind_of_runner)
+    by_schedules = f"{BATCH_VARIANCE}: {alone}" + _accounts(accounted, diff, recorded)  # (not `same`)
     if not leaks:
-        raise CannotTestError(f"requests {a} and {b} are bitwise equal alone, and neither shares a step with a "
-                              "request whose content can be swapped: nothing else to test")
+        if same or accounted is False:
+            raise CannotTestError(f"{alone}, and neither shares a step with a request whose content can be swapped: "
+                                  "nothing else to test")
+        return PairExplanation(path, a, b, BATCH_VARIANCE, f"{by_schedules} (no neighbour's content could be "
+                               "swapped to test for a leak)", False, knob=knob, re_executions=runs, **common)
     runs += sum(x.re_executions for x in leaks)
     leak = leaks[-1] if leaks[-1].contaminated else leaks[0]
     swapped = sorted({n for x in leaks for n in x.neighbours})
     if leak.contaminated:
-        verdict = (f"{CONTAMINATION}: requests {a} and {b} are bitwise equal alone, and {leak.request} at step "
-                   f"{leak.step}{on} "
+        verdict = (f"{CONTAMINATION}: {alone}, and {leak.request} at step {leak.step}{on} "
                    f"moves when {' and '.join(leak.minimal_set)} {'is' if len(leak.minimal_set) == 1 else 'are'} "
                    "given other tokens of the same shapes" +
                    (f"; first at {leak.first_module}" if leak.first_module else ""))
-        return PairExplanation(path, a, b, CONTAMINATION, verdict, True, alone_equal=True, leak=leak,
+        return PairExplanation(path, a, b, CONTAMINATION, verdict, True, leak=leak, re_executions=runs, **common)
+    who = " and ".join(x.request for x in leaks)
+    unmoved = (f"{who} {'does' if len(leaks) == 1 else 'do'} not move when their {len(swapped)} neighbours are given "
+               "other content of the same shapes")
+    if not same and accounted is not False:  # their own schedules parted them, and no neighbour's content moves them
+        return PairExplanation(path, a, b, BATCH_VARIANCE, f"{by_schedules}; {unmoved}", False, leak=leak, knob=knob,
                                re_executions=runs, **common)
     ba, bb = common["batch_a"], common["batch_b"]
     shapes = f"; batches: {_shape(ba)} at step {step_a}, {_shape(bb)} at step {step_b}" if ba and bb else ""
-    knob = _knob(kind_of_runner)
-    who = " and ".join(x.request for x in leaks)
-    verdict = (f"{BATCH_VARIANCE}: requests {a} and {b} are bitwise equal alone{on}, and {who} "
-               f"{'does' if len(leaks) == 1 else 'do'} not move when their {len(swapped)} neighbours are given other "
-               f"content of the same shapes: the batch's shape parted them at output position {p}"
+    verdict = (f"{BATCH_VARIANCE}: {alone}, and {unmoved}: the batch's shape parted them at output position {p}"
                + (f" (margin {m:.3g})" if m is not None else "") + shapes + (f"; {knob} removes it" if knob else ""))
-    return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, alone_equal=True, leak=leak, knob=knob,
-                           re_executions=runs, **common)
+    return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, leak=leak, knob=knob, re_executions=runs,
+                           **common)
+
+
+def _accounts(accounted: bool | None, diff: float, recorded: float | None) -> str:
+    """What the alone runs' parting (max |Δlogit| `diff`) says of the recorded difference, where it reaches it."""
+    return f": at most {2 * diff:.3g} in a logprob, enough for the recorded {recorded:.3g}" if accounted else ""
 
 
 def _own(schedule: list[tuple[int, int]]) -> str:

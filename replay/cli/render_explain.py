@@ -29,7 +29,9 @@ def render_pair(res: PairExplanation) -> str:
                      (f"; top1-top2 margin there {res.margin:.3g}" if res.margin is not None else ""))
     if res.alone_equal is not None:
         lines.append(f"  alone: {'bitwise equal' if res.alone_equal else 'differ'}" +
-                     (f" (max |Δlogit| {res.alone_max_abs_logit_diff:.3g})" if not res.alone_equal else ""))
+                     (f" (max |Δlogit| {res.alone_max_abs_logit_diff:.3g})" if not res.alone_equal else "") +
+                     (f"; recorded: max |Δlogprob| {res.recorded_max_abs_logprob_diff:.3g}"
+                      if res.recorded_max_abs_logprob_diff is not None else ""))
     if res.leak is not None:
         lines.append(f"  swap: {res.leak.verdict}")
     if res.knob:

@@ -3,7 +3,7 @@
 match: alone they are bitwise equal, the swap moves nobody, so the batch's shape parted them (BATCH VARIANCE, exit
 0); with a leak planted, the swap names the neighbour and the module (CONTAMINATION, exit 1). With prefix caching
 `b` prefills 4 tokens after a hit of 16: alone they part, each repeating itself, and the verdict names the two
-schedules."""
+schedules. A leak in the engine that recorded them is contamination whatever the schedules do alone."""
 
 from __future__ import annotations
 
@@ -73,3 +73,30 @@ def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins):
     assert explain_pair(plain, "n0", "n0").found == NOTHING
     with pytest.raises(UsageError, match="do not share their prompt and sampling"):
         explain_pair(plain, "a", "c")
+
+
+def test_a_leak_is_contamination_though_the_twins_schedules_part_them_a_little_alone(tmp_path, monkeypatch, capsys):
+    """A recording made with a leak in the engine (`replay.faults`): `a` first in its batch (the row the leak
+    reads, never one it writes into), `b` beside the neighbours, prefilling 1 token after a prefix-cache hit of 20.
+    The twins' recorded rows part by ~0.03; alone a 21-token prefill and a 1-token one part by a few ULPs (~5e-6 on
+    the processors seen so far), at most twice that in a logprob: far too little, so the swap runs and finds `a`'s
+    content in `b` (`b` reads its batch's first row). Not BATCH VARIANCE, which the schedules alone once concluded."""
+    monkeypatch.setenv("REPLAY_TEST_FAULT", "leak:layers.0.mlp:0.01")
+    path = record_twins(tmp_path / "leaky.capture", prefix_caching=True, a_first=True, twin_len=21, b_at=2)
+    code = main(["explain", str(path), "--pairs", "--json", "-q"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 1 and res["found"] == CONTAMINATION and res["bug"], res["verdict"]
+    assert res["leak"]["request"] == "b" and res["leak"]["minimal_set"] == ["a"], res["verdict"]
+    assert res["recorded_max_abs_logprob_diff"] > 0.01
+    if not res["alone_equal"]:  # (what the processor's kernels make of the two schedules: see the test above)
+        assert "too little for the recorded max |Δlogprob|" in res["verdict"], res["verdict"]
+
+
+def test_a_leak_into_the_twin_whose_blocks_the_other_hits_is_contamination_not_their_schedules(tmp_path, monkeypatch):
+    """`a`, sixth in its batch, takes n0's rows; `b` later reads `a`'s K/V through the prefix cache, so alone (`a`
+    kept, as recorded) it carries the leak and `a` alone does not: they part alone by more than the recording shows.
+    Their schedules differ too, which rules no leak out: the swap on `a`'s neighbours names n0."""
+    monkeypatch.setenv("REPLAY_TEST_FAULT", "leak:layers.0.mlp:0.01")
+    res = explain_pair(record_twins(tmp_path / "donor.capture", prefix_caching=True), "a", "b")
+    assert res.found == CONTAMINATION and res.bug and not res.alone_equal, res.verdict
+    assert res.leak.request == "a" and res.leak.minimal_set == ["n0"], res.verdict
