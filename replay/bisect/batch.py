@@ -19,6 +19,7 @@ import torch
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.open_session import make_session
 from replay.diff import Tolerance
+from replay.errors import CannotTestError
 from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.replayer.knobs import env_knobs
@@ -74,7 +75,12 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
                               from_start=from_start)
     log = log or (lambda msg: None)
     log(f"replaying {path} to step {step}")
-    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
+    # vLLM's runner leaves a neighbour out of every step up to S, which no replay from a keyframe where it is live
+    # can: start before the step's neighbours were scheduled. The builtin runner leaves them out of S alone, from a
+    # snapshot, so any keyframe will do.
+    vllm = (overrides or {}).get("runner") == "vllm"
+    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines,
+                     watch=request if vllm else None)
     try:
         return _bisect(s, str(path), request, tol, hooks, log, state)
     finally:
@@ -85,6 +91,17 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
     step = s.step.index
     rid = s.request_id(request)
     others = s.neighbours(rid)
+    if not others:  # "alone" would be the full batch again: the same logits, and an invariance never tested
+        if len(s.step.scheduler_output.num_scheduled_tokens) == 1:
+            raise CannotTestError(f"request {request} is alone at step {step}: no neighbour to leave out, nothing to "
+                                  "test")
+        kept = s.kept_as_recorded(rid)
+        live = [x for x in kept if x in s.live]
+        raise CannotTestError(f"request {request} shares no step up to {step} with a neighbour a run can leave out"
+                              + (f" (kept as recorded: {', '.join(s.names(kept))})" if kept else "") + ": nothing to "
+                              "test" + (f"; {', '.join(s.names(live))} are live at the keyframe of step "
+                                        f"{s.start.keyframe}, where the replay starts: --from-start can leave them "
+                                        "out" if live else ""))
     runs = 0
 
     def run(keep=None, pad=0):

@@ -9,28 +9,29 @@ from typing import Any
 
 import torch
 
-from replay.bisect.session import PAD_BLOCKS, Run, Session, padded, refuse_crashed
+from replay.bisect.session import PAD_BLOCKS, Run, Session, padded, refuse_crashed, start_for
 from replay.capture import CaptureReader
 from replay.errors import UsageError
 from replay.replayer import Plant, build_runner
 from replay.replayer.loop import StepLoop
 from replay.replayer.plant import install
-from replay.replayer.start import loop_from, start_at
+from replay.replayer.start import loop_from
 from replay.replayer.swap import Swap
 
 
 class StepSession(Session):
     """Replays a capture (forced mode) on the builtin runner up to step `step`, then re-executes that step on demand
-    from a snapshot."""
+    from a snapshot. `watch`: a request whose neighbours runs leave out of, or swap in, every step (`start_for`)."""
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
-                 force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False) -> None:
+                 force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False,
+                 watch: str | None = None) -> None:
         self.path = str(path)
         self.target = step
         self.log = log or (lambda msg: None)
         with CaptureReader(path) as r:
             self.header = r.header
-            self.start = start_at(r, step, from_start=from_start)
+            self.start = start_for(r, step, watch, from_start)
             refuse_crashed(r, step)
             built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
             self.runner = built.builtin("bisecting a step")

@@ -183,7 +183,8 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
                  engines: Engines | None = None) -> PairExplanation:
     """See the module docstring. `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (every
     re-execution then runs on one engine, from `engines` where given). `plant`: a fault added in every
-    re-execution of its step (a planted leak). Each replay starts at the nearest keyframe unless `from_start`."""
+    re-execution of its step (a planted leak). Each replay starts at the nearest keyframe where none of the request's
+    neighbours at its step is live yet (they are left out, or swapped, in every step), unless `from_start`."""
     log = log or (lambda msg: None)
     path = str(path)
     arrivals = _requests(path)
@@ -268,7 +269,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
 
     def alone(name: str, step: int):
         nonlocal runs
-        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
+        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=name)
         try:
             rid = s.request_id(name)
             here = plant if plant is not None and plant.step == step else None
@@ -322,7 +323,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
     for name, step in ((b, step_b), (a, step_a)):  # a leak into either parts them: B first
         log(f"{a} and {b} alone " + ("are bitwise equal" if same else f"part by {diff:.3g}") +
             f": swapping {name}'s neighbours' content at step {step}")
-        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
+        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=name)
         try:
             if s.swap_candidates(s.request_id(name)):
                 leaks.append(leak_in_session(s, name, log=log,

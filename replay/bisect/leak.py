@@ -81,8 +81,9 @@ def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: t
     """See the module docstring. `contents`: the kinds of other content tried, in order, until one moves R.
     `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (environment knobs: in a fresh process
     started with them). `plant`: a fault added at S in every run (a planted leak, `STEP:R:MODULE:SIZE*NEIGHBOUR`,
-    is what the tests find). The replay to S starts at the nearest keyframe unless `from_start`. `engines`:
-    started vLLM engines to run on."""
+    is what the tests find). The replay to S starts at the nearest keyframe where none of R's neighbours at S is live
+    yet (a run cannot swap one the keyframe rebuilds), unless `from_start`. `engines`: started vLLM engines to run
+    on."""
     bad = [c for c in contents if c not in CONTENTS]
     if bad or not contents:
         raise UsageError(f"--contents {','.join(contents)}: expected some of {', '.join(CONTENTS)}")
@@ -92,7 +93,7 @@ def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: t
                               plant=plant, from_start=from_start)
     log = log or (lambda msg: None)
     log(f"replaying {path} to step {step}")
-    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines)
+    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=request)
     try:
         return leak_in_session(s, request, contents=contents, plant=plant, log=log)
     finally:

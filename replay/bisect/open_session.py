@@ -13,12 +13,15 @@ from replay.replayer.knobs import check_overrides
 
 def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
                  force: bool = False, log: Callable[[str], None] | None = None,
-                 from_start: bool = False, engines: Engines | None = None) -> Session:
+                 from_start: bool = False, engines: Engines | None = None, watch: str | None = None) -> Session:
     """A session on the runner the `runner` knob names (builtin by default), its replay to the step started at the
-    nearest keyframe unless `from_start`; on vLLM's runner, on an engine of `engines` where one fits."""
+    nearest keyframe unless `from_start`; on vLLM's runner, on an engine of `engines` where one fits. `watch`: a
+    request whose neighbours the runs leave out of every step up to it, or swap: the replay then starts where none of
+    its neighbours at the step is live yet (`session.start_for`)."""
     overrides = check_overrides(overrides or {})  # (a script's misspelt knob must not bisect as if it were unset)
     if overrides.get("runner") == "vllm":
         from replay.bisect.vllm_session import VllmStepSession
 
-        return VllmStepSession(path, step, overrides, force=force, log=log, from_start=from_start, engines=engines)
-    return StepSession(path, step, overrides, force=force, log=log, from_start=from_start)
+        return VllmStepSession(path, step, overrides, force=force, log=log, from_start=from_start, engines=engines,
+                               watch=watch)
+    return StepSession(path, step, overrides, force=force, log=log, from_start=from_start, watch=watch)

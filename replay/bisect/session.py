@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from msgspec.structs import replace
 
-from replay.capture import CaptureReader, Header, Step
+from replay.capture import CaptureReader, Header, Keyframe, RequestAdded, Step
 from replay.capture.reading.keyframe_seek import chunks_from
 from replay.contracts import GrammarOutput, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from replay.errors import UsageError
-from replay.replayer.start import Start
+from replay.replayer.start import Start, clear_of, records_from, start_at
 from replay.replayer.swap import Swap
 
 PAD_BLOCKS = 64  # spare KV blocks for padding requests (batch-size experiments)
@@ -64,6 +64,8 @@ class Session:
     def started(self, start: Start, rebuilt: Iterable[str]) -> None:
         """Say where the replay to the step started, and which requests carry K/V rebuilt there."""
         if start.keyframe is None:
+            if start.why:  # (step 0 where a keyframe would have done but for the watched request's neighbours)
+                self.notes.append(f"replayed from step 0: {start.why}")
             return
         names = sorted(self.names(rebuilt))
         said = (f"K/V rebuilt there for {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} (a prefill's "
@@ -124,6 +126,31 @@ class Session:
 
     def close(self) -> None:
         """Release the runner (an engine's workers and memory)."""
+
+
+def start_for(reader: CaptureReader, step: int, watch: str | None, from_start: bool = False) -> Start:
+    """Where a session's replay to `step` starts: the nearest keyframe (`start_at`), or, with `watch` (a request its
+    runs leave neighbours out of in every step, or swap), the nearest where none of its neighbours at the step is live
+    yet (`clear_of`): a run cannot leave out or swap a request the keyframe rebuilds, and a bisect that keeps every
+    neighbour tests nothing."""
+    start = start_at(reader, step, from_start=from_start)
+    if watch is None or start.keyframe is None:
+        return start
+    ids: dict[str, str] = {}  # external id -> internal id
+    found = None
+    for rec in records_from(reader, start):
+        if isinstance(rec, Keyframe):
+            ids.update((x.request.name, x.request.request_id) for x in rec.requests)
+        elif isinstance(rec, RequestAdded):
+            ids[rec.request.name] = rec.request.request_id
+        elif isinstance(rec, Step) and rec.index >= step:
+            found = rec if rec.index == step else None
+            break
+    rid = ids.get(watch, watch)
+    if found is None or rid not in found.scheduler_output.num_scheduled_tokens:
+        return start  # (the session says what is wrong with the step or the request)
+    others = set(found.scheduler_output.num_scheduled_tokens) - {rid}
+    return clear_of(reader, start, others, f"request {watch}'s {len(others)} neighbours at step {step}")
 
 
 def refuse_crashed(reader: CaptureReader, step: int) -> None:

@@ -1,7 +1,9 @@
-"""`stress` on a capture: one recorded request, replayed N times from the keyframe nearest its first step to its last,
-each time with another random subset of the neighbours it really had left out of every step, in free mode (its own
-tokens fed back). The counts of `stress` on a prompt (unique completions, unique logprob sequences, where they first
-fork and the batches there), on the recording's model, layout and traffic, on either runner."""
+"""`stress` on a capture: one recorded request, replayed N times from the keyframe nearest its first step to its last
+(an earlier one, before they were scheduled, where all its neighbours are live there: no trial can leave out a
+request the keyframe rebuilds), each time with another random subset of the neighbours it really had left out of
+every step, in free mode (its own tokens fed back). The counts of `stress` on a prompt (unique completions, unique
+logprob sequences, where they first fork and the batches there), on the recording's model, layout and traffic, on
+either runner."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from replay.processes.in_environment import applied, in_environment
 from replay.record.stress import StressReport, Watch, first_fork
 from replay.replayer import build_runner
 from replay.replayer.knobs import env_knobs
-from replay.replayer.start import Start, loop_from, records_from, start_at
+from replay.replayer.start import Start, clear_of, live_at, loop_from, start_at
 
 
 @dataclass(slots=True)
@@ -57,15 +59,23 @@ def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, s
         start = start_at(r, target.first if target.first >= 0 else None, from_start=from_start)
         header = r.header
         lost = [d.describe() for d in r.damage]
-        live = _live_at(r, start)
+        live = live_at(r, start.keyframe) if start.keyframe is not None else set()
     if target.first < 0 and start.keyframe is None:
         raise UsageError(f"{path}: request {request!r} started before this capture's first step")
     free, kept = co_batched(path, target.last, target.rid, header.engine_config.block_size,
                             first=start.keyframe or 0)
+    if free and not set(free) - live:  # every neighbour is rebuilt there: start before they were scheduled
+        with CaptureReader(path) as r:
+            start = clear_of(r, start, set(free), f"request {target.name}'s {len(free)} neighbours")
+            live = live_at(r, start.keyframe) if start.keyframe is not None else set()
+        free, kept = co_batched(path, target.last, target.rid, header.engine_config.block_size,
+                                first=start.keyframe or 0)
     neighbours = [x for x in free if x not in live]
     if not neighbours:
         raise UsageError(f"{path}: request {request!r} shared no step with a neighbour that can be left out "
-                         f"(steps {start.keyframe or 0}-{target.last}): nothing to vary")
+                         f"(steps {start.keyframe or 0}-{target.last}"
+                         + (f"; {len(free)} were live at the keyframe of step {start.keyframe}" if free else "")
+                         + "): nothing to vary")
     rng = random.Random(seed)
     plans = [frozenset()] + [frozenset(rng.sample(neighbours, rng.randint(1, len(neighbours))))
                              for _ in range(trials - 1)]
@@ -120,15 +130,6 @@ def _find(reader: CaptureReader, request: str) -> _Target:
     return target
 
 
-def _live_at(reader: CaptureReader, start: Start) -> set[str]:
-    """The requests scheduled at the keyframe a replay starts from (none from step 0): no trial can leave them out.
-    Reads from the keyframe's chunk on, as the replay does."""
-    if start.keyframe is None:
-        return set()
-    kf = next(rec for rec in records_from(reader, start) if isinstance(rec, Keyframe) and rec.step == start.keyframe)
-    return {x.request.request_id for x in kf.requests if x.scheduled}
-
-
 def _trial(path: str | os.PathLike, runner, start: Start, target: _Target, skip: frozenset[str]) -> Watch:
     """One replay of the window, `skip` left out of every step, free mode: the target's tokens and batches."""
     watch = Watch(target.rid, [], [], [])
@@ -177,6 +178,8 @@ def _report(path, target: _Target, start: Start, runs: list[Watch], plans: list[
     notes = []
     if start.keyframe is not None:
         notes.append(f"replayed from the keyframe at step {start.keyframe} ({start.why})")
+    elif start.why:
+        notes.append(f"replayed from step 0: {start.why}")
     if target.first < 0:  # (else it starts at or after the keyframe, and nothing of it is rebuilt)
         notes.append(f"request {target.name} was running at that keyframe: its K/V there is rebuilt, the same in "
                      "every trial")

@@ -14,14 +14,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from replay.bisect.session import Run, Session, padded, refuse_crashed
+from replay.bisect.session import Run, Session, padded, refuse_crashed, start_for
 from replay.capture import CaptureReader, EngineConfig, Step
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.integrations.vllm.layout import recorded_layout
 from replay.integrations.vllm.taps import LOGITS
 from replay.replayer import Plant, StepLoop, build_runner
-from replay.replayer.start import loop_from, start_at
+from replay.replayer.start import loop_from
 from replay.replayer.swap import Swap
 
 _TRUE = ("1", "true", "yes", "on")
@@ -38,20 +38,21 @@ def eager(ec: EngineConfig, overrides: dict[str, str]) -> tuple[dict[str, str], 
 
 class VllmStepSession(Session):
     """Replays a capture on vLLM's runner up to step `step`, then re-executes that step on demand (each time from
-    step 0, on the same engine)."""
+    where the replay starts, on the same engine). `watch`: a request whose neighbours runs leave out, or swap
+    (`start_for`)."""
 
     runner_kind = "vllm"
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
                  force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False,
-                 engines: Engines | None = None) -> None:
+                 engines: Engines | None = None, watch: str | None = None) -> None:
         self.path = str(path)
         self.target = step
         self.log = log or (lambda msg: None)
         overrides = {**(overrides or {}), "runner": "vllm"}
         with CaptureReader(path) as r:
             self.header = header = r.header
-            self.start = start_at(r, step, from_start=from_start)
+            self.start = start_for(r, step, watch, from_start)
             refuse_crashed(r, step)
         overrides, eager_note = eager(header.engine_config, overrides)
         self.log(f"starting vLLM's runner for {path}")

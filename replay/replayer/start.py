@@ -1,7 +1,9 @@
 """Where a replay that has to reach step S starts: at the nearest keyframe at or before S, so that a bisect deep in
 a long capture does not replay it from step 0 for every test (docs/design.md, "The flight recorder"). A capture
 that starts later than step 0 (a ring's snapshot or segment) can only start at the keyframe it opens with; one with
-no keyframe before S starts at step 0; `from_start` asks for step 0 where there is one.
+no keyframe before S starts at step 0; `from_start` asks for step 0 where there is one. A bisect that leaves a
+request's neighbours out of every step up to S, or gives them other content, starts before they were scheduled
+(`clear_of`): from a keyframe where they are live it could do neither.
 
 Requests live at the keyframe carry K/V rebuilt by priming (`replayer.prime`), so they are compared within the
 rebuild tolerance and named; the others see the recorded batches and compare as from step 0.
@@ -48,6 +50,38 @@ def start_at(reader: CaptureReader, first: int | None, *, from_start: bool = Fal
         return opening
     return Start(before[-1], f"the nearest keyframe at or before step {first}; --from-start replays from "
                              f"{'step 0' if opening.keyframe is None else f'step {opening.keyframe}'}")
+
+
+def clear_of(reader: CaptureReader, start: Start, ids: set[str], whose: str) -> Start:
+    """`start`, or where some of `ids` are live at its keyframe (a replay from there rebuilds them, so no run can
+    leave them out of the steps before, nor give them other content): the nearest earlier keyframe where none of them
+    is live yet, else step 0 where the capture opens there. A capture that opens at a keyframe (a ring's snapshot or
+    segment) has nothing earlier: `start` then stands. `whose`: what `ids` are, in words for the notes."""
+    if start.keyframe is None or not ids:
+        return start
+    held = ids & live_at(reader, start.keyframe)
+    if not held:
+        return start
+    opening = start_at(reader, None)
+    origin = "step 0" if opening.keyframe is None else f"step {opening.keyframe}"
+    for k in reversed(keyframe_steps(reader)):
+        if k < start.keyframe and (opening.keyframe is None or k >= opening.keyframe) \
+                and not ids & live_at(reader, k):
+            return Start(k, f"the nearest keyframe before {whose} were scheduled: at the one of step "
+                            f"{start.keyframe}, {len(held)} of them were live, which no run can leave out; "
+                            f"--from-start replays from {origin}")
+    if opening.keyframe is not None:
+        return start
+    return Start(None, f"at every keyframe up to step {start.keyframe} some of {whose} were live, which no run can "
+                       "leave out")
+
+
+def live_at(reader: CaptureReader, keyframe: int) -> set[str]:
+    """The requests scheduled at the keyframe of step `keyframe` (one still waiting there is first scheduled after
+    it, as a replay from there sees it). Reads from the keyframe's chunk on, as the replay does."""
+    kf = next((rec for rec in records_from(reader, Start(keyframe))
+               if isinstance(rec, Keyframe) and rec.step == keyframe), None)
+    return set() if kf is None else {x.request.request_id for x in kf.requests if x.scheduled}
 
 
 def _first_step(reader: CaptureReader) -> int | None:

@@ -196,3 +196,44 @@ def test_a_snapshot_cut_short_still_opens_at_its_first_keyframe(ring, tmp_path):
     assert rep.keyframe == opening and rep.data_lost
     rep = replay_capture(cut, ReplayOptions(steps=StepRange(later + 1, later + 2)))
     assert rep.keyframe == later and f"--from-start replays from step {opening}" in rep.keyframe_why
+
+
+def test_a_bisect_that_leaves_neighbours_out_starts_before_they_were_scheduled_never_at_a_keyframe_that_keeps_them(
+        keyed_capture):
+    """`keyed_capture`: r6's neighbours at step 29, r5 and r7, are live at the keyframes of steps 28 down to 12 (r5)
+    and 24 (r7): from there no run can leave them out of the steps before, nor swap them. A bisect that does (`bisect
+    leak`; `bisect batch` and `solo` on vLLM's runner, modelled here by a builtin session whose neighbours are its
+    companions) starts at step 8, before both were scheduled, and says so; one that keeps every neighbour anyway is
+    refused (exit 125), never called batch-invariant; with no clear keyframe it starts at step 0."""
+    from replay.bisect.batch import _bisect
+    from replay.bisect.builtin_session import StepSession
+    from replay.bisect.leak import NO_LEAK, bisect_leak
+    from replay.bisect.open_session import make_session
+    from replay.diff import Tolerance
+    from replay.errors import CannotTestError
+    from replay.replayer.start import live_at
+
+    with CaptureReader(keyed_capture) as r:
+        assert {"r5-000005", "r7-000007"} <= live_at(r, 28) and not {"r5-000005", "r7-000007"} & live_at(r, 8)
+    leak, whole = bisect_leak(keyed_capture, 29, "r6"), bisect_leak(keyed_capture, 29, "r6", from_start=True)
+    assert leak.found == whole.found == NO_LEAK and {"r5", "r7"} <= set(leak.neighbours), leak.verdict
+    assert any(n.startswith("replayed from the keyframe at step 8 (the nearest keyframe before request r6's 2 "
+                            "neighbours at step 29 were scheduled: at the one of step 28, 2 of them were live")
+               for n in leak.notes), leak.notes
+
+    class EveryStep(StepSession):  # leaves neighbours out of every step up to S, as vLLM's runner's session does
+        def neighbours(self, rid):
+            return self.companions(rid)
+
+        def run(self, watch, keep=None, pad=0, hooks=None, **kw):
+            return super().run(watch, keep, pad, hooks, throughout=True, **kw)
+
+    s = EveryStep(keyed_capture, 29, watch="r6")
+    assert s.start.keyframe == 8 and {"r5-000005", "r7-000007"} <= set(s.companions("r6-000006"))
+    kept = EveryStep(keyed_capture, 29)  # the nearest keyframe, where both are live
+    with pytest.raises(CannotTestError, match="r5, r7 are live at the keyframe of step 28.*--from-start"):
+        _bisect(kept, str(keyed_capture), "r6", Tolerance(), None, lambda msg: None, None)
+    early = make_session(keyed_capture, 10, watch="r1")  # r0 is live at every keyframe up to step 8
+    assert early.start.keyframe is None
+    assert any(n.startswith("replayed from step 0: at every keyframe up to step 8 some of request r1's")
+               for n in early.notes), early.notes

@@ -479,9 +479,9 @@ def _fresh_pair(capture: Path) -> tuple[int, str] | None:
 
 
 def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
-    """(keyframe, a step past it, a request first scheduled there, after the keyframe): one with neighbours where
-    there is one (a ring's last segment, written as the traffic ended, may hold requests one at a time); None when
-    the capture has none."""
+    """(keyframe, a step past it, a request first scheduled there, after the keyframe): one with neighbours, one of
+    them not live at the keyframe, where there is one (a ring's last segment, written as the traffic ended, may hold
+    requests one at a time); None when the capture has none."""
     with CaptureReader(capture) as r:
         keyframes = [rec for rec in r.records() if isinstance(rec, Keyframe)]
         # (a step with no output is the server's crash, the ring's last step: a bisect refuses it)
@@ -494,7 +494,8 @@ def _fresh_step(capture: Path) -> tuple[int, int, str] | None:
             so = s.scheduler_output
             fresh = [n.req_id for n in so.scheduled_new_reqs if n.req_id not in live]
             if kf.step < s.index <= end and fresh:
-                found.append((len(so.num_scheduled_tokens) >= 2, -s.index, kf.step, s.index, fresh[0]))
+                moving = [x for x in so.num_scheduled_tokens if x not in live and x != fresh[0]]  # (can be left out)
+                found.append((bool(moving), len(so.num_scheduled_tokens) >= 2, -s.index, kf.step, s.index, fresh[0]))
     if not found:
         return None
     *_, k, step, request = max(found)  # with neighbours first, then the earliest
@@ -526,9 +527,12 @@ def test_a_wrapped_rings_snapshot_and_a_segment_of_it_are_bisected_from_their_ne
         for capture in (snapshots[-1], segment):
             k, step, request = _fresh_step(capture)
             res = bisect_batch(capture, step, request, overrides={"runner": runner}, engines=engines)
-            assert res.step == step and any(f"keyframe at step {k}" in n for n in res.notes), res.notes
+            # (on vLLM's runner, which leaves neighbours out of every step, an earlier keyframe where those at the
+            # step are not live yet, where the capture has one)
+            assert res.step == step and res.start_step <= k and (runner == "vllm" or res.start_step == k)
+            assert any(f"keyframe at step {res.start_step}" in n for n in res.notes), res.notes
             if runner == "vllm":
-                assert f"replays of steps {k}-{step} on vLLM's runner" in render_bisect_batch(res)
+                assert f"replays of steps {res.start_step}-{step} on vLLM's runner" in render_bisect_batch(res)
             layers = bisect_layers(capture, step, request, "same", runner=runner, engines=engines)
             assert layers.first_module is None and layers.modules, layers.verdict  # the same step twice: bitwise
             k, request = _fresh_pair(capture)
