@@ -79,6 +79,17 @@ def margin(r: Row | None) -> float | None:
     return top1 - top2
 
 
+def below_argmax(r: Row) -> bool:
+    """Whether a row's sampled token scored below another token. vLLM's rank counts the tokens scored at least as
+    high, itself included, so an argmax tied exactly with another token (real vocabularies, bfloat16) has rank 2:
+    where the row holds a top-1 column, the values say which; without one, only a rank of 1 is surely the argmax."""
+    if r.rank == 1:
+        return False
+    if len(r.values) >= 2 and np.isfinite(r.values[:2]).all():
+        return bool(r.values[0] < r.values[1])
+    return True
+
+
 class RowDiff(NamedTuple):
     """How two rows of one output position compare (`compare_rows`)."""
 

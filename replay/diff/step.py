@@ -10,6 +10,7 @@ from replay.contracts import LogprobsTensors, ModelRunnerOutput, SchedulerOutput
 from replay.diff.rules import (
     Row,
     Tolerance,
+    below_argmax,
     classify,
     compare_rows,
     margin,
@@ -284,7 +285,7 @@ def _compare_request(step: int, name: str, rid: str, pos: int, et: list[int], at
             if m is None and actual_margins is not None and k == 0:
                 m = actual_margins.get(rid)
             flip = "draw" if draw else classify(m, tol, lp_diff)
-            if greedy and any(r is not None and r.rank != 1 for r in (er, ar)):
+            if greedy and any(r is not None and below_argmax(r) for r in (er, ar)):
                 flip = "not-argmax"
             return Divergence(step, name, pos + k, "token", e_tok, a_tok, er.rank if er else None,
                               ar.rank if ar else None, lp_diff, None, m, flip, topk_changed, rid,

@@ -32,7 +32,7 @@ from replay.engine.attention import KVCache, PagedAttention, SeqSpan
 from replay.engine.grammar import apply_grammar_bitmask
 from replay.engine.lora import LoRAHooks
 from replay.engine.runner_state import CachedRequestState, RunnerSnapshot, StepSnapshot
-from replay.engine.sampler import SampleRow, advance, margins, sample
+from replay.engine.sampler import SampleRow, advance, margins, ranks_of, sample
 from replay.engine.spec_decode import verify_drafts
 from replay.errors import UsageError
 from replay.faults import install_fault
@@ -380,7 +380,7 @@ class ModelRunner:
                 raw = torch.log_softmax(lg, dim=-1)
                 target = torch.tensor(st.prompt_token_ids[first + 1:end + 1], dtype=torch.long)
                 tlp = raw.gather(1, target[:, None])
-                rank = (raw > tlp).sum(dim=-1) + 1
+                rank = ranks_of(raw, tlp)
                 top_lp, top_ids = torch.topk(raw, k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
                 st.prompt_logprobs.append((torch.cat([target[:, None], top_ids], 1).to(torch.int32).numpy(),
                                            torch.cat([tlp, top_lp], 1).float().numpy(), rank.to(torch.int32).numpy()))

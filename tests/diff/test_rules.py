@@ -169,3 +169,26 @@ def test_padding_has_no_margin_so_a_flip_beside_logprob_token_ids_takes_the_runn
         _, (unknown,) = compare_step(0, _padded(4), _padded(5), {"r": "cmpl-1"}, {}, TOL)
     assert tie.flip == "tie" and tie.margin == 0.01
     assert unknown.flip == "confident" and unknown.margin is None  # two paddings are no evidence of a near-tie
+
+
+def _greedy(token: int, ids: list[int], values: list[float], rank: int) -> ModelRunnerOutput:
+    lp = LogprobsLists(Array.from_numpy(np.array([[token, *ids]], np.int32)),
+                       Array.from_numpy(np.array([[values[0], *values[1:]]], np.float32)),
+                       Array.from_numpy(np.array([rank], np.int64)))
+    return ModelRunnerOutput(["r"], {"r": 0}, [[token]], lp)
+
+
+def test_a_greedy_token_tied_with_another_is_its_argmax_though_vllm_ranks_it_2():
+    """vLLM ranks a token among those scored at least as high: an exact tie (real vocabularies) is rank 2, and a
+    greedy flip between the two tied tokens is a tie flip, never a sampler that missed its argmax."""
+    from replay.diff.rules import below_argmax
+
+    assert not below_argmax(_row([7, 7, 9], [-0.5, -0.5, -0.9], 2))  # tied with token 9 at the top
+    assert below_argmax(_row([7, 9, 7], [-0.9, -0.5, -0.9], 3))  # token 9 scored higher
+    assert below_argmax(_row([7], [-0.9], 2))  # no top-k to tell: only rank 1 is surely the argmax
+    tied_a, tied_b = _greedy(7, [7, 9], [-0.5, -0.5, -0.5], 2), _greedy(9, [9, 7], [-0.5, -0.5, -0.5], 2)
+    _, (d,) = compare_step(0, tied_a, tied_b, {"r": "cmpl-1"}, {}, TOL, greedy={"r"})
+    assert d.kind == "token" and d.flip == "tie", d
+    below = _greedy(7, [9, 7], [-0.9, -0.5, -0.9], 2)
+    _, (d,) = compare_step(0, below, tied_b, {"r": "cmpl-1"}, {}, TOL, greedy={"r"})
+    assert d.flip == "not-argmax", d

@@ -34,6 +34,19 @@ def test_rank_of_a_sampled_token_outside_the_top_k():
     assert res.logprob_token_ids.tolist() == [[3, 0]]
 
 
+def test_a_tied_argmax_ranks_as_vllm_counts_it_every_token_at_least_as_high():
+    """Exact ties appear at real vocabulary sizes and in bfloat16: vLLM ranks a token among the tokens scored at
+    least as high as it, itself included (`batched_count_greater_than`), so a greedy token tied with another is 2."""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.0], [1.0, 3.0, 3.0, 3.0]])
+    res = sample(logits, [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.0))], 2)
+    raw = torch.log_softmax(logits, dim=-1)
+    want = batched_count_greater_than(raw, raw.gather(1, torch.tensor(res.tokens)[:, None]))
+    assert res.tokens == [0, 1] and res.ranks.tolist() == want.tolist() == [2, 3]
+
+
 def test_seeded_row_does_not_depend_on_its_neighbours():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
