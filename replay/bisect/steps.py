@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import msgspec
 
 from replay.diff import CaptureDiff, Tolerance, diff_captures
+from replay.errors import UsageError
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
 
 
@@ -22,8 +24,15 @@ class StepsBisect(msgspec.Struct):
 def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, opts: ReplayOptions | None = None,
                  tol: Tolerance | None = None) -> StepsBisect:
     """With one capture: replay it (forced mode, so every step's diff is local) and name the first divergent step.
-    With two: align their requests and name the step of A where they first part."""
+    With two: align their requests and name the step of A where they first part. The tolerance is `tol`, else
+    `opts.tolerance`; replay settings in `opts` (knobs, mode, steps) apply to one capture and are refused for two."""
+    if tol is not None and opts is not None and opts.tolerance not in (tol, Tolerance()):
+        raise UsageError(f"two tolerances given ({tol} and opts.tolerance {opts.tolerance}): give one")
+    tol = tol if tol is not None else opts.tolerance if opts is not None else None
     if b is None:
+        opts = opts if opts is not None else ReplayOptions()
+        if tol is not None:
+            opts = dataclasses.replace(opts, tolerance=tol)
         rep = replay_capture(a, opts)
         d = rep.first_divergence
         if d is None:
@@ -31,6 +40,9 @@ def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, op
         where = f"token {d.token_index}" if d.kind == "routed_experts" else f"output position {d.position}"
         return StepsBisect(f"step {d.step} is the first to diverge: request {d.request_id}, {where} "
                            f"({d.kind}{', ' + d.flip + ' flip' if d.flip else ''})", d.step, rep)
+    if opts is not None and (opts.overrides or opts.mode != "forced" or opts.steps is not None or opts.plant):
+        raise UsageError("bisect steps A B compares two recordings as they are: knobs (--set), --mode, steps and "
+                         "plants replay one capture; drop them, or bisect one capture")
     res = diff_captures(a, b, tol)
     d = res.first_divergence
     if d is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -16,6 +17,7 @@ from replay.bisect.layers import bisect_layers
 from replay.bisect.steps import bisect_steps
 from replay.capture import CaptureReader, RequestAdded, Step, StepRange
 from replay.cli import app
+from replay.diff import Tolerance
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import UsageError
 from replay.record import RecordOptions, SyntheticWorkload, record_builtin, synthetic
@@ -112,6 +114,20 @@ def test_config_bisect_names_dtype(crowd):
     path, _ = crowd
     res = bisect_config(path, "dtype=float32,seed=0", "dtype=bfloat16,seed=5", steps=StepRange(0, 6))
     assert res.minimal_change == {"dtype": "bfloat16"}
+
+
+def test_steps_of_two_captures_take_the_tolerance_given_and_refuse_replay_settings(crowd, tmp_path):
+    """Two recordings are diffed as they are: the options' tolerance is theirs, and knobs or a mode (which only a
+    replay of one capture can apply) are refused, never dropped in silence."""
+    path, _ = crowd
+    other = shutil.copy(path, tmp_path / "other.capture")
+    tol = Tolerance(atol=1e-4)
+    assert bisect_steps(path, other, opts=ReplayOptions(tolerance=tol)).capture_diff.tolerance == tol
+    with pytest.raises(UsageError, match="compares two recordings as they are"):
+        bisect_steps(path, other, opts=ReplayOptions(overrides={"dtype": "bfloat16"}))
+    with pytest.raises(UsageError, match="two tolerances given"):
+        bisect_steps(path, other, opts=ReplayOptions(tolerance=tol), tol=Tolerance(atol=1e-3))
+    assert bisect_steps(path, tol=tol, opts=ReplayOptions(steps=StepRange(0, 2))).replay.tolerance == tol
 
 
 def test_config_bisect_refuses_an_engine_argument_the_steps_fix_before_any_replay(crowd, monkeypatch):
