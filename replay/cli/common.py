@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -133,6 +134,24 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
 def bisect_command(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Register `replay bisect NAME` for a function named `bisect_NAME`."""
     return bisect_app.command(fn.__name__.removeprefix("bisect_"))(_guarded(fn))
+
+
+def each_capture(paths: list[Path], fn: Callable[[int, Path], None]) -> int | None:
+    """`fn(i, path)` for each capture of a set (a directory, a glob, a data-parallel run's ranks): one that cannot
+    be read is one line naming it, and the others still run, so a later rank's divergence is never hidden behind
+    an earlier rank's damage. Returns the exit code of the first that failed (None: none did); a single capture
+    raises as it would alone."""
+    failed = None
+    for i, path in enumerate(paths):
+        try:
+            fn(i, path)
+        except ReplayError as e:
+            if len(paths) == 1:
+                raise
+            msg = str(e)
+            err(msg if str(path) in msg else f"{path}: {msg}")
+            failed = e.exit_code if failed is None else failed
+    return failed
 
 
 def damage_exit(damage: list[Damage], *, listed: bool = True) -> None:

@@ -13,6 +13,7 @@ from replay.cli.common import (
     JsonOpt,
     command,
     damage_exit,
+    each_capture,
     emit,
     step_range,
 )
@@ -33,11 +34,16 @@ def info(capture: Path = CaptureSetArg, json: bool = JsonOpt) -> None:
         return
 
     damage = []
-    for i, path in enumerate(capture_paths(capture)):
+
+    def one(i: int, path: Path) -> None:
         res = capture_info(path)
         emit(res, render_info, json=json, separate=i > 0 and not json)
-        damage += res.damage
+        damage.extend(res.damage)
+
+    failed = each_capture(capture_paths(capture), one)
     damage_exit(damage)
+    if failed is not None:
+        raise typer.Exit(failed)
 
 
 @command

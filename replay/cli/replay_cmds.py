@@ -25,6 +25,7 @@ from replay.cli.common import (
     TieOpt,
     ToleranceOpt,
     command,
+    each_capture,
     emit,
     err,
     fan_out_options,
@@ -77,12 +78,18 @@ def run(
                           from_start)
     opts = dataclasses.replace(opts, fan_out=fan_out_options(jobs, ray, ray_address), from_keyframe=from_keyframe)
     diverged = lost = False
-    for i, path in enumerate(capture_paths(capture)):
+
+    def one(i: int, path: Path) -> None:
+        nonlocal diverged, lost
         rep = replay_capture(path, opts)
         emit(rep, render_replay if diff else render_run, json=json, separate=i > 0 and not json)
         # without --diff only a recorded crash is compared: did the same exception repeat at the same step?
         diverged |= rep.diverged if diff else rep.crash is not None and not rep.crash.reproduced
         lost |= bool(rep.data_lost)  # the readable prefix replayed (and matched), but the capture lost data
+
+    failed = each_capture(capture_paths(capture), one)
+    if failed is not None:  # (each said so in its line; a divergence among the others is printed above)
+        raise typer.Exit(failed)
     if diverged:
         raise typer.Exit(1)
     if lost:

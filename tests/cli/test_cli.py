@@ -181,3 +181,20 @@ def test_runner_and_a_set_runner_that_disagree_are_refused(small_capture, cmd):
     args = [str(small_capture) if a == "{c}" else a for a in cmd]
     res = runner.invoke(app, [*args, "--runner", "vllm", "--set", "runner=builtin"])
     assert res.exit_code in (2, 125) and "say two things" in res.stderr, res.output
+
+
+def test_a_set_with_an_unreadable_capture_still_reports_every_other_one(tmp_path, capsys):
+    """Data-parallel ranks, a directory, a glob: one capture that cannot be read is one line naming it, and the
+    captures after it are still read and replayed (a later rank's divergence must not hide behind it)."""
+    from replay.record import EngineOptions, SyntheticWorkload, record, synthetic
+
+    wl = SyntheticWorkload(num_requests=2, prompt_len=(4, 6), output_len=(2, 3), seed=1)
+    record(EngineOptions(model="tiny", threads=1), synthetic(wl, 512), tmp_path / "b-good.capture")
+    (tmp_path / "a-junk.capture").write_bytes(b"not a capture at all")
+    capsys.readouterr()
+    assert main(["info", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "a-junk.capture" in err and "not a replay capture" in err and "b-good.capture" in out
+    assert main(["run", str(tmp_path / "*.capture"), "--diff"]) == 2
+    out, err = capsys.readouterr()
+    assert "a-junk.capture" in err and "MATCH" in out
