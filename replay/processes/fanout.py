@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from replay.errors import UsageError
+from replay.errors import CannotTestError, UsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,7 @@ def fan_out(fn: Callable[[Any], Any], args: list[Any], how: FanOut,
 def _in_processes(fn: Callable[[Any], Any], args: list[Any], jobs: int) -> Iterator[tuple[int, Any]]:
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
 
     with ProcessPoolExecutor(max_workers=min(jobs, len(args)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -63,6 +64,11 @@ def _in_processes(fn: Callable[[Any], Any], args: list[Any], jobs: int) -> Itera
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for f in done:
                     yield pending.pop(f), f.result()
+        except BrokenProcessPool:
+            raise CannotTestError(
+                f"a worker process of --jobs {jobs} died before it answered: killed (out of memory?), or a script "
+                "that fans out without `if __name__ == \"__main__\":` (each spawned worker re-runs the script)"
+            ) from None
         finally:  # interrupted (Ctrl-C, a consumer that stopped): do not start what was still queued
             for f in pending:
                 f.cancel()
