@@ -243,17 +243,21 @@ def explain(
         if res.data_lost:
             raise typer.Exit(EXIT_DAMAGED)
         return
+    groups = None
     if pair is None:
         groups = twin_groups(capture)
         if not json:
             print(render_twins(groups))
         if not groups:
-            if json:
-                emit(groups, render_twins, json=True)
+            if json:  # (the same shape as with groups: every group, and the first one's explanation)
+                emit({"groups": groups, "explanation": None}, render_twins, json=True)
             return
         pair = (groups[0].requests[0], groups[0].requests[1])
     res = explain_pair(capture, *pair, overrides=opts.overrides, plant=opts.plant, log=progress_log(quiet),
                        from_start=from_start)
-    emit(res, render_pair, json=json)
+    if json and groups is not None:
+        emit({"groups": groups, "explanation": res}, render_pair, json=True)
+    else:
+        emit(res, render_pair, json=json)
     if res.bug:
         raise typer.Exit(1)

@@ -54,7 +54,7 @@ def test_a_server_with_a_leak_is_explained_as_contamination_on_one_engine(captur
     code = main(["explain", str(leaky), "--pairs", "--runner", "vllm", "--json", "-q"])
     # (the JSON is the last line: vLLM's logger, configured as this module's first engine starts, writes to the
     # stdout pytest captures, where a user's terminal has it in the log beside the capture)
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["explanation"]
     assert code == 1 and res["found"] == CONTAMINATION and res["runner"] == "vllm", res["verdict"]
     assert res["leak"]["minimal_set"] == ["4"] and res["leak"]["first_module"] == "model.layers.0.mlp"
     with Engines() as engines:

@@ -35,6 +35,17 @@ def test_pairs_lists_the_twins_that_answered_differently_and_explains_batch_vari
     assert "batches: 6 requests, 80 tokens (6 prefill) at step 0, 2 requests, 40 tokens (2 prefill) at step" in out
 
 
+def test_pairs_json_has_one_shape_with_twins_or_without(twins, tmp_path, capsys):
+    """Every group and the first one's explanation, or no group and no explanation: a script reads one shape."""
+    plain, _ = twins
+    main(["explain", str(plain), "--pairs", "--json", "-q"])
+    out = json.loads(capsys.readouterr().out)
+    assert [g["requests"] for g in out["groups"]] == [["a", "b"]] and out["explanation"]["found"] == BATCH_VARIANCE
+    none = record_twins(tmp_path / "invariant.capture", batch_invariant=True)  # twins that agree: no group
+    assert main(["explain", str(none), "--pairs", "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"groups": [], "explanation": None}
+
+
 def test_a_planted_leak_makes_the_pair_contamination_with_the_neighbour_and_module(twins, capsys):
     plain, _ = twins
     code = main(["explain", str(plain), "--pair", "a", "b", "--plant", "0:a:layers.0.mlp:0.05*n2", "--json", "-q"])
@@ -84,7 +95,9 @@ def test_a_leak_is_contamination_though_the_twins_schedules_part_them_a_little_a
     monkeypatch.setenv("REPLAY_TEST_FAULT", "leak:layers.0.mlp:0.01")
     path = record_twins(tmp_path / "leaky.capture", prefix_caching=True, a_first=True, twin_len=21, b_at=2)
     code = main(["explain", str(path), "--pairs", "--json", "-q"])
-    res = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    res = out["explanation"]  # (beside every group of twins found: here the one)
+    assert [g["requests"] for g in out["groups"]] == [["a", "b"]], out["groups"]
     assert code == 1 and res["found"] == CONTAMINATION and res["bug"], res["verdict"]
     assert res["leak"]["request"] == "b" and res["leak"]["minimal_set"] == ["a"], res["verdict"]
     assert res["recorded_max_abs_logprob_diff"] > 0.01
