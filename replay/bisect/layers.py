@@ -67,7 +67,7 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
         _, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)], log=log,
                                      from_start=from_start, engines=engines)
     else:
-        knobs = parse_overrides(split_knobs(against) + ([f"runner={runner}"] if runner == "vllm" else []))
+        knobs = parse_overrides(split_knobs(against) + ([f"runner={runner}"] if runner == "vllm" else []), "--against")
         fresh = bool(env_knobs(knobs))  # then side A runs in a fresh process too: the variables are the difference
         log(f"replaying {path} to step {step} (side A)")
         _, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log, fresh=fresh,

@@ -23,6 +23,14 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.2f} MB" if n >= 100_000 else f"{n:,} B"
 
 
+def _binary(n: int) -> str:
+    """A size given in binary units (a ring's `--ring 4MB` is 4 MiB), said in them."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):,.{0 if n % (1 << shift) == 0 else 2}f} {unit}"
+    return f"{n:,} B"
+
+
 def render_damage(damage: list[Damage]) -> list[str]:
     """One line per damage entry."""
     return [f"  - {d.kind}: {d.describe()}" for d in damage]
@@ -111,7 +119,7 @@ def render_info(info: CaptureInfo) -> str:
 def render_ring(ring: RingInfo) -> str:
     """`replay info RING`: the window its segments hold, the segments, the snapshots."""
     who = "a recorder is writing it" if ring.recording else "no recorder is writing it"
-    size = f" of a {_mb(ring.size)} ring" if ring.size else ""
+    size = f" of a {_binary(ring.size)} ring" if ring.size else ""
     window = (f"steps {ring.first_step}-{ring.last_step}" if ring.first_step is not None else "no closed segment yet")
     dropped = f"; steps 0-{ring.first_step - 1} were dropped" if ring.first_step else ""
     lines = [f"ring      {ring.path} ({who})",

@@ -26,9 +26,18 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ARG_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, str]:
+def parse_overrides(items: list[str] | None, flag: str = "--set") -> dict[str, str]:
     """`["dtype=bfloat16", "env.MKL_CBWR=COMPATIBLE", ...]` -> {"dtype": "bfloat16", ...}; an unknown knob, a bad
-    value, or a knob the chosen runner cannot apply is a usage error that names it."""
+    value, or a knob the chosen runner cannot apply is a usage error that names it (as given to `flag`)."""
+    try:
+        return _parse(items)
+    except UsageError as e:
+        if flag == "--set" or not str(e).startswith("--set "):
+            raise
+        raise UsageError(flag + str(e)[len("--set"):]) from None
+
+
+def _parse(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or []:
         key, sep, value = item.partition("=")

@@ -46,3 +46,10 @@ def test_knob_lists_split_only_where_another_knob_starts():
     assert split_knobs('runner=vllm,vllm.speculative_config={"method": "ngram", "k": 3},env.X=a,b') == [
         "runner=vllm", 'vllm.speculative_config={"method": "ngram", "k": 3}', "env.X=a,b"]
     assert split_knobs("") == []
+
+
+def test_a_refusal_names_the_flag_the_knobs_came_with():
+    with pytest.raises(UsageError, match=r"^--against 'garbage': expected KNOB=VALUE"):
+        parse_overrides(["garbage"], "--against")
+    with pytest.raises(UsageError, match=r"^--set 'garbage': expected KNOB=VALUE"):
+        parse_overrides(["garbage"])

@@ -32,6 +32,7 @@ def test_a_rings_window_segments_and_snapshots(tmp_path):
     n = len(info.segments)
     assert f"window    steps {info.first_step}-1199 in {n} closed segment{'s' * (n != 1)}" in out.output
     assert f"steps 0-{info.first_step - 1} were dropped" in out.output and "no recorder is writing it" in out.output
+    assert f"of a {SIZE >> 10} KiB ring" in out.output  # in the binary units `--ring` reads its size in
 
 
 def test_asking_whether_a_recorder_runs_seals_nothing(tmp_path):
