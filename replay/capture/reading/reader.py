@@ -94,7 +94,10 @@ class CaptureReader:
         p = self.path
         try:
             if p.is_dir():
-                raise NotACaptureError(p, "is a directory, not a capture file")
+                ring = (p / "writer.json").exists() or any(p.glob("segment-*.capture"))
+                raise NotACaptureError(p, "is a ring's directory, not a capture file: `replay snapshot` (from Python "
+                                          "request_snapshot) seals its window into one" if ring else
+                                       "is a directory, not a capture file")
             self._file = open(p, "rb")
             size = os.fstat(self._file.fileno()).st_size
         except NotACaptureError:

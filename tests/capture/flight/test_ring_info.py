@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from typer.testing import CliRunner
 
+from replay.capture import CaptureReader
 from replay.capture.flight.control import start_control
 from replay.capture.flight.ring_info import is_ring, ring_info
 from replay.capture.flight.segments import SegmentRing
 from replay.cli import app
+from replay.errors import NotACaptureError
 from replay.provenance import make_header
 from tests.capture.flight.test_segments import SIZE, _events, _feed
 
@@ -33,6 +36,8 @@ def test_a_rings_window_segments_and_snapshots(tmp_path):
     assert f"window    steps {info.first_step}-1199 in {n} closed segment{'s' * (n != 1)}" in out.output
     assert f"steps 0-{info.first_step - 1} were dropped" in out.output and "no recorder is writing it" in out.output
     assert f"of a {SIZE >> 10} KiB ring" in out.output  # in the binary units `--ring` reads its size in
+    with pytest.raises(NotACaptureError, match="is a ring's directory, not a capture file: `replay snapshot`"):
+        CaptureReader(tmp_path / "ring")  # (what a script that opens it as a capture meets)
 
 
 def test_asking_whether_a_recorder_runs_seals_nothing(tmp_path):
