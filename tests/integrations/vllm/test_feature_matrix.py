@@ -114,6 +114,22 @@ LORA = textwrap.dedent("""
     plain = llm.generate(prompts[:1], sp, use_tqdm=False)
     print("adapter changes the tokens:", list(out[0].outputs[0].token_ids) != list(plain[0].outputs[0].token_ids))
 """)
+PRELOADED = textwrap.dedent("""
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+              seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
+    # as a server's --lora-modules does: both slots filled before any request, outside any request
+    adapters = [LoRARequest(f"sql{i}", i, path) for i, path in enumerate(sys.argv[2:], 1)]
+    for a in adapters:
+        assert llm.llm_engine.add_lora(a)
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    llm.generate(prompts, sp, lora_request=[adapters[0], None, None, None], use_tqdm=False)
+""")
 EMBEDS = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -219,6 +235,8 @@ def recordings(tmp_path_factory) -> dict[str, Path]:
         "lora": _script(LORA, d / "lora.capture", llama, lora_adapter(llama, d / "sql-lora")),
         "embeds": _script(EMBEDS, d / "embeds.capture", llama),
         "mixed": _script(MIXED, d / "mixed.capture", llama),  # not a matrix row: its own test below
+        "preloaded": _script(PRELOADED, d / "preloaded.capture", llama, lora_adapter(llama, d / "sql1", seed=1),
+                             lora_adapter(llama, d / "sql2", seed=2)),  # nor this one
     }
     def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
         cmd, out, env = jobs[name]
@@ -229,7 +247,7 @@ def recordings(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def captures(recordings) -> dict[str, Recorded]:
-    return {name: Recorded(path) for name, path in recordings.items() if name != "mixed"}
+    return {name: Recorded(path) for name, path in recordings.items() if name not in ("mixed", "preloaded")}
 
 
 @pytest.fixture(scope="module")
@@ -452,6 +470,22 @@ def test_a_lora_capture_with_its_adapter_changed_is_refused_by_name(captures, ca
             assert len(err.strip().splitlines()) == 1
     finally:
         lora_adapter(d / "tiny-llama", d / "sql-lora")  # back as recorded, for any later replay
+
+
+def test_adapters_the_engine_loaded_before_any_request_are_loaded_again_and_vllm_cpus_slot_bleed_is_shown(
+        recordings):
+    """A server's --lora-modules loads adapters into the engine outside any request. vllm-cpu 0.32 then gives the
+    requests without an adapter the last slot's (its torch LoRA ops index the slots with -1): the recording's
+    numbers for them depend on which adapters filled the slots. The header keeps those adapters in their order, and
+    vLLM's runner loads them again before the first step: bitwise. The builtin runner computes those requests
+    without an adapter, as a GPU's kernels do, and so shows the bleed: its divergences are theirs alone."""
+    path = recordings["preloaded"]
+    names = [row[:2] for row in capture_info(path).header.extra["lora_adapters"]]
+    assert names == [["sql1", 1], ["sql2", 2]]
+    rep = replay_capture(path, ReplayOptions(overrides={"runner": "vllm"}))
+    assert not rep.diverged and rep.tokens_compared == 32, rep.first_divergence
+    rep = replay_capture(path, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL), max_divergences=10**6))
+    assert rep.diverged and {d.request_id for d in rep.divergences} <= {"1", "2", "3"}, rep.first_divergence
 
 
 def test_greedy_drafts_verified_beside_a_random_request_are_pinned_on_vllm_cpus_sampler(recordings):
