@@ -183,8 +183,9 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
                  engines: Engines | None = None) -> PairExplanation:
     """See the module docstring. `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (every
     re-execution then runs on one engine, from `engines` where given). `plant`: a fault added in every
-    re-execution of its step (a planted leak). Each replay starts at the nearest keyframe where none of the request's
-    neighbours at its step is live yet (they are left out, or swapped, in every step), unless `from_start`."""
+    re-execution of its step (a planted leak). Each replay starts at the nearest keyframe (an earlier one where
+    every one of the request's neighbours at its step is live there: they are left out, or swapped, in every step),
+    unless `from_start`."""
     log = log or (lambda msg: None)
     path = str(path)
     arrivals = _requests(path)

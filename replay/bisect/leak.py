@@ -81,8 +81,9 @@ def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: t
     """See the module docstring. `contents`: the kinds of other content tried, in order, until one moves R.
     `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (environment knobs: in a fresh process
     started with them). `plant`: a fault added at S in every run (a planted leak, `STEP:R:MODULE:SIZE*NEIGHBOUR`,
-    is what the tests find). The replay to S starts at the nearest keyframe where none of R's neighbours at S is live
-    yet (a run cannot swap one the keyframe rebuilds), unless `from_start`. `engines`: started vLLM engines to run
+    is what the tests find). The replay to S starts at the nearest keyframe (one before R's neighbours at S were
+    scheduled where every one of them is live there: a run cannot swap one the keyframe rebuilds), unless
+    `from_start`. `engines`: started vLLM engines to run
     on."""
     bad = [c for c in contents if c not in CONTENTS]
     if bad or not contents:

@@ -16,8 +16,8 @@ def make_session(path: str | os.PathLike, step: int, overrides: dict[str, str] |
                  from_start: bool = False, engines: Engines | None = None, watch: str | None = None) -> Session:
     """A session on the runner the `runner` knob names (builtin by default), its replay to the step started at the
     nearest keyframe unless `from_start`; on vLLM's runner, on an engine of `engines` where one fits. `watch`: a
-    request whose neighbours the runs leave out of every step up to it, or swap: the replay then starts where none of
-    its neighbours at the step is live yet (`session.start_for`)."""
+    request whose neighbours the runs leave out of every step up to it, or swap: where every one of them is live at
+    the nearest keyframe, the replay starts before they were scheduled (`session.start_for`)."""
     overrides = check_overrides(overrides or {})  # (a script's misspelt knob must not bisect as if it were unset)
     if overrides.get("runner") == "vllm":
         from replay.bisect.vllm_session import VllmStepSession

@@ -130,9 +130,9 @@ class Session:
 
 def start_for(reader: CaptureReader, step: int, watch: str | None, from_start: bool = False) -> Start:
     """Where a session's replay to `step` starts: the nearest keyframe (`start_at`), or, with `watch` (a request its
-    runs leave neighbours out of in every step, or swap), the nearest where none of its neighbours at the step is live
-    yet (`clear_of`): a run cannot leave out or swap a request the keyframe rebuilds, and a bisect that keeps every
-    neighbour tests nothing."""
+    runs leave neighbours out of in every step, or swap) where every one of its neighbours at the step is live there,
+    the nearest where none of them is live yet (`clear_of`): a run cannot leave out or swap a request the keyframe
+    rebuilds, and a bisect that keeps every neighbour tests nothing."""
     start = start_at(reader, step, from_start=from_start)
     if watch is None or start.keyframe is None:
         return start

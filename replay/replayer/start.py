@@ -2,8 +2,9 @@
 a long capture does not replay it from step 0 for every test (docs/design.md, "The flight recorder"). A capture
 that starts later than step 0 (a ring's snapshot or segment) can only start at the keyframe it opens with; one with
 no keyframe before S starts at step 0; `from_start` asks for step 0 where there is one. A bisect that leaves a
-request's neighbours out of every step up to S, or gives them other content, starts before they were scheduled
-(`clear_of`): from a keyframe where they are live it could do neither.
+request's neighbours out of every step up to S, or gives them other content, cannot do either to those live at its
+keyframe (it rebuilds them): they stay as recorded, and the notes name them. Where that is every one of them, it
+would test nothing, so it starts before they were scheduled (`clear_of`).
 
 Requests live at the keyframe carry K/V rebuilt by priming (`replayer.prime`), so they are compared within the
 rebuild tolerance and named; the others see the recorded batches and compare as from step 0.
@@ -53,14 +54,16 @@ def start_at(reader: CaptureReader, first: int | None, *, from_start: bool = Fal
 
 
 def clear_of(reader: CaptureReader, start: Start, ids: set[str], whose: str) -> Start:
-    """`start`, or where some of `ids` are live at its keyframe (a replay from there rebuilds them, so no run can
-    leave them out of the steps before, nor give them other content): the nearest earlier keyframe where none of them
-    is live yet, else step 0 where the capture opens there. A capture that opens at a keyframe (a ring's snapshot or
-    segment) has nothing earlier: `start` then stands. `whose`: what `ids` are, in words for the notes."""
+    """`start`, or where every one of `ids` is live at its keyframe (a replay from there rebuilds them, so no run can
+    leave them out of the steps before, nor give them other content: a bisect would test nothing) the nearest earlier
+    keyframe where none of them is live yet, else step 0 where the capture opens there. Where only some are live,
+    `start` stands: the others are tested, those stay as recorded (the nearest keyframe keeps a deep bisect short,
+    and `--from-start` tests them all). A capture that opens at a keyframe (a ring's snapshot or segment) has nothing
+    earlier: `start` then stands too. `whose`: what `ids` are, in words for the notes."""
     if start.keyframe is None or not ids:
         return start
     held = ids & live_at(reader, start.keyframe)
-    if not held:
+    if held != ids:
         return start
     opening = start_at(reader, None)
     origin = "step 0" if opening.keyframe is None else f"step {opening.keyframe}"
@@ -68,7 +71,7 @@ def clear_of(reader: CaptureReader, start: Start, ids: set[str], whose: str) -> 
         if k < start.keyframe and (opening.keyframe is None or k >= opening.keyframe) \
                 and not ids & live_at(reader, k):
             return Start(k, f"the nearest keyframe before {whose} were scheduled: at the one of step "
-                            f"{start.keyframe}, {len(held)} of them were live, which no run can leave out; "
+                            f"{start.keyframe}, all {len(held)} were live, which no run can leave out; "
                             f"--from-start replays from {origin}")
     if opening.keyframe is not None:
         return start

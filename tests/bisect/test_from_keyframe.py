@@ -218,7 +218,7 @@ def test_a_bisect_that_leaves_neighbours_out_starts_before_they_were_scheduled_n
     leak, whole = bisect_leak(keyed_capture, 29, "r6"), bisect_leak(keyed_capture, 29, "r6", from_start=True)
     assert leak.found == whole.found == NO_LEAK and {"r5", "r7"} <= set(leak.neighbours), leak.verdict
     assert any(n.startswith("replayed from the keyframe at step 8 (the nearest keyframe before request r6's 2 "
-                            "neighbours at step 29 were scheduled: at the one of step 28, 2 of them were live")
+                            "neighbours at step 29 were scheduled: at the one of step 28, all 2 were live")
                for n in leak.notes), leak.notes
 
     class EveryStep(StepSession):  # leaves neighbours out of every step up to S, as vLLM's runner's session does
@@ -233,7 +233,7 @@ def test_a_bisect_that_leaves_neighbours_out_starts_before_they_were_scheduled_n
     kept = EveryStep(keyed_capture, 29)  # the nearest keyframe, where both are live
     with pytest.raises(CannotTestError, match="r5, r7 are live at the keyframe of step 28.*--from-start"):
         _bisect(kept, str(keyed_capture), "r6", Tolerance(), None, lambda msg: None, None)
-    early = make_session(keyed_capture, 10, watch="r1")  # r0 is live at every keyframe up to step 8
+    early = make_session(keyed_capture, 11, watch="r1")  # its neighbours r0, r2, r3: live at step 8's, and r0 at 4's
     assert early.start.keyframe is None
     assert any(n.startswith("replayed from step 0: at every keyframe up to step 8 some of request r1's")
                for n in early.notes), early.notes

@@ -1,7 +1,7 @@
 """`bisect leak` on the builtin runner: a planted leak (R's rows take a multiple of a neighbour's) is named with its
 neighbour and module, exit 1; without it nothing moves although every swapped neighbour samples otherwise, exit 0;
-a fault of the batch's size alone is not called contamination; from a keyframe (one before R's neighbours at the
-step were scheduled), requests live there are kept and a neighbour that arrived after it is found as from step 0.
+a fault of the batch's size alone is not called contamination; from a keyframe, requests live there are kept and
+a neighbour that arrived after it is found as from step 0.
 
 `keyed_capture` (tests/conftest.py): a keyframe every 4 steps; r6 decodes beside r7 in steps 21-34, and r7 is
 preempted at step 26 and resumed (recomputed) at 27, so a swap carries it through a resume.
@@ -47,16 +47,16 @@ def test_a_fault_of_the_batchs_size_alone_is_not_contamination(keyed_capture):
     assert res.found == NO_LEAK, res.verdict
 
 
-def test_from_a_keyframe_before_the_neighbours_live_ones_are_kept_and_a_neighbour_is_found_as_from_step_0(
-        keyed_capture):
-    """r6's neighbours at step 23 (r4, r5, r7): r4 and r5 are live at the keyframes of steps 20 down to 12, so the
-    replay starts at step 8's, before them; r3, live there, shared only earlier steps with r6 and is kept."""
+def test_from_a_keyframe_live_requests_are_kept_and_a_later_neighbour_is_found_as_from_step_0(keyed_capture):
+    """r6's neighbours at step 23 (r4, r5, r7): r4 and r5 are live at the keyframe of step 20 and stay as recorded;
+    r7, which arrived after it, is swapped and found, as from step 0. (Where every neighbour is live at the nearest
+    keyframe, the replay starts earlier: tests/bisect/test_from_keyframe.py.)"""
     plant = Plant(23, "r6", "layers.0.self_attn", 0.05, "r7")
     near = bisect_leak(keyed_capture, 23, "r6", plant=plant)
     far = bisect_leak(keyed_capture, 23, "r6", plant=plant, from_start=True)
     assert near.minimal_set == far.minimal_set == ["r7"] and near.first_module == far.first_module
-    assert {"r4", "r5", "r7"} <= set(near.neighbours) and "r3" in near.kept
-    assert any("keyframe at step 8" in n for n in near.notes), near.notes
+    assert near.neighbours == ["r7"] and {"r4", "r5"} <= set(near.kept)
+    assert any("keyframe at step 20" in n for n in near.notes), near.notes
 
 
 def test_a_mixture_of_experts_is_refused_by_name(keyed_capture, tmp_path):
