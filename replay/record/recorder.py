@@ -13,7 +13,7 @@ from replay.capture.writing.keyframe_maker import KEYFRAME_ENV, keyframe_interva
 from replay.errors import UsageError
 from replay.record.options import EngineOptions, builtin_config
 from replay.record.result import RecordResult
-from replay.record.workload import WorkloadRequest
+from replay.record.workload import WorkloadRequest, unique_ids
 
 
 def default_capture_path(model: str) -> Path:
@@ -30,6 +30,7 @@ def record(engine: EngineOptions, requests: list[WorkloadRequest], out: str | Pa
     `replay.capture.writing.keyframe_maker.DEFAULT_KEYFRAME_STEPS`; 0: none); `ring`: bytes of a ring of segments in the
     directory `out` instead (the builtin engine; vLLM's tap takes REPLAY_CAPTURE_RING)."""
     engine.check()
+    unique_ids(requests)
     path = Path(out) if out is not None else default_capture_path(engine.model)
     if engine.engine == "vllm":
         from replay.record.vllm import record_vllm, vllm_record_options

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,10 +109,17 @@ def load_jsonl(path: str | Path, defaults: dict | None = None) -> list[WorkloadR
                                    arrival))
     if not out:
         raise UsageError(f"{p}: no prompts")
-    ids = [r.request_id for r in out if r.request_id is not None]
-    if len(ids) != len(set(ids)):
-        raise UsageError(f"{p}: request_id values must be unique")
+    unique_ids(out, str(p))
     return out
+
+
+def unique_ids(requests: list[WorkloadRequest], where: str = "the workload") -> None:
+    """Refuse two requests under one `request_id`: every verdict names requests by it, so a bisect would take two for
+    one ("x's numerics change when x shares its batch")."""
+    counts = Counter(r.request_id for r in requests if r.request_id is not None)
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    if twice:
+        raise UsageError(f"{where}: request_id values must be unique ({', '.join(twice[:5])} given more than once)")
 
 
 def synthetic(w: SyntheticWorkload, vocab_size: int, first_token: int = 3) -> list[WorkloadRequest]:

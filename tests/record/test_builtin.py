@@ -188,3 +188,15 @@ def test_record_refuses_an_existing_capture_and_a_missing_model(tmp_path):
     assert res.exit_code == 2 and "already exists" in res.stderr
     res = runner.invoke(app, ["record", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "y.capture")])
     assert res.exit_code == 2 and "nope" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_record_from_python_refuses_two_requests_under_one_id(tmp_path):
+    """The JSONL loader refused them; the library took them, and a bisect then took two requests for one."""
+    from replay.errors import UsageError
+    from replay.record import EngineOptions, WorkloadRequest, record
+
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    reqs = [WorkloadRequest(sp, None, [5, 6, 7], "x"), WorkloadRequest(sp, None, [8, 9], "x")]
+    with pytest.raises(UsageError, match=r"request_id values must be unique \(x given more than once\)"):
+        record(EngineOptions(model="tiny", threads=1), reqs, tmp_path / "twice.capture")
+    assert not (tmp_path / "twice.capture").exists()
