@@ -132,6 +132,12 @@ def _sampled(capture: Path, prompt: list[int]) -> int:
                for q, t in zip(x.model_runner_output.req_ids, x.model_runner_output.sampled_token_ids) if q == rid)
 
 
+def _has_prompt(capture: Path, prompt: list[int]) -> bool:
+    """Whether a request with this prompt arrived in the capture (a data-parallel rank's)."""
+    with CaptureReader(capture) as r:
+        return any(isinstance(x, RequestAdded) and x.request.prompt_token_ids == prompt for x in r.records())
+
+
 def _aborts(capture: Path) -> list[str]:
     """The request ids of the capture's RequestAborted records, in order."""
     with CaptureReader(capture) as r:
@@ -169,7 +175,11 @@ def test_a_data_parallel_server_stopped_with_sigterm_leaves_one_capture_per_rank
         finished(rank)
     assert not capture.exists()  # no rank writes the shared name: one rank never overwrites another
     assert sum(_arrivals(r) for r in ranks) == asked  # together they hold every request served
-    assert sum(len(_aborts(r)) for r in ranks) == 1  # the dropped stream, aborted once
+    # the dropped stream, aborted once; unless it ran to max_tokens before the server's loop (slow under load) saw the
+    # hang-up
+    [dropped] = [r for r in ranks if _has_prompt(r, DROPPED)]
+    aborts = sum(len(_aborts(r)) for r in ranks)
+    assert aborts == 1 or aborts == 0 and _sampled(dropped, DROPPED) >= 500, (aborts, _sampled(dropped, DROPPED))
     for rank in ranks:
         rep = replay_capture(rank, ReplayOptions(overrides={"runner": "vllm"}))
         assert not rep.diverged, (rank, rep.first_divergence)  # bitwise on vLLM's runner
