@@ -188,6 +188,8 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     unless `from_start`."""
     log = log or (lambda msg: None)
     path = str(path)
+    if a == b:
+        raise UsageError(f"explain --pair {a},{b}: name two different requests (twins: the same prompt and sampling)")
     arrivals = _requests(path)
     for name in (a, b):
         if name not in arrivals:

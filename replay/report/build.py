@@ -68,6 +68,9 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
     start = time.perf_counter()
     if replay is not None and other is not None:
         raise UsageError("a report compares the capture with a replay (--diff) or with a second capture, not both")
+    if tolerance is not None and other is None:  # a replay's tolerance is its ReplayOptions'; nothing else judges
+        raise UsageError("a tolerance judges a second capture's logprobs (other=...); a replay takes its own from "
+                         "ReplayOptions(tolerance=...)")
     bisect_card = _bisect_card(bisect) if bisect is not None else None  # refuse a bad file before a long replay
     explain_card = _explain_card(explain) if explain is not None else None
     trainer_card, trainer_bars = trainer_section(trainer) if trainer is not None else (None, [])

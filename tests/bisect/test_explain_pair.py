@@ -79,11 +79,14 @@ def test_a_fault_of_shape_parts_the_cached_twins_alone_and_the_verdict_names_bot
     assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
 
 
-def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins):
+def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins, tmp_path):
     plain, _ = twins
-    assert explain_pair(plain, "n0", "n0").found == NOTHING
+    agree = record_twins(tmp_path / "invariant.capture", batch_invariant=True)
+    assert explain_pair(agree, "a", "b").found == NOTHING
     with pytest.raises(UsageError, match="do not share their prompt and sampling"):
         explain_pair(plain, "a", "c")
+    with pytest.raises(UsageError, match="name two different requests"):  # a request is not its own twin
+        explain_pair(plain, "n0", "n0")
 
 
 def test_a_leak_is_contamination_though_the_twins_schedules_part_them_a_little_alone(tmp_path, monkeypatch, capsys):

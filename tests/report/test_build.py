@@ -11,8 +11,12 @@ import re
 import shutil
 
 import numpy as np
+import pytest
 
+from replay.diff import Tolerance
 from replay.diff.captures import diff_captures
+from replay.errors import UsageError
+from replay.report import write_report
 from replay.report.bins import (
     EQUAL,
     FIRST_LEVEL,
@@ -180,3 +184,10 @@ def test_the_command_line_refuses_what_makes_no_sense_in_one_line(recorded, tmp_
                  ["--diff", "--tolerance", "auto", "--atol", "1e-3"], ["-o", str(tmp_path / "no-dir" / "x.html")]):
         code, out, err = cli("report", str(recorded), *args)
         assert code == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("replay: "), (args, err)
+
+
+def test_a_tolerance_without_a_second_capture_is_refused_from_python(recorded, tmp_path):
+    """`tolerance` judges a second capture; a replay's comes from its options, so one given alone would be ignored."""
+    with pytest.raises(UsageError, match="judges a second capture"):
+        write_report(recorded, tmp_path / "r.html", tolerance=Tolerance(atol=1e-3))
+    assert not (tmp_path / "r.html").exists()
