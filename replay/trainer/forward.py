@@ -28,12 +28,19 @@ def load_model(path: str, dtype: str, attention: str, device: str = "cpu") -> An
     except ImportError:
         raise CannotTestError("replay trainer scores with transformers, which is not installed: pip install "
                               "'vllm-replay[trainer]' (in a checkout: pip install -e '.[trainer]')") from None
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its loading bar would sit among our progress lines on stderr
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attention)
     except OSError as e:
         raise UsageError(f"--model {path}: not a checkpoint transformers can load ({str(e).splitlines()[0]})") from None
     except ImportError as e:  # an attention whose kernels are not installed here (flash-attn)
         raise CannotTestError(f"--attn {attention}: {str(e).splitlines()[0]}") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 

@@ -143,7 +143,8 @@ def test_bfloat16_on_both_sides_is_held_to_bfloat16s_rounding(captures):
 
 def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(captures, qwen, capsys, monkeypatch):
     assert main(["trainer", str(captures["processed_logprobs"])]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "%|" not in err, err  # transformers' loading bar stays off our stderr
     assert out.startswith("the trainer and vLLM agree at the rounding level") and "like for like:" in out
     assert "as a trainer sees:" in out and "semantics: top-p: vLLM's are renormalised" in out
     assert "set aside: quiet: it asked for no logprobs" in out
