@@ -37,13 +37,14 @@ from replay.replayer.prime import rebuild_tolerance
 from replay.replayer.start import OPENING, Start, loop_from, start_at
 from replay.replayer.suspects import lead_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
+from replay.replayer.verdict import replay_verdict
 
 if TYPE_CHECKING:
     pass
 
 
 class ReplayReport(msgspec.Struct):
-    """What a replay found. JSON always has `diverged` and `first_divergence`."""
+    """What a replay found. JSON always has `diverged`, `first_divergence` and `verdict`."""
 
     capture: str
     mode: str
@@ -101,6 +102,7 @@ class ReplayReport(msgspec.Struct):
     unknown: str = ""  # what the recording's header does not name and the replay's does (an older capture)
     rows_compared: int = 0  # logprob rows without a sampled token (partial prefills' discarded ones, prompt logprobs)
     rerun: str = ""  # the command that runs this comparison again, as it was asked for
+    verdict: str = ""  # the sentence the terminal and the HTML report lead with (`replay_verdict`)
 
 
 def recorded_draws(header: Header) -> str:
@@ -405,7 +407,7 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     if flip is not None and flip.same_distribution and not any(d.kind != "token" or not d.same_distribution
                                                                for d in divs):
         p.suspect = sampler_suspect(p.notes)  # every divergence is another draw from the same logprobs
-    return ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
+    rep = ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
                         _repro(str(path), first.step, opts, p) if first else None, p.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
                         next((d for d in divs if d.kind == "token"), None),
@@ -417,6 +419,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.rebuild_tolerance, p.primed_tokens, p.draws_why,
                         sum(s.tokens_routed for s in p.summaries), sum(s.routing_not_compared for s in p.summaries),
                         p.keyframe_why, p.unknown, sum(s.rows_compared for s in p.summaries), _rerun(str(path), opts))
+    rep.verdict = replay_verdict(rep)
+    return rep
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

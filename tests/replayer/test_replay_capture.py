@@ -66,6 +66,7 @@ def test_the_rich_capture_really_has_every_feature(rich_capture):
 def test_self_replay_is_bitwise(rich_capture, mode):
     rep = replay_capture(rich_capture, ReplayOptions(mode=mode))
     assert not rep.diverged, rep.first_divergence
+    assert rep.verdict.startswith("MATCH: every replayed step equals the recording")  # as the terminal says it
     assert rep.steps_replayed == len(rep.steps) > 20 and rep.environment_differences == []
 
 
@@ -180,7 +181,8 @@ def test_cli_run_and_check(rich_capture, tmp_path):
     import json
 
     data = json.loads(res.stdout)
-    assert data["diverged"] is True
+    assert data["diverged"] is True and data["verdict"].startswith("DIVERGED: ")
+    assert "first at step 0" in data["verdict"]
     assert set(data["first_divergence"]) >= {"step", "request_id", "position", "expected_token", "actual_token",
                                              "max_abs_logprob_diff", "margin", "flip"}
     assert cli.invoke(app, ["check", str(rich_capture)]).exit_code == 0
