@@ -71,8 +71,8 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
     if tolerance is not None and other is None:  # a replay's tolerance is its ReplayOptions'; nothing else judges
         raise UsageError("a tolerance judges a second capture's logprobs (other=...); a replay takes its own from "
                          "ReplayOptions(tolerance=...)")
-    bisect_card = _bisect_card(bisect) if bisect is not None else None  # refuse a bad file before a long replay
-    explain_card = _explain_card(explain) if explain is not None else None
+    bisect_card = _bisect_card(bisect, capture) if bisect is not None else None  # a bad file before a long replay
+    explain_card = _explain_card(explain, capture) if explain is not None else None
     trainer_card, trainer_bars = trainer_section(trainer) if trainer is not None else (None, [])
     out = Path(output) if output is not None else default_output(capture)
     run = run_facts(capture)
@@ -268,7 +268,22 @@ def _legend(data: dict | None) -> dict:
             "not_compared": hm["not_compared"], "atol": hm.get("atol", 0.0)}
 
 
-def _explain_card(path: str | os.PathLike) -> Card:
+def _made_on(doc: dict, path: str | os.PathLike, capture: str | os.PathLike, what: str) -> None:
+    """Raises UsageError where the JSON at `path` names another capture than the report's: its card would sit on a
+    page of the wrong run. The path it names is as typed then, so one that no longer resolves is compared by name."""
+    made = doc.get("capture")
+    if not isinstance(made, str) or not made:
+        return
+    there, here = Path(made), Path(capture)
+    try:
+        same = there.samefile(here)
+    except OSError:
+        same = there.name == here.name
+    if not same:
+        raise UsageError(f"{path}: {what} of {made}, not of {capture}: run it on this capture, or report that one")
+
+
+def _explain_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
     """`replay explain`'s class, verdict, evidence and command, from the JSON it printed (`--json`)."""
     try:
         doc = json.loads(Path(path).read_text())
@@ -276,6 +291,7 @@ def _explain_card(path: str | os.PathLike) -> Card:
         raise UsageError(f"{path}: cannot read an explanation: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("found"), str) or not isinstance(doc.get("verdict"), str):
         raise UsageError(f"{path}: not an explanation (the JSON `replay explain --json` prints has found and verdict)")
+    _made_on(doc, path, capture, "an explanation")
     facts: list[tuple[str, Any]] = [("class", doc["found"]), ("a bug", "yes" if doc.get("bug") else "no"),
                                     ("verdict", doc["verdict"])]
     facts += [("evidence", e) for e in doc.get("evidence") or [] if isinstance(e, str)]
@@ -291,7 +307,7 @@ def _explain_card(path: str | os.PathLike) -> Card:
     return Card("explain", "Bug or noise", facts, {"found": doc["found"], "bug": int(bool(doc.get("bug")))})
 
 
-def _bisect_card(path: str | os.PathLike) -> Card:
+def _bisect_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
     """A bisect's verdict and its scalar facts, from the JSON `replay bisect ... --json` printed."""
     try:
         doc = json.loads(Path(path).read_text())
@@ -299,6 +315,7 @@ def _bisect_card(path: str | os.PathLike) -> Card:
         raise UsageError(f"{path}: cannot read a bisect result: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
         raise UsageError(f"{path}: not a bisect result (the JSON `replay bisect ... --json` prints has a verdict)")
+    _made_on(doc, path, capture, "a bisect")
     facts: list[tuple[str, Any]] = [("verdict", doc["verdict"])]
     for k, v in doc.items():
         if k == "verdict" or v is None:

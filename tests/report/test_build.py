@@ -139,7 +139,7 @@ def test_a_bisect_verdict_is_shown_under_the_reports(recorded, tmp_path):
     assert card["data-verdict"] == json.loads(out)["verdict"]
 
 
-def test_explains_class_and_evidence_are_shown_under_the_reports(recorded, tmp_path):
+def test_explains_class_and_evidence_are_shown_under_the_reports(recorded, recorded_other, tmp_path):
     code, out, _ = cli("explain", str(recorded), "--set", "dtype=bfloat16", "--json", "-q")
     result = tmp_path / "explain.json"
     result.write_text(out)
@@ -150,6 +150,10 @@ def test_explains_class_and_evidence_are_shown_under_the_reports(recorded, tmp_p
     card = dom.by_id("explain")
     assert card["data-found"] == "CONFIG" and card["data-bug"] == "0"
     assert "changing dtype=bfloat16 alone" in (tmp_path / "e.html").read_text()
+    code, out, err = cli("report", str(recorded_other), "--explain", str(result), "-o", str(tmp_path / "o.html"))
+    assert code == 2 and not (tmp_path / "o.html").exists()  # its card would sit on the page of another run
+    assert err.strip() == f"replay: {result}: an explanation of {recorded}, not of {recorded_other}: run it on this " \
+                          "capture, or report that one"
 
 
 def test_one_file_that_reaches_for_nothing_outside_itself(bf16):
