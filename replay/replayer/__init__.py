@@ -8,7 +8,8 @@ from replay.replayer.knobs import KNOBS, parse_overrides
 from replay.replayer.loop import MODES, StepLoop
 from replay.replayer.options import ReplayOptions
 from replay.replayer.plant import Plant
-from replay.replayer.replay_capture import ReplayReport, replay_capture
+from replay.replayer.replay_capture import replay_capture
+from replay.replayer.replay_report import ReplayReport
 
 __all__ = ["CheckResult", "check_capture", "MODES", "StepLoop", "Plant", "ReplayOptions", "ReplayReport",
            "replay_capture", "KNOBS", "BuiltRunner", "Runner", "build_runner", "parse_overrides"]

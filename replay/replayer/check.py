@@ -9,7 +9,8 @@ import msgspec
 
 from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, ReplayError
 from replay.replayer.options import ReplayOptions
-from replay.replayer.replay_capture import ReplayReport, replay_capture
+from replay.replayer.replay_capture import replay_capture
+from replay.replayer.replay_report import ReplayReport
 from replay.replayer.verdict import compared_counts
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from replay.diff import CaptureDiff
-    from replay.replayer.replay_capture import ReplayReport
+    from replay.replayer.replay_report import ReplayReport
 
 
 def compared_counts(rep: ReplayReport) -> str:
