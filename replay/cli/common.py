@@ -136,10 +136,11 @@ def bisect_command(fn: Callable[..., Any]) -> Callable[..., Any]:
     return bisect_app.command(fn.__name__.removeprefix("bisect_"))(_guarded(fn))
 
 
-def each_capture(paths: list[Path], fn: Callable[[int, Path], None]) -> int | None:
+def each_capture(paths: list[Path], fn: Callable[[int, Path], None], *, json: bool = False) -> int | None:
     """`fn(i, path)` for each capture of a set (a directory, a glob, a data-parallel run's ranks): one that cannot
-    be read is one line naming it, and the others still run, so a later rank's divergence is never hidden behind
-    an earlier rank's damage. Returns the exit code of the first that failed (None: none did); a single capture
+    be read is one line naming it (with `json`, also an object `{capture, error, exit_code}` in the stream, so a
+    script sees every capture), and the others still run, so a later rank's divergence is never hidden behind an
+    earlier rank's damage. Returns the exit code of the first that failed (None: none did); a single capture
     raises as it would alone."""
     failed = None
     for i, path in enumerate(paths):
@@ -150,6 +151,8 @@ def each_capture(paths: list[Path], fn: Callable[[int, Path], None]) -> int | No
                 raise
             msg = str(e)
             err(msg if str(path) in msg else f"{path}: {msg}")
+            if json:
+                emit({"capture": str(path), "error": msg, "exit_code": e.exit_code}, str, json=True)
             failed = e.exit_code if failed is None else failed
     return failed
 

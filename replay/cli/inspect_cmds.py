@@ -40,7 +40,7 @@ def info(capture: Path = CaptureSetArg, json: bool = JsonOpt) -> None:
         emit(res, render_info, json=json, separate=i > 0 and not json)
         damage.extend(res.damage)
 
-    failed = each_capture(capture_paths(capture), one)
+    failed = each_capture(capture_paths(capture), one, json=json)
     damage_exit(damage)
     if failed is not None:
         raise typer.Exit(failed)

@@ -87,11 +87,11 @@ def run(
         diverged |= rep.diverged if diff else rep.crash is not None and not rep.crash.reproduced
         lost |= bool(rep.data_lost)  # the readable prefix replayed (and matched), but the capture lost data
 
-    failed = each_capture(capture_paths(capture), one)
-    if failed is not None:  # (each said so in its line; a divergence among the others is printed above)
-        raise typer.Exit(failed)
-    if diverged:
+    failed = each_capture(capture_paths(capture), one, json=json)
+    if diverged:  # what the replays found comes first; a capture that could not be read said so in its line
         raise typer.Exit(1)
+    if failed is not None:
+        raise typer.Exit(failed)
     if lost:
         raise typer.Exit(EXIT_DAMAGED)
 

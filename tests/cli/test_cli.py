@@ -198,3 +198,13 @@ def test_a_set_with_an_unreadable_capture_still_reports_every_other_one(tmp_path
     assert main(["run", str(tmp_path / "*.capture"), "--diff"]) == 2
     out, err = capsys.readouterr()
     assert "a-junk.capture" in err and "MATCH" in out
+    # a divergence among them is the verdict's exit code, whatever the unreadable one's
+    assert main(["run", str(tmp_path / "*.capture"), "--diff", "--set", "dtype=bfloat16"]) == 1
+    out, err = capsys.readouterr()
+    assert "a-junk.capture" in err and "DIVERGED" in out
+    # with --json every capture of the set is one object of the stream, the unreadable one too
+    assert main(["info", str(tmp_path), "--json"]) == 2
+    junk, good = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert junk["capture"].endswith("a-junk.capture") and junk["exit_code"] == 2 and "not a replay capture" in \
+        junk["error"]
+    assert good["num_steps"] > 0
