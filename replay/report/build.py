@@ -289,6 +289,10 @@ def _explain_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"{path}: cannot read an explanation: {getattr(e, 'strerror', None) or e}") from None
+    if isinstance(doc, dict) and "groups" in doc and "explanation" in doc:  # `--pairs --json`: the first group's
+        if doc["explanation"] is None:
+            raise UsageError(f"{path}: `explain --pairs` found no twins that answered differently: nothing to show")
+        doc = doc["explanation"]
     if not isinstance(doc, dict) or not isinstance(doc.get("found"), str) or not isinstance(doc.get("verdict"), str):
         raise UsageError(f"{path}: not an explanation (the JSON `replay explain --json` prints has found and verdict)")
     _made_on(doc, path, capture, "an explanation")
