@@ -74,20 +74,26 @@ def margin(r: Row | None) -> float | None:
     if r is None or len(r.values) < 3:
         return None
     top1, top2 = float(r.values[1]), float(r.values[2])  # (Python floats: -inf - -inf would warn in numpy)
-    if top1 == top2 == float("-inf") or top1 < top2:
+    if top1 == top2 == float("-inf") or top1 < top2 or top1 < float(r.values[0]):  # (a top-1 is >= the sampled)
         return None
     return top1 - top2
 
 
 def below_argmax(r: Row) -> bool:
-    """Whether a row's sampled token scored below another token. vLLM's rank counts the tokens scored at least as
-    high, itself included, so an argmax tied exactly with another token (real vocabularies, bfloat16) has rank 2:
-    where the row holds a top-1 column, the values say which; without one, only a rank of 1 is surely the argmax."""
+    """Whether a row's sampled token surely scored below another token (a greedy sampler that missed its argmax).
+    vLLM's rank counts the tokens scored at least as high, itself included, so an argmax tied exactly with another
+    token (real vocabularies, bfloat16) has rank 2. Any column scored higher says so in either layout (the top-k,
+    or the ids a `logprob_token_ids` batch asked, -inf where a row asked none); a top-1 column tied with the sampled
+    token says it was the argmax. Where no column tells, rank 2 is a tie or a miss alike (not claimed), and rank 3
+    or more would need three tokens tied exactly."""
     if r.rank == 1:
         return False
-    if len(r.values) >= 2 and np.isfinite(r.values[:2]).all():
-        return bool(r.values[0] < r.values[1])
-    return True
+    others = r.values[1:][np.isfinite(r.values[1:])]
+    if others.size and float(others.max()) > float(r.values[0]):
+        return True
+    if len(r.values) >= 2 and np.isfinite(r.values[1]) and r.values[1] >= r.values[0]:  # column 1 is the top-1
+        return False
+    return r.rank >= 3
 
 
 class RowDiff(NamedTuple):

@@ -185,7 +185,12 @@ def test_a_greedy_token_tied_with_another_is_its_argmax_though_vllm_ranks_it_2()
 
     assert not below_argmax(_row([7, 7, 9], [-0.5, -0.5, -0.9], 2))  # tied with token 9 at the top
     assert below_argmax(_row([7, 9, 7], [-0.9, -0.5, -0.9], 3))  # token 9 scored higher
-    assert below_argmax(_row([7], [-0.9], 2))  # no top-k to tell: only rank 1 is surely the argmax
+    assert not below_argmax(_row([7], [-0.9], 2))  # no column to tell: a tie or a miss alike, not claimed
+    assert below_argmax(_row([7], [-0.9], 3))  # (two others tied exactly with it: not a tie flip)
+    # a batch beside a `logprob_token_ids` request: the asked ids in the request's order, -inf in other rows
+    assert not below_argmax(_row([7, 0, 0], [-0.5, -np.inf, -np.inf], 2))  # padding says nothing
+    assert below_argmax(_row([7, 3], [-2.0, -4.0], 5))  # the asked id scored lower; rank 5 is a miss
+    assert below_argmax(_row([7, 3, 5], [-2.0, -4.0, -1.0], 2))  # an asked id scored higher
     tied_a, tied_b = _greedy(7, [7, 9], [-0.5, -0.5, -0.5], 2), _greedy(9, [9, 7], [-0.5, -0.5, -0.5], 2)
     _, (d,) = compare_step(0, tied_a, tied_b, {"r": "cmpl-1"}, {}, TOL, greedy={"r"})
     assert d.kind == "token" and d.flip == "tie", d
