@@ -158,15 +158,23 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
         where = "" if a is None or (a.request_id, a.step) == (d.request_id, d.step) else \
             f"request {a.request_id} at step {a.step}, "
         within = (f"within the cross-hardware tolerance ({cross}) it matches" if a is None
-                  else f"the replay parts beyond the cross-hardware tolerance too ({cross}; {where}max |Δlogprob| "
-                       f"{a.max_abs_logprob_diff:.3g}), so what the header does not name (the processor, a thread "
-                       "setting) is the suspect")
+                  else f"the replay parts beyond the cross-hardware tolerance too ({cross}; {where}{_how(a)}), so "
+                       "what the header does not name (the processor, a thread setting) is the suspect")
         rerun = _command(["replay", "run", path, "--diff", "--steps", f"{first}-{d.step}", "--tolerance", "auto"],
                          opts.overrides)
         return DivergenceExplanation(path, CONFIG, f"{CONFIG} (hardware unknown): {at} parts, and {rep.unknown}; "
                                      f"{within}", False, rerun, d, [rep.unknown, within], re_executions=runs + 1,
                                      **common)
     return None
+
+
+def _how(d: Divergence) -> str:
+    """How a divergence parts, in the words that fit its kind: a token flip may part by no logprob at all."""
+    if d.kind == "token":
+        return f"token {d.expected_token} became {d.actual_token}, max |Δlogprob| {d.max_abs_logprob_diff:.3g}"
+    if d.kind in ("logprobs", "prompt_logprobs"):
+        return f"max |Δlogprob| {d.max_abs_logprob_diff:.3g}"
+    return f"a {d.kind.replace('_', ' ')} divergence"
 
 
 def _plant_text(p) -> str:

@@ -43,10 +43,24 @@ def test_a_first_release_capture_names_its_unknown_hardware_and_is_config_not_a_
     # the size it names beyond the cross-hardware tolerance is that replay's, under the name of its own request
     d = rep.first_divergence
     a = replay_capture(old, ReplayOptions(auto_tolerance=True, steps=StepRange(0, d.step))).first_divergence
-    if a is not None:
+    if a is None:  # (this processor computes the recording's numbers within it)
+        assert "within the cross-hardware tolerance (atol" in res["verdict"], res["verdict"]
+    else:
         assert f"max |Δlogprob| {a.max_abs_logprob_diff:.3g})" in res["verdict"], res["verdict"]
         assert (a.request_id, a.step) == (d.request_id, d.step) or \
-            f"request {a.request_id} at step {a.step}, max" in res["verdict"], res["verdict"]
+            f"request {a.request_id} at step {a.step}, " in res["verdict"], res["verdict"]
+        assert a.kind != "token" or f"token {a.expected_token} became {a.actual_token}" in res["verdict"]
+
+
+def test_a_flip_beyond_a_tolerance_is_said_as_a_flip_not_as_a_size_within_it():
+    """A token flip parts by no logprob at all where the tokens' rows are not held: "beyond atol 1e-4, max
+    |Δlogprob| 0" would contradict itself."""
+    from replay.bisect.explain_divergence import _how
+    from replay.diff import Divergence
+
+    flip = Divergence(3, "r", 0, "token", expected_token=5, actual_token=9, max_abs_logprob_diff=0.0)
+    assert _how(flip) == "token 5 became 9, max |Δlogprob| 0"
+    assert _how(Divergence(3, "r", 0, "routed_experts")) == "a routed experts divergence"
 
 
 def _reproduce(out: str) -> list[str]:
