@@ -40,9 +40,10 @@ def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, op
         where = f"token {d.token_index}" if d.kind == "routed_experts" else f"output position {d.position}"
         return StepsBisect(f"step {d.step} is the first to diverge: request {d.request_id}, {where} "
                            f"({d.kind}{', ' + d.flip + ' flip' if d.flip else ''})", d.step, rep)
-    if opts is not None and (opts.overrides or opts.mode != "forced" or opts.steps is not None or opts.plant):
-        raise UsageError("bisect steps A B compares two recordings as they are: knobs (--set), --mode, steps and "
-                         "plants replay one capture; drop them, or bisect one capture")
+    replaying = _replay_settings(opts) if opts is not None else []
+    if replaying:
+        raise UsageError(f"bisect steps A B compares two recordings as they are: {', '.join(replaying)} replay one "
+                         "capture; drop them, or bisect one capture")
     res = diff_captures(a, b, tol)
     d = res.first_divergence
     if d is None:
@@ -50,3 +51,15 @@ def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, op
     where = "token" if d.kind == "routed_experts" else "output position"
     return StepsBisect(f"the captures part at step {d.a_step} of A (step {d.b_step} of B): request {d.request_id}, "
                        f"{where} {d.position}; suspect {d.suspect}", d.a_step, capture_diff=res)
+
+
+# the settings that only a replay reads, as the command line names them (a tolerance judges two captures as well)
+_REPLAY_SETTINGS = {"overrides": "knobs (--set)", "mode": "--mode", "steps": "steps", "plant": "plants",
+                    "auto_tolerance": "--tolerance auto", "repeat": "--repeat", "force": "--force",
+                    "from_keyframe": "--from-keyframe", "from_start": "--from-start", "fan_out": "--jobs/--ray"}
+
+
+def _replay_settings(opts: ReplayOptions) -> list[str]:
+    """The replay settings `opts` sets away from their defaults."""
+    default = ReplayOptions()
+    return [said for name, said in _REPLAY_SETTINGS.items() if getattr(opts, name) != getattr(default, name)]

@@ -125,6 +125,10 @@ def test_steps_of_two_captures_take_the_tolerance_given_and_refuse_replay_settin
     assert bisect_steps(path, other, opts=ReplayOptions(tolerance=tol)).capture_diff.tolerance == tol
     with pytest.raises(UsageError, match="compares two recordings as they are"):
         bisect_steps(path, other, opts=ReplayOptions(overrides={"dtype": "bfloat16"}))
+    for kw, said in (({"auto_tolerance": True}, "--tolerance auto"), ({"repeat": 2}, "--repeat"),
+                     ({"force": True}, "--force"), ({"from_start": True}, "--from-start")):
+        with pytest.raises(UsageError, match=f"as they are: {said} replay one capture"):
+            bisect_steps(path, other, opts=ReplayOptions(**kw))
     with pytest.raises(UsageError, match="two tolerances given"):
         bisect_steps(path, other, opts=ReplayOptions(tolerance=tol), tol=Tolerance(atol=1e-3))
     assert bisect_steps(path, tol=tol, opts=ReplayOptions(steps=StepRange(0, 2))).replay.tolerance == tol
