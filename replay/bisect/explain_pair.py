@@ -226,7 +226,9 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     log(f"{a} and {b} part at output position {p} ({kind}): steps {step_a} and {step_b}")
     own = engines if engines is not None or runner != "vllm" else Engines(keep=1)
     try:
-        return _explain(_Parted(path, a, b, p, kind, step_a, step_b, m, recorded, side, ids),
+        mode = side.header.engine_config.logprobs_mode if side.header is not None else "raw_logprobs"
+        reach = _reach(mode, arrivals[a].request.sampling_params.temperature)
+        return _explain(_Parted(path, a, b, p, kind, step_a, step_b, m, recorded, side, ids, reach),
                         _How(overrides, plant, log, from_start, own))
     finally:
         if own is not engines:
@@ -248,6 +250,7 @@ class _Parted:
     recorded: float | None  # max |Δlogprob| of their rows at p, as recorded (None: no logprobs to weigh)
     side: AlignedRun  # the recorded outputs and batches
     ids: dict[str, str]  # external -> internal id
+    reach: float = 2.0  # a recorded value moves by at most `reach` x the largest logit's move (`_reach`)
 
 
 @dataclass(frozen=True)
@@ -314,10 +317,11 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
         schedules = f"{_own(sa)} against {_own(sb)}"
         # Each logit alone moves by at most `diff`, and so does their logsumexp: a logprob by at most twice it, and
         # a top1-top2 gap too. A recorded difference beyond that came from the batches, their shapes or a leak.
-        accounted = None if recorded is None else recorded <= 2 * diff
+        bound = job.reach * diff
+        accounted = None if recorded is None else recorded <= bound
         if accounted is False:
             alone = (f"requests {a} and {b} part alone{on} by max |Δlogit| {diff:.3g}, as their own schedules "
-                     f"differ ({schedules}): at most {2 * diff:.3g} in a logprob, too little for the recorded max "
+                     f"differ ({schedules}): at most {bound:.3g} in a logprob, too little for the recorded max "
                      f"|Δlogprob| {recorded:.3g}")
         else:
             alone = (f"requests {a} and {b} part at output position {p} even alone{on} (max |Δlogit| {diff:.3g}), "
@@ -336,7 +340,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
         if leaks and leaks[-1].contaminated:
             break
     knob = _knob(kind_of_runner)
-    by_schedules = f"{BATCH_VARIANCE}: {alone}" + _accounts(accounted, diff, recorded)  # (not `same`)
+    by_schedules = f"{BATCH_VARIANCE}: {alone}" + _accounts(accounted, job.reach * diff, recorded)  # (not `same`)
     if not leaks:
         if same or accounted is False:
             raise CannotTestError(f"{alone}, and neither shares a step with a request whose content can be swapped: "
@@ -366,9 +370,18 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
                            **common)
 
 
-def _accounts(accounted: bool | None, diff: float, recorded: float | None) -> str:
-    """What the alone runs' parting (max |Δlogit| `diff`) says of the recorded difference, where it reaches it."""
-    return f": at most {2 * diff:.3g} in a logprob, enough for the recorded {recorded:.3g}" if accounted else ""
+def _accounts(accounted: bool | None, bound: float, recorded: float | None) -> str:
+    """What the alone runs' parting (moving a recorded value by at most `bound`) says of the recorded difference,
+    where it reaches it."""
+    return f": at most {bound:.3g} in a logprob, enough for the recorded {recorded:.3g}" if accounted else ""
+
+
+def _reach(logprobs_mode: str, temperature: float) -> float:
+    """How far a recorded value moves, at most, per unit that every logit moves: a logprob twice (the logit and
+    the logsumexp), a logit once; vLLM's processed values are of logits divided by the temperature (a greedy
+    request's is taken as 1)."""
+    per = 2.0 if logprobs_mode.endswith("logprobs") else 1.0
+    return per / temperature if logprobs_mode.startswith("processed") and temperature >= SAMPLING_EPS else per
 
 
 def _own(schedule: list[tuple[int, int]]) -> str:

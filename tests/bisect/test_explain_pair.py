@@ -120,3 +120,13 @@ def test_a_leak_into_the_twin_whose_blocks_the_other_hits_is_contamination_not_t
     res = explain_pair(record_twins(tmp_path / "donor.capture", prefix_caching=True), "a", "b")
     assert res.found == CONTAMINATION and res.bug and not res.alone_equal, res.verdict
     assert res.leak.request == "a" and res.leak.minimal_set == ["n0"], res.verdict
+
+
+def test_the_bound_on_what_the_schedules_move_follows_the_recorded_quantity():
+    """A logit moved by d moves a logprob by at most 2d and a logit by d; vLLM's processed values are of logits over
+    the temperature, so a seeded twin at temperature 0.5 may part by 4d in processed logprobs."""
+    from replay.bisect.explain_pair import _reach
+
+    assert _reach("raw_logprobs", 0.5) == 2.0 and _reach("raw_logits", 0.5) == 1.0
+    assert _reach("processed_logprobs", 0.5) == 4.0 and _reach("processed_logits", 0.25) == 4.0
+    assert _reach("processed_logprobs", 0.0) == 2.0  # greedy: no temperature applied
