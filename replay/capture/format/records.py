@@ -19,6 +19,7 @@ skips record tags it does not know (a newer minor version); a newer major versio
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any, Generic
 
@@ -75,8 +76,15 @@ class ModelIdentity(msgspec.Struct, omit_defaults=True):
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     fingerprint: str = ""  # hash of the weights (sha256 of their bytes, or of config + seed for generated models)
     dtype: str = ""  # "float32" | "bfloat16" | "float16"
-    path: str = ""  # where it was loaded from, if anywhere
+    path: str = ""  # where it was loaded from, if anywhere (absolute, where it was a local directory)
     config: dict[str, Any] = {}  # the model config (config.json fields)
+
+    def location(self) -> str:
+        """Where to load the model from here: its name where that resolves from this directory (a replay started
+        where the recording was), else the absolute path recorded (a capture replayed from elsewhere)."""
+        if self.name and os.path.exists(self.name):
+            return self.name
+        return self.path or self.name
 
 
 class EngineConfig(msgspec.Struct, omit_defaults=True):

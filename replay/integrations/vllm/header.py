@@ -211,13 +211,14 @@ def vllm_header(sched: Any, executor: Any = None) -> Header:
     dtype = str(mc.dtype).replace("torch.", "")
     path = str(mc.model)
     fingerprint = ""
+    local = os.path.abspath(path) if os.path.isdir(path) else path  # ("./my-qwen" is no path from elsewhere)
     if os.environ.get("REPLAY_FINGERPRINT", "1") != "0" and os.path.isdir(path):
         try:
             fingerprint = checkpoint_fingerprint(path)
         except Exception:  # noqa: BLE001 - a fingerprint is provenance, not a reason to stop serving
             fingerprint = ""
     arch = (getattr(mc.hf_config, "architectures", None) or [""])[0]
-    model = ModelIdentity(name=path, architecture=arch, fingerprint=fingerprint, dtype=dtype, path=path)
+    model = ModelIdentity(name=path, architecture=arch, fingerprint=fingerprint, dtype=dtype, path=local)
     num_blocks = getattr(getattr(sched, "kv_cache_config", None), "num_blocks", 0) or 0
     ec = EngineConfig(
         block_size=cc.block_size, num_gpu_blocks=int(num_blocks), max_num_seqs=sc.max_num_seqs,

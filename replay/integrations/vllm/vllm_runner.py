@@ -83,7 +83,7 @@ class VllmRunner:
         m, ec = header.model, header.engine_config
         if m is None:
             raise UsageError("capture header names no model; cannot build a vLLM engine")
-        model = overrides.get("model") or m.path or m.name
+        model = overrides.get("model") or m.location()
         if not os.path.isdir(model):
             raise UsageError(f"{model}: not a model directory (vLLM needs a local checkpoint; --set model=PATH)")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
