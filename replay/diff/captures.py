@@ -109,11 +109,25 @@ class CaptureDiff(msgspec.Struct):
     draws_differ: int = 0
 
 
+def _sampling_signature(req) -> tuple:
+    """What makes two requests of one prompt different requests: aligned by prompt and arrival order alone, a seeded
+    request of one run met the greedy one of the other whenever concurrent clients' requests arrived in another
+    order (and was called a random draw)."""
+    sp = req.sampling_params
+    lora = req.lora_request
+    adapter = (lora.type, lora.size, lora.summary) if lora is not None else None
+    if sp is None:
+        return (None, adapter)
+    greedy = sp.temperature < SAMPLING_EPS
+    return (greedy, None if greedy else (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed), sp.max_tokens,
+            sp.logprobs, sp.prompt_logprobs, adapter)
+
+
 def read_aligned(path: str | os.PathLike, by_prompt: bool = False) -> AlignedRun:
     """Read a capture's requests, outputs and batches, keyed for alignment with another run's (`by_prompt`: by prompt
     and arrival order even where requests have external ids)."""
     side = AlignedRun()
-    seen_prompts: dict[tuple[int, ...], int] = defaultdict(int)
+    seen_prompts: dict[tuple, int] = defaultdict(int)
     finished: set[str] = set()
     marks: dict[str, int] = {}  # key -> its outputs so far where data was first lost while it was live
     limits: dict[str, int | None] = {}  # key -> max_tokens
@@ -136,9 +150,10 @@ def read_aligned(path: str | os.PathLike, by_prompt: bool = False) -> AlignedRun
                 prompt = tuple(req.prompt_token_ids or ())
                 if req.external_req_id is not None and not by_prompt:
                     key = f"id:{req.name}"
-                else:  # no user id: the n-th request with this prompt
-                    key = f"prompt:{hash(prompt)}:{seen_prompts[prompt]}"
-                    seen_prompts[prompt] += 1
+                else:  # no user id: the n-th request with this prompt and sampling
+                    twin = (prompt, _sampling_signature(req))
+                    key = f"prompt:{hash(twin)}:{seen_prompts[twin]}"
+                    seen_prompts[twin] += 1
                 side.key_of[req.request_id] = key
                 side.names[key] = req.name
                 side.prompts[key] = prompt

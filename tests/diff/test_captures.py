@@ -216,3 +216,27 @@ def test_two_runs_of_a_server_that_names_requests_at_random_align_by_prompt(tmp_
     out = CliRunner().invoke(app, ["diff", *map(str, paths)])
     assert out.exit_code == 0 and "requests aligned by prompt and arrival order" in out.stdout, out.stdout
     assert "1 unseeded random request(s) drew another token" in out.stdout
+
+
+def test_requests_of_one_prompt_align_by_their_sampling_whatever_order_they_arrived_in(tmp_path):
+    """Concurrent clients' requests reach a server in another order in each run: a greedy and a seeded request of
+    one prompt must meet their own twins, not each other (that was called a random draw)."""
+    import dataclasses
+
+    from replay.contracts import SamplingParams
+
+    base = synthetic(WL, 512)[0]
+    prompt = [7, 8, 9, 10, 11, 12]
+    greedy = dataclasses.replace(base, params=SamplingParams(temperature=0.0, max_tokens=8, logprobs=5),
+                                 prompt_token_ids=prompt)
+    seeded = dataclasses.replace(base, params=SamplingParams(temperature=0.9, seed=8, max_tokens=8, logprobs=5),
+                                 prompt_token_ids=prompt)
+    paths = []
+    for name, order in (("a", [greedy, seeded]), ("b", [seeded, greedy])):
+        named = [dataclasses.replace(r, request_id=f"cmpl-{name}{i}-0") for i, r in enumerate(order)]
+        cfg = EngineConfig(scheduler=SchedulerConfig(block_size=8, num_gpu_blocks=64),
+                           runner=RunnerConfig(num_threads=1))
+        paths.append(record_builtin(RecordOptions(cfg, named, tmp_path / f"{name}.capture")).path)
+    res = diff_captures(*paths, Tolerance(atol=1e-5))
+    assert res.aligned_by_prompt and res.requests_compared == 2, res
+    assert not res.diverged, res.first_divergence
