@@ -144,13 +144,16 @@ def compare_rows(a: Row, b: Row, tol: Tolerance) -> RowDiff:
     d[same] = 0.0
     finite = d[~np.isnan(d)]
     max_abs = float(finite.max()) if finite.size else 0.0
-    topk_changed = a.ids[1:].tobytes() != b.ids[1:].tobytes()
+    # vLLM returns as many top-k columns as the batch's largest `logprobs` asks for, so one request's rows are wider
+    # in one batch than in another: the columns past the narrower row's are not a change
+    n = min(len(a.ids), len(b.ids))
+    topk_changed = a.ids[1:n].tobytes() != b.ids[1:n].tobytes()
     rank_changed = a.rank != b.rank
     with np.errstate(invalid="ignore"):
         held_within = bool(np.all(same | (d <= tol.atol + tol.rtol * np.abs(y))))  # NaN on one side: False
     if tol.bitwise:
-        equal = (a.ids.tobytes() == b.ids.tobytes() and not rank_changed
-                 and a.values.tobytes() == b.values.tobytes())
+        equal = (a.ids[:n].tobytes() == b.ids[:n].tobytes() and not rank_changed
+                 and a.values[:n].tobytes() == b.values[:n].tobytes())
     else:
         equal = held_within
     return RowDiff(max_abs, equal, topk_changed, rank_changed, held_within)

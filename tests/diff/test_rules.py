@@ -197,3 +197,15 @@ def test_a_greedy_token_tied_with_another_is_its_argmax_though_vllm_ranks_it_2()
     below = _greedy(7, [9, 7], [-0.9, -0.5, -0.9], 2)
     _, (d,) = compare_step(0, below, tied_b, {"r": "cmpl-1"}, {}, TOL, greedy={"r"})
     assert d.flip == "not-argmax", d
+
+
+def test_a_row_widened_by_its_batch_is_compared_over_the_columns_both_rows_hold():
+    """vLLM returns as many top-k columns as the batch's largest `logprobs`: a logprobs=5 request beside a
+    logprobs=20 one gets 20, alone 5. The columns only the wider row has are no change, bitwise or not."""
+    ids, vals = list(range(100, 121)), [-10.0 - 0.01 * i for i in range(21)]
+    alone, beside = _row([7] + ids[:5], [-11.8] + vals[:5], 28_371), _row([7] + ids, [-11.8] + vals, 28_371)
+    for tol in (Tolerance(), TOL):
+        d = compare_rows(beside, alone, tol)
+        assert d.equal and not d.topk_changed and not d.near_tie, (tol, d)
+    moved = _row([7] + ids[:4] + [999], [-11.8] + vals[:5], 28_371)  # within the 5 both hold: a change
+    assert compare_rows(beside, moved, Tolerance()).topk_changed
