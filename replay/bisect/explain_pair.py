@@ -114,8 +114,10 @@ def _part(a: list, b: list, cut: tuple[bool, bool] = (False, False)) -> tuple[in
     for p, ((_, ta, ra), (_, tb, rb)) in enumerate(zip(a, b)):
         if ta != tb:
             return p, "token", 0.0
-        if ra is not None and rb is not None and not (np.array_equal(ra.ids, rb.ids) and
-                                                      np.array_equal(ra.values, rb.values)):
+        n = min(len(ra.ids), len(rb.ids)) if ra is not None and rb is not None else 0
+        # (a row is as wide as its batch's largest `logprobs`: the columns past the narrower row's are no parting)
+        if ra is not None and rb is not None and not (np.array_equal(ra.ids[:n], rb.ids[:n]) and
+                                                      np.array_equal(ra.values[:n], rb.values[:n])):
             common = ra.ids[np.isin(ra.ids, rb.ids)]
             va = {int(i): float(v) for i, v in zip(ra.ids, ra.values)}
             vb = {int(i): float(v) for i, v in zip(rb.ids, rb.values)}
@@ -141,8 +143,10 @@ def _prompt_rows(path: str | os.PathLike, rids: set[str]) -> dict[str, np.ndarra
 
 def _prompt_part(a: np.ndarray | None, b: np.ndarray | None) -> tuple[int, str, float] | None:
     """The first prompt position whose logprobs (ids and values) two requests' prompt rows part at."""
-    if a is None or b is None or a.shape != b.shape:
+    if a is None or b is None or a.shape[:2] != b.shape[:2]:
         return None
+    n = min(a.shape[2], b.shape[2])  # as wide as the batch's largest `prompt_logprobs`: the columns both hold
+    a, b = a[:, :, :n], b[:, :, :n]
     apart = np.flatnonzero((a != b).any(axis=(0, 2)))
     if not len(apart):
         return None
