@@ -124,3 +124,19 @@ def test_a_capture_cut_short_is_explained_on_its_readable_prefix_and_exits_3(key
     code = main(["explain", str(cut), "-q"])
     out = capsys.readouterr().out
     assert code == 3 and out.startswith(f"{NOTHING}: ") and "only its readable prefix was replayed" in out, out
+
+
+def test_vllm_cpus_lora_slots_are_a_setting_on_the_builtin_runner_only():
+    """The builtin runner has no LoRA slots, so there the suspect is what it runs otherwise (CONFIG); on vLLM's runner
+    the slots are the engine's own and the tests that follow class the divergence, the suspect kept as evidence."""
+    from types import SimpleNamespace
+
+    from replay.bisect.explain_divergence import _config
+    from replay.replayer.suspects import LORA_SLOTS
+
+    rep = SimpleNamespace(suspect=LORA_SLOTS + "...", unknown="", environment_differences=[])
+    common = dict(runner="builtin", notes=[], data_lost=[])
+    found = _config("x.capture", rep, ReplayOptions(), None, "at", "cmd", 2, common, print)
+    assert found is not None and found.found == CONFIG and LORA_SLOTS in found.verdict
+    on_vllm = ReplayOptions(overrides={"runner": "vllm"})
+    assert _config("x.capture", rep, on_vllm, None, "at", "cmd", 2, dict(common, runner="vllm"), print) is None
