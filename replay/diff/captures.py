@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import msgspec
 import numpy as np
@@ -107,6 +108,16 @@ class CaptureDiff(msgspec.Struct):
     aligned_by_prompt: bool = False  # the runs share no request id: requests aligned by prompt and arrival order
     # unseeded random requests whose draws parted (from equal logprobs): compared up to there, not divergences
     draws_differ: int = 0
+
+
+def _nothing_to_compare(a_path, b_path, a: AlignedRun, b: AlignedRun) -> NoReturn:
+    """No output position both captures hold: exit 3 where one lost data, else a usage error; never a MATCH."""
+    lost = next(((p, x.lost[0]) for p, x in ((a_path, a), (b_path, b)) if x.lost), None)
+    if lost is not None:
+        raise CaptureDamagedError(lost[0], f"no request readable in both captures to compare ({lost[1]})")
+    either = any(k in b.prompts for k in a.order)
+    raise UsageError(f"{a_path} and {b_path}: " + ("no request both hold sampled a token: nothing to compare"
+                                                   if either else "no request in common (two workloads?)"))
 
 
 def _sampling_signature(req) -> tuple:
@@ -233,14 +244,9 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
     differences = header_differences(a.header, b.header)
     common = [k for k in a.order if k in b.prompts and (a.outputs.get(k) or b.outputs.get(k))]
     if not common:  # an empty comparison is no match
-        lost = next(((p, x.lost[0]) for p, x in ((a_path, a), (b_path, b)) if x.lost), None)
-        if lost is not None:
-            raise CaptureDamagedError(lost[0], f"no request readable in both captures to compare ({lost[1]})")
-        either = any(k in b.prompts for k in a.order)
-        raise UsageError(f"{a_path} and {b_path}: " + ("no request both hold sampled a token: nothing to compare"
-                                                       if either else "no request in common (two workloads?)"))
+        _nothing_to_compare(a_path, b_path, a, b)
     first: TokenMismatch | None = None
-    diverged_reqs = near_ties = draws_differ = 0
+    diverged_reqs = near_ties = draws_differ = positions = 0
     for key in common:
         oa, ob = a.outputs.get(key, []), b.outputs.get(key, [])
         name = a.name(key)
@@ -253,6 +259,7 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
                 mismatch = TokenMismatch(name, pos, "length", sa, sb)
                 break
             (sa, ta, ra), (sb, tb, rb) = oa[pos], ob[pos]
+            positions += 1
             lp_diff, lp_equal, alike = 0.0, (ra is None) == (rb is None), False
             if ra is not None and rb is not None:
                 cmp = compare_rows(ra, rb, tol)
@@ -283,6 +290,8 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
         order_key = (mismatch.a_step if mismatch.a_step is not None else 1 << 62, mismatch.position)
         if first is None or order_key < (first.a_step if first.a_step is not None else 1 << 62, first.position):
             first = mismatch
+    if first is None and not positions:  # every common request's tokens lost on one side: still no comparison
+        _nothing_to_compare(a_path, b_path, a, b)
     if first is not None:
         first.a_batch = a.batches.get(first.a_step) if first.a_step is not None else None
         first.b_batch = b.batches.get(first.b_step) if first.b_step is not None else None

@@ -240,3 +240,23 @@ def test_requests_of_one_prompt_align_by_their_sampling_whatever_order_they_arri
     res = diff_captures(*paths, Tolerance(atol=1e-5))
     assert res.aligned_by_prompt and res.requests_compared == 2, res
     assert not res.diverged, res.first_divergence
+
+
+def test_requests_whose_every_output_one_side_lost_are_no_comparison_and_never_a_match(small_capture, monkeypatch):
+    """A capture cut after its arrivals and before any step it kept: the requests are common, yet no output position
+    is in both, so there is nothing compared (exit 3, data lost), not "MATCH: every common request ..."."""
+    import copy
+
+    import pytest
+
+    from replay.diff import captures
+    from replay.errors import CaptureDamagedError
+
+    whole = read_aligned(small_capture)
+    lost = copy.deepcopy(whole)
+    lost.outputs.clear()
+    lost.cut.update(lost.order)
+    lost.lost = ["truncated: the file ends inside chunk 2"]
+    monkeypatch.setattr(captures, "read_aligned", lambda path, by_prompt=False: whole if path == "a" else lost)
+    with pytest.raises(CaptureDamagedError, match="no request readable in both captures"):
+        diff_captures("a", "b")
