@@ -163,7 +163,9 @@ def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *
     worst = compared[:opts.worst]
     logits = mode.endswith("_logits")
     overall = figures(deltas, opts.clip, logprobs=not logits)
-    tol = CROSS_HARDWARE_ATOL.get(dtype, CROSS_HARDWARE_ATOL["float32"])
+    # the coarser of the two sides' dtypes: a float32 trainer cannot agree with bfloat16 numbers beyond bfloat16's
+    tol = max(CROSS_HARDWARE_ATOL.get(d, CROSS_HARDWARE_ATOL["float32"])
+              for d in {dtype, model_id.dtype if model_id and model_id.dtype else dtype})
     rounding = overall.max_abs <= tol
     ordered = [scores[r.name] for r in data.rollouts]
     differs = any(x.semantics and x.semantic_gap for x in ordered)

@@ -141,6 +141,13 @@ def test_bfloat16_on_both_sides_is_held_to_bfloat16s_rounding(captures):
     assert res.rounding and res.worst and res.worst[0].batch_requests >= 1, res.verdict
 
 
+def test_a_float32_trainer_of_bfloat16_rollouts_is_held_to_bfloat16s_rounding(captures):
+    """vLLM's numbers were rounded to bfloat16: a float32 trainer cannot agree with them beyond that."""
+    res = score_capture(captures["bfloat16"], TrainerOptions(dtype="float32"))
+    assert res.dtype == "float32" and res.tolerance == 5e-2 and res.rounding, res.verdict
+    assert any("vLLM computed in bfloat16" in n for n in res.notes)
+
+
 def test_the_command_prints_the_figures_and_refuses_what_it_cannot_score(captures, qwen, capsys, monkeypatch):
     assert main(["trainer", str(captures["processed_logprobs"])]) == 0
     out, err = capsys.readouterr()
