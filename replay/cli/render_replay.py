@@ -154,7 +154,7 @@ def render_corpus(res: CorpusResult) -> str:
     lines = [render_corpus_row(r) for r in res.rows]
     lines.append("")
     for g in res.groups:
-        what = "; ".join(g.differences) if g.differences else "recorded like this runner (no difference)"
+        what = g.label
         counts = f"{g.diverged} of {g.captures} diverge" + (f", {g.cannot_test} cannot test" if g.cannot_test else "")
         lines.append(f"{counts}: {what}")
     resumed = f", {res.resumed} resumed from the results file" if res.resumed else ""

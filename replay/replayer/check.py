@@ -7,7 +7,7 @@ import os
 
 import msgspec
 
-from replay.errors import EXIT_CANNOT_TEST, EXIT_DIVERGED, EXIT_OK, ReplayError
+from replay.errors import EXIT_CANNOT_TEST, EXIT_DAMAGED, EXIT_DIVERGED, EXIT_OK, CaptureError, ReplayError
 from replay.replayer.options import ReplayOptions
 from replay.replayer.replay_capture import replay_capture
 from replay.replayer.replay_report import ReplayReport
@@ -21,6 +21,7 @@ class CheckResult(msgspec.Struct):
     code: int  # 0 good, 1 bad, 125 cannot test
     reason: str
     report: ReplayReport | None = None
+    damaged: str = ""  # a capture too damaged to replay at all (then no report): where and what it lost
 
     @property
     def verdict(self) -> str:
@@ -34,7 +35,8 @@ def check_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) ->
     try:
         rep = replay_capture(path, opts)
     except ReplayError as e:
-        return CheckResult(str(path), EXIT_CANNOT_TEST, str(e))
+        damaged = e.reason if isinstance(e, CaptureError) and e.exit_code == EXIT_DAMAGED else ""
+        return CheckResult(str(path), EXIT_CANNOT_TEST, str(e), damaged=damaged)
     except Exception as e:  # noqa: BLE001 - an engine that fails to start cannot be tested, whatever the reason
         return CheckResult(str(path), EXIT_CANNOT_TEST, f"{path}: {type(e).__name__}: {e}"[:500])
     compared = compared_counts(rep)

@@ -71,10 +71,18 @@ class CorpusRow(msgspec.Struct, omit_defaults=True):
 class CorpusGroup(msgspec.Struct):
     """Captures whose recordings differ from this runner in the same way."""
 
-    differences: list[str]  # empty: recorded like this runner
+    differences: list[str]  # empty: recorded like this runner (or, in the untested group, not known)
     captures: int
     diverged: int
     cannot_test: int
+    tested: bool = True  # False: the captures that could not be tested, never compared with this runner
+
+    @property
+    def label(self) -> str:
+        """How the group's recordings differ from this runner, as the summary and the page say it."""
+        if not self.tested:
+            return "not compared: could not be tested (the rows say why)"
+        return "; ".join(self.differences) if self.differences else "recorded like this runner (no difference)"
 
 
 class CorpusResult(msgspec.Struct):
@@ -164,7 +172,7 @@ def check_one(task: tuple[str, CheckSpec], engines: Engines | None = None) -> Co
         suspect = rep.suspect
     return CorpusRow(path, res.verdict, res.code, res.reason, round(time.perf_counter() - t, 3), _key(Path(path)),
                      first, suspect, differences, pool.starts - before if pool is not None else 0,
-                     rep.data_lost[0] if rep is not None and rep.data_lost else "")
+                     rep.data_lost[0] if rep is not None and rep.data_lost else res.damaged)
 
 
 def check_in_worker(task: tuple[str, CheckSpec]) -> CorpusRow:
@@ -223,11 +231,15 @@ def _ends_with_newline(path: Path) -> bool:
 def corpus_groups(rows: list[CorpusRow]) -> list[CorpusGroup]:
     """The rows grouped by the differences their recordings have from this runner, the diverging groups first."""
     by: dict[tuple[str, ...], list[CorpusRow]] = defaultdict(list)
+    untested = [r for r in rows if r.code == EXIT_CANNOT_TEST]  # no replay: how they differ from here is unknown
     for r in rows:
-        by[tuple(sorted(r.differences))].append(r)
-    groups = [CorpusGroup(list(k), len(v), sum(r.code == EXIT_DIVERGED for r in v),
-                          sum(r.code == EXIT_CANNOT_TEST for r in v)) for k, v in by.items()]
-    return sorted(groups, key=lambda g: (-g.diverged, len(g.differences), g.differences))
+        if r.code != EXIT_CANNOT_TEST:
+            by[tuple(sorted(r.differences))].append(r)
+    groups = [CorpusGroup(list(k), len(v), sum(r.code == EXIT_DIVERGED for r in v), 0) for k, v in by.items()]
+    groups.sort(key=lambda g: (-g.diverged, len(g.differences), g.differences))
+    if untested:
+        groups.append(CorpusGroup([], len(untested), 0, len(untested), tested=False))
+    return groups
 
 
 def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *, how: FanOut = FanOut(),

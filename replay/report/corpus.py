@@ -83,7 +83,7 @@ def write_corpus_report(result: CorpusResult | list[CorpusRow], output: str | os
     kind = "diverged" if bad else "match" if good else "none"
     group_rows = "".join(
         f"<tr><td class='num'>{g.diverged} of {g.captures}</td><td class='num'>{g.cannot_test}</td>"
-        f"<td>{_e('; '.join(g.differences)) if g.differences else 'recorded like this runner (no difference)'}"
+        f"<td>{_e(g.label)}"
         f"</td></tr>" for g in groups)
     body = "".join(
         f"<tr class='{'diverged' if r.code == EXIT_DIVERGED else ''}'><td>{_e(r.verdict.upper())}</td>"
