@@ -74,7 +74,7 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
                          "ReplayOptions(tolerance=...)")
     bisect_card = _bisect_card(bisect, capture) if bisect is not None else None  # a bad file before a long replay
     explain_card = _explain_card(explain, capture) if explain is not None else None
-    trainer_card, trainer_bars = trainer_section(trainer) if trainer is not None else (None, [])
+    trainer_card, trainer_bars = trainer_section(trainer, capture) if trainer is not None else (None, [])
     out = Path(output) if output is not None else default_output(capture)
     run = run_facts(capture)
     if isinstance(replay, ReplayOptions):

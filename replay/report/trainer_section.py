@@ -13,8 +13,8 @@ from replay.errors import UsageError
 from replay.report.page import Bars, Card
 
 
-def trainer_section(path: str | os.PathLike) -> tuple[Card, list[Bars]]:
-    """The card of facts and the two bar charts."""
+def trainer_section(path: str | os.PathLike, capture: str | os.PathLike | None = None) -> tuple[Card, list[Bars]]:
+    """The card of facts and the two bar charts; `capture`: the report's, which the JSON must have been made on."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -22,6 +22,10 @@ def trainer_section(path: str | os.PathLike) -> tuple[Card, list[Bars]]:
     if not isinstance(doc, dict) or not isinstance(doc.get("overall"), dict) or "verdict" not in doc:
         raise UsageError(f"{path}: not a trainer report (the JSON `replay trainer --json` prints has verdict and "
                          "overall)")
+    if capture is not None:
+        from replay.report.build import _made_on  # (build imports this module)
+
+        _made_on(doc, path, capture, "a trainer report")
     f, units = doc["overall"], doc.get("units", "logprob")
     facts: list[tuple[str, Any]] = [
         ("verdict", doc["verdict"]),

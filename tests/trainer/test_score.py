@@ -211,6 +211,16 @@ def test_the_report_shows_the_figures_a_histogram_and_delta_by_position(captures
     assert "cannot read a trainer report" in capsys.readouterr().err
 
 
+def test_the_report_refuses_a_trainer_report_of_another_capture(captures, tmp_path, capsys):
+    """As --bisect and --explain do: the figures of one run must not sit on the page of another."""
+    assert main(["trainer", str(captures["raw_logprobs"]), "--json", "--worst", "1"]) == 0
+    (tmp_path / "trainer.json").write_text(capsys.readouterr().out)
+    args = ["--trainer", str(tmp_path / "trainer.json"), "-o", str(tmp_path / "t.html")]
+    assert main(["report", str(captures["bfloat16"]), *args]) == 2
+    assert "a trainer report of " in capsys.readouterr().err
+    assert main(["report", str(captures["raw_logprobs"]), *args]) == 0
+
+
 def test_the_verdict_and_the_bisect_take_the_worst_token_whatever_worst_prints(captures):
     """--worst 0 prints no worst token; the verdict still names where the two part most, and --bisect still bisects
     there."""
