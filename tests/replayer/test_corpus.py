@@ -75,7 +75,8 @@ def test_a_corpus_check_names_the_planted_and_the_damaged_captures(serial):
     # the damaged one was never compared: a group of its own, not "recorded like this runner"; its loss is counted
     assert cannot[0].data_lost and "chunk" in cannot[0].data_lost
     untested = serial.groups[-1]
-    assert not untested.tested and (untested.captures, untested.cannot_test) == (1, 1) and "not compared" in untested.label
+    assert not untested.tested and (untested.captures, untested.cannot_test) == (1, 1)
+    assert "not compared" in untested.label
     assert all(g.tested and not g.cannot_test for g in serial.groups[:-1])
 
 
