@@ -28,6 +28,7 @@ from replay.replayer import ReplayOptions, ReplayReport, replay_capture
 from replay.replayer.suspects import LORA_SLOTS
 from replay.replayer.verdict import capture_diff_verdict, replay_verdict
 from replay.report.comparison import cell_of, comparison_data
+from replay.report.origin import made_on
 from replay.report.page import Batch, Card, Page, render_page
 from replay.report.pairs import position_mismatches
 from replay.report.run_facts import RunFacts, run_facts
@@ -270,21 +271,6 @@ def _legend(data: dict | None) -> dict:
             "not_compared": hm["not_compared"], "atol": hm.get("atol", 0.0)}
 
 
-def _made_on(doc: dict, path: str | os.PathLike, capture: str | os.PathLike, what: str) -> None:
-    """Raises UsageError where the JSON at `path` names another capture than the report's: its card would sit on a
-    page of the wrong run. The path it names is as typed then, so one that no longer resolves is compared by name."""
-    made = doc.get("capture")
-    if not isinstance(made, str) or not made:
-        return
-    there, here = Path(made), Path(capture)
-    try:
-        same = there.samefile(here)
-    except OSError:
-        same = there.name == here.name
-    if not same:
-        raise UsageError(f"{path}: {what} of {made}, not of {capture}: run it on this capture, or report that one")
-
-
 def _explain_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
     """`replay explain`'s class, verdict, evidence and command, from the JSON it printed (`--json`)."""
     try:
@@ -297,7 +283,7 @@ def _explain_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
         doc = doc["explanation"]
     if not isinstance(doc, dict) or not isinstance(doc.get("found"), str) or not isinstance(doc.get("verdict"), str):
         raise UsageError(f"{path}: not an explanation (the JSON `replay explain --json` prints has found and verdict)")
-    _made_on(doc, path, capture, "an explanation")
+    made_on(doc, path, capture, "an explanation")
     facts: list[tuple[str, Any]] = [("class", doc["found"]), ("a bug", "yes" if doc.get("bug") else "no"),
                                     ("verdict", doc["verdict"])]
     facts += [("evidence", e) for e in doc.get("evidence") or [] if isinstance(e, str)]
@@ -321,7 +307,7 @@ def _bisect_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
         raise UsageError(f"{path}: cannot read a bisect result: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
         raise UsageError(f"{path}: not a bisect result (the JSON `replay bisect ... --json` prints has a verdict)")
-    _made_on(doc, path, capture, "a bisect")
+    made_on(doc, path, capture, "a bisect")
     facts: list[tuple[str, Any]] = [("verdict", doc["verdict"])]
     for k, v in doc.items():
         if k == "verdict" or v is None:

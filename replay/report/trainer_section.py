@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.errors import UsageError
+from replay.report.origin import made_on
 from replay.report.page import Bars, Card
 
 
@@ -23,9 +24,7 @@ def trainer_section(path: str | os.PathLike, capture: str | os.PathLike | None =
         raise UsageError(f"{path}: not a trainer report (the JSON `replay trainer --json` prints has verdict and "
                          "overall)")
     if capture is not None:
-        from replay.report.build import _made_on  # (build imports this module)
-
-        _made_on(doc, path, capture, "a trainer report")
+        made_on(doc, path, capture, "a trainer report")
     f, units = doc["overall"], doc.get("units", "logprob")
     facts: list[tuple[str, Any]] = [
         ("verdict", doc["verdict"]),
