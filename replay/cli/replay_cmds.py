@@ -144,6 +144,10 @@ def check(
     except ReplayError as e:  # a corpus that names nothing, a cluster out of reach: cannot test
         err(str(e))
         raise typer.Exit(125) from None
+    except KeyboardInterrupt:  # the rows done are in the results file: say how to go on from them
+        err(f"interrupted: the captures checked are in {results}; the same command resumes from there"
+            if results is not None else "interrupted (--results FILE keeps each row, and resumes from them)")
+        raise typer.Exit(130) from None
     emit(res, render_corpus, json=json)
     if report is not None:
         from replay.report.corpus import write_corpus_report

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,24 @@ def test_an_interrupted_run_resumes_from_its_results_file(corpus, serial, tmp_pa
     assert _verdicts(again) == _verdicts(first) == _verdicts(serial)
     (corpus / "w05.capture").touch()  # a changed capture is checked again
     assert check_corpus(corpus, results=results).resumed == 39
+
+
+def test_ctrl_c_says_where_the_rows_are_and_that_the_same_command_resumes(corpus, tmp_path):
+    """Interrupted with its output redirected (no row shown as it finished), the command says where the finished
+    rows are, and running it again resumes from them."""
+    results = tmp_path / "r.jsonl"
+    cmd = [sys.executable, "-m", "replay.cli", "check", str(corpus), "--results", str(results)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not (results.exists() and results.read_bytes().count(b"\n") >= 2):
+        assert time.monotonic() < deadline, "no row within 2 minutes"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err  # (38 more replays take far longer than the signal)
+    assert err.strip().splitlines()[-1] == f"replay: interrupted: the captures checked are in {results}; the same " \
+                                           "command resumes from there", err
+    assert check_corpus(corpus, results=results).resumed >= 2
 
 
 def test_the_command_line_prints_a_row_each_and_a_summary_with_bisect_exit_codes(corpus, tmp_path, capsys):
