@@ -283,7 +283,8 @@ class SegmentRing:
         self.poll()
         # a keyframe compresses about threefold: a segment is at least its keyframe's raw size, so that steps fill
         # two thirds of it or more however many requests are live (a long queue makes large keyframes)
-        if self.current.bytes_written >= max(self.segment_bytes, self.current.keyframe_bytes):
+        # (what is due, not what is written: under load the compression threads fall chunks behind)
+        if self.current.bytes_due >= max(self.segment_bytes, self.current.keyframe_bytes):
             self._rotate()
 
     def _rotate(self) -> None:

@@ -78,6 +78,8 @@ class ChunkEmitter(_Frames):
         self._next = 0  # the number of the next frame to write
         self._ready: dict[int, tuple[Any, bytes, int]] = {}  # compressed, waiting for the chunks before them
         self._order = threading.Lock()  # held while frames are written: one writer, in order
+        # uncompressed bytes of the chunks handed over, and of those written (and their frames' bytes)
+        self._raw_handed = self._raw_out = self._frames_out = 0
         self._threads = [threading.Thread(target=self._run, name=f"replay-capture-writer-{i}", daemon=True)
                          for i in range(WORKERS if workers is None else workers)]
 
@@ -91,10 +93,23 @@ class ChunkEmitter(_Frames):
         """Bytes in the file so far (frames written, not those still being compressed)."""
         return self._written
 
+    @property
+    def bytes_due(self) -> int:
+        """Bytes the file will hold once the chunks handed over are written: those written, and the rest at the
+        ratio the written ones compressed at (a third before any). Under load the threads fall up to DEPTH chunks
+        behind, which `bytes_written` does not show."""
+        pending = self._raw_handed - self._raw_out
+        ratio = self._frames_out / self._raw_out if self._raw_out else 1 / 3
+        return self._written + int(max(pending, 0) * min(ratio, 1.0))
+
     def put(self, chunk: Any) -> None:
         """Hand a sealed chunk over (call it under the lock that seals chunks, so numbers follow the seals).
         Blocks while DEPTH chunks wait."""
+        self._handed(chunk)
         self._queue.put((self.number(), chunk))
+
+    def _handed(self, chunk: Any) -> None:
+        self._raw_handed += getattr(chunk, "raw", 0) or chunk.info.raw_size
 
     def stop(self) -> None:
         """Write every chunk handed over, then end the threads."""
@@ -119,6 +134,7 @@ class ChunkEmitter(_Frames):
                     continue
                 if item is None:
                     continue
+                self._handed(item[1])
             if item is None:
                 return
             if self.error is None:  # (after an error it keeps draining, so producers never block on a dead writer)
@@ -138,6 +154,8 @@ class ChunkEmitter(_Frames):
                     c.info.length = len(frame)
                     c.info.raw_size = raw
                     self.write(frame)
+                    self._raw_out += getattr(c, "raw", 0) or raw
+                    self._frames_out += len(frame)
                     self.f.flush()
                     if self._fsync:
                         os.fsync(self.f.fileno())

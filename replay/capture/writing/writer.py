@@ -295,6 +295,11 @@ class CaptureWriter(WriterContext):
         return self._out.bytes_written
 
     @property
+    def bytes_due(self) -> int:
+        """Bytes the file will hold once the chunks sealed so far are written (`ChunkEmitter.bytes_due`)."""
+        return self._out.bytes_due
+
+    @property
     def num_steps(self) -> int:
         """Steps written so far."""
         return self._num_steps

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -283,3 +284,23 @@ def _hold_seals(monkeypatch, started: threading.Event | None = None) -> threadin
 
     monkeypatch.setattr(sealing, "seal_snapshot", held)
     return release
+
+
+def test_a_ring_whose_compression_falls_behind_still_rotates_at_its_segment_size(tmp_path, monkeypatch):
+    """On a loaded machine the writer's compression threads fall up to DEPTH chunks behind the records: a segment
+    rotated on the bytes written so far took every chunk still queued with it (a 64 KiB segment of a server's ring
+    grew to 257 KiB). It rotates on the bytes due."""
+    from replay.capture.writing.chunk import Chunk
+
+    compress = Chunk.compress
+
+    def slow(self, cctx):
+        time.sleep(0.02)  # (a starved thread: the records keep coming)
+        return compress(self, cctx)
+
+    monkeypatch.setattr(Chunk, "compress", slow)
+    ring = SegmentRing(tmp_path / "ring", make_header("synthetic"), size=SIZE, flush_interval=0.01)
+    _feed(ring, _events(600))
+    ring.close()
+    sizes = [p.stat().st_size for p in ring.files.segments()][:-1]  # (the last one closed early)
+    assert len(sizes) >= 2 and max(sizes) <= 1.5 * ring.segment_bytes, (sizes, ring.segment_bytes)
