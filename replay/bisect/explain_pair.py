@@ -193,7 +193,7 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     log = log or (lambda msg: None)
     path = str(path)
     if a == b:
-        raise UsageError(f"explain --pair {a},{b}: name two different requests (twins: the same prompt and sampling)")
+        raise UsageError(f"explain --pair {a} {b}: name two different requests (twins: the same prompt and sampling)")
     arrivals = _requests(path)
     for name in (a, b):
         if name not in arrivals:
