@@ -209,7 +209,7 @@ def render_replay(rep: ReplayReport, verbose: bool | None = None) -> str:
     crash = rep.crash
     lines += _crash_lines(rep, reproduced_only=True)
     if not rep.diverged:
-        lines.append(replay_verdict(rep))
+        lines.append(rep.verdict or replay_verdict(rep))  # (one made by hand has none)
         return "\n".join(lines)
     if crash is not None and not crash.reproduced:
         lines += _crash_lines(rep)

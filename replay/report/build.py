@@ -82,7 +82,7 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
         replay = replay_capture(capture, dataclasses.replace(replay, max_divergences=KEEP_DIVERGENCES))
     if replay is not None:
         page, first, lost = _replay_page(run, replay), replay.first_divergence, replay.data_lost
-        kind, verdict, diverged = "replay", replay_verdict(replay), replay.diverged
+        kind, verdict, diverged = "replay", replay.verdict or replay_verdict(replay), replay.diverged
     elif other is not None:
         res = diff_captures(capture, other, tolerance or Tolerance())
         page, first, lost = _captures_page(run, res, tolerance or Tolerance()), res.first_divergence, []
@@ -160,7 +160,7 @@ def _replay_page(run: RunFacts, rep: ReplayReport) -> Page:
         if rep.batch is not None:
             batches.append(_batch(rep.batch, first, rep.divergences))
     legend = _legend(data)
-    return _page(run, replay_verdict(rep), "diverged" if rep.diverged else "match", notes=notes,
+    return _page(run, rep.verdict or replay_verdict(rep), "diverged" if rep.diverged else "match", notes=notes,
                  commands=_commands(rep), cards=cards, batches=batches, comparison_text=text, legend=legend,
                  comparison=data, per_request=per_request)
 
