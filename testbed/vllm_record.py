@@ -34,9 +34,9 @@ RECORD = textwrap.dedent("""
             CpuPlatform.check_and_update_config = classmethod(check)
         tp, n, first, step, seeded = (int(x) for x in sys.argv[2:6] + sys.argv[7:8])
         kw = dict(distributed_executor_backend="mp") if tp > 1 else {}
-        kw = {"max_num_seqs": 16, **kw, **json.loads(sys.argv[8])}
+        kw = {"max_num_seqs": 16, "seed": 0, **kw, **json.loads(sys.argv[8])}
         llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-                  seed=0, tensor_parallel_size=tp, **kw)
+                  tensor_parallel_size=tp, **kw)
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(first + step * i)]}
                    for i in range(n)]
         twin = int(sys.argv[10]) if len(sys.argv) > 10 else -1  # this request repeats request 0's prompt

@@ -180,6 +180,8 @@ def _one_pass(path: str | os.PathLike, opts: ReplayOptions) -> _Pass:
                                             if not usable]
         out.skip = skip
         out.notes = [p for _, p, usable in problems if usable]  # with --force: a provenance difference, named first
+        if opts.diff and next(r.steps(), None) is None and r.damage:  # refused before an engine starts for nothing
+            raise CaptureDamagedError(path, f"no readable prefix of steps to replay ({r.damage[0].describe()})")
         built = build_runner(r.header, opts.overrides, force=opts.force, capture=path, engines=opts.engines)
         built.runner.ignore_adapters = {a.name for a, _, usable in problems if not usable}
         out.tolerance = opts.tolerance

@@ -3,10 +3,12 @@ warm-up) is most of a short replay, and a corpus of one layout, or a script that
 same engine again and again. An engine is reused only for the very same engine arguments, layout, thread binding and
 thread count; between two replays it forgets every request (`VllmRunner.reset`) and its workers' random generators
 go back to the state they had just after the engine started, so a replay on a reused engine draws what it would have
-drawn on a fresh one.
+drawn on a fresh one. The engine seed is the one argument a reuse may change: vLLM reseeds the generators as its
+warm-up ends, so where they stood exactly there, reseeding them to another seed is a fresh start with it (RL
+rollouts, one seed per worker, then share an engine).
 
-Used explicitly (`with Engines() as engines: replay_capture(path, ReplayOptions(engines=engines))`, `replay
-.open_engines()`): without one, every replay starts and stops its own engine.
+Used explicitly (`with Engines() as engines: replay_capture(path, ReplayOptions(engines=engines))`, docs/guide.md):
+without one, every replay starts and stops its own engine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class StartedEngine:
     llm: Any
     warnings: list[str] = field(default_factory=list)
     rng: list[Any] = field(default_factory=list)  # per rank, `worker_state.rng_state`
+    seed: int | None = None  # the engine seed its workers' generators stand at (`VllmRunner`)
+    reseedable: bool = False  # whether they stood where vLLM's `set_random_seed(seed)` puts them as it started
     replays: int = 0  # replays that ran on it
     beside: str = ""  # the capture it started for: what it prints as it shuts down goes to that capture's vLLM log
 

@@ -33,8 +33,10 @@ from replay.integrations.vllm.logs import VllmLog
 from replay.integrations.vllm.taps import ModuleRows, collect_taps, gather_ranks, install_taps, live_requests
 from replay.integrations.vllm.worker_state import (
     force_sampled_tokens,
+    reseed,
     restore_request_states,
     rng_state,
+    seeded_as_started,
     set_rng_state,
 )
 from replay.provenance import set_mkl_dynamic, set_torch_threads
@@ -94,12 +96,17 @@ class VllmRunner:
             kwargs, bind = self._plan(model, m, ec, overrides, header)
             env = header.environment  # what decides the threads it computes with, too
             threads = [env.num_threads, env.env.get("OMP_NUM_THREADS"), env.env.get("MKL_DYNAMIC")]
-            key = json.dumps([kwargs, bind, threads, os.environ.get(FAULT_ENV)], sort_keys=True, default=str)
-            start = lambda: StartedEngine(self._start(kwargs, bind, header, ec))  # noqa: E731
+            seed = kwargs["seed"]
+            key = json.dumps([{k: v for k, v in kwargs.items() if k != "seed"}, bind, threads,
+                              os.environ.get(FAULT_ENV)], sort_keys=True, default=str)
+            start = lambda: StartedEngine(self._start(kwargs, bind, header, ec), seed=seed)  # noqa: E731
             while True:
                 self._engine, fresh = engines.take(key, start) if engines is not None else (start(), True)
+                if not fresh and self._engine.seed != seed and not self._engine.reseedable:
+                    engines.discard(self._engine)  # its generators cannot be put where a start with `seed` puts them
+                    continue
                 try:
-                    self._attach(header, fresh, str(log_beside))
+                    self._attach(header, fresh, str(log_beside), seed)
                     break
                 except BaseException:
                     # an engine that cannot take a replay (a worker lost while it sat in the pool) is dropped; one
@@ -122,9 +129,10 @@ class VllmRunner:
         self._plant: tuple[str, float, str] | None = None  # the fault the installed taps add
         self.raised = False  # the engine raised in a step: `close` gives it back to `engines` only if it still steps
 
-    def _attach(self, header: Header, fresh: bool, log_beside: str) -> None:
+    def _attach(self, header: Header, fresh: bool, log_beside: str, seed: int) -> None:
         """Take `self._engine` for this replay: its executor, the recorded thread count, and on a pooled engine its
-        workers' generators (kept as it started, or put back as they were then)."""
+        workers' generators (kept as it started, or put back as they were then, or as a start with `seed` leaves
+        them: see `engines`)."""
         if fresh:
             self._engine.warnings = list(self.log.warnings)
             self._engine.beside = log_beside
@@ -135,6 +143,10 @@ class VllmRunner:
         self._recorded_threads(header)
         if self._engines is not None and fresh:  # what a reuse puts back: the generators as the engine started
             self._engine.rng = self.executor.collective_rpc(rng_state)
+            self._engine.reseedable = all(self.executor.collective_rpc(seeded_as_started, args=(seed,)))
+        elif self._engines is not None and self._engine.reseedable:
+            self.executor.collective_rpc(reseed, args=(seed,))
+            core.vllm_config.model_config.seed = self._engine.seed = seed  # (what describe() reports)
         elif self._engines is not None:
             self.executor.collective_rpc(set_rng_state, args=(self._engine.rng,))
         self._scheduler = core.scheduler  # never steps: it holds the engine's vllm_config, for describe()

@@ -99,6 +99,69 @@ def set_rng_state(worker: Any, states: list[dict]) -> None:
         torch.cuda.set_rng_state_all(mine["cuda"])
 
 
+def seeded_as_started(worker: Any, seed: int) -> bool:
+    """On one worker: whether its generators (torch's, CUDA's, Python's, numpy's) stand exactly where vLLM's
+    `set_random_seed(seed)` puts them. vLLM reseeds them at the end of its warm-up, so after a start they do, and
+    reseeding such an engine to another seed leaves what a fresh start with that seed would. Left as they were."""
+    before = _all_states()
+    _reseed(worker, seed)
+    after = _all_states()
+    _put_all_states(before)
+    return _same(before, after)
+
+
+def reseed(worker: Any, seed: int) -> None:
+    """On one worker: its generators as a fresh start with engine seed `seed` leaves them, and the seed in its model
+    config (see `seeded_as_started`)."""
+    _reseed(worker, seed)
+    inner = getattr(worker, "worker", worker)
+    config = getattr(inner, "model_config", None)
+    if config is not None:
+        config.seed = seed
+
+
+def _reseed(worker: Any, seed: int) -> None:
+    from vllm.utils.torch_utils import set_random_seed
+
+    inner = getattr(worker, "worker", worker)
+    dp = int(getattr(getattr(inner, "parallel_config", None), "data_parallel_index", 0) or 0)
+    set_random_seed(seed, dp) if dp else set_random_seed(seed)  # (vLLM 0.31's takes the seed alone)
+
+
+def _all_states() -> list[Any]:
+    import random
+
+    import numpy as np
+    import torch
+
+    cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []
+    return [torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()]
+
+
+def _put_all_states(states: list[Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    cpu, cuda, py, npy = states
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    import numpy as np
+    import torch
+
+    (cpu_a, cuda_a, py_a, np_a), (cpu_b, cuda_b, py_b, np_b) = a, b
+    return (torch.equal(cpu_a, cpu_b) and len(cuda_a) == len(cuda_b)
+            and all(torch.equal(x, y) for x, y in zip(cuda_a, cuda_b)) and py_a == py_b
+            and all(np.array_equal(x, y) for x, y in zip(np_a, np_b)))
+
+
 def _rank(worker: Any) -> int:
     inner = getattr(worker, "worker", worker)
     return int(getattr(inner, "rank", getattr(worker, "rank", 0)) or 0)

@@ -12,6 +12,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from replay.bisect.batch import bisect_batch  # noqa: E402
+from replay.capture import CaptureReader  # noqa: E402
+from replay.errors import CaptureDamagedError  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.processes.fanout import FanOut  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
@@ -40,6 +42,42 @@ def test_replays_on_a_reused_engine_are_the_replay_on_a_fresh_one(mixed):
     for rep in [*runs, again]:
         assert not rep.diverged and rep.tokens_compared == fresh.tokens_compared, rep.first_divergence
     assert res.step == 3 and res.re_executions > 2
+
+
+def test_captures_that_differ_in_the_engine_seed_share_one_engine(mixed, tmp_path):
+    """RL workers record with a seed each: their captures replay on one engine, reseeded between them, and each
+    replay is bitwise, the unseeded requests' draws (which the seed decides) included."""
+    seven = record(mixed.parent / "tiny-llama", tmp_path / "seed7.capture", seeded=True, unseeded=True,
+                   max_tokens=8, engine_args={"seed": 7})
+    unseeded = [_tokens(c, "2") for c in (mixed, seven)]
+    assert unseeded[0] != unseeded[1]  # the seed decided the unseeded request's tokens
+    with Engines() as engines:
+        reps = [replay_capture(c, ReplayOptions(overrides=VLLM, engines=engines)) for c in (mixed, seven, mixed)]
+        assert engines.starts == 1
+    for rep in reps:
+        assert not rep.diverged and rep.foreign_draws_differ == 0 and rep.tokens_compared > 0, rep.first_divergence
+        assert not rep.environment_differences, rep.environment_differences  # it says the recording's seed
+
+
+def _tokens(capture, request: str) -> list[int]:
+    """Every token request `request` (the offline engine's index: internal ids are `{index}-{random}`) sampled in
+    `capture`."""
+    with CaptureReader(capture) as reader:
+        return [t for step in reader.steps() if step.model_runner_output is not None
+                for rid, toks in zip(step.model_runner_output.req_ids, step.model_runner_output.sampled_token_ids)
+                if rid.split("-")[0] == request for t in toks]
+
+
+def test_a_capture_with_no_readable_step_starts_no_engine(mixed, tmp_path):
+    """A server killed inside its first chunk: the replay is refused as damaged before vLLM starts for nothing."""
+    with CaptureReader(mixed) as reader:
+        chunk = next(c for c in reader.index.chunks if c.num_steps)
+    cut = tmp_path / "cut.capture.partial"
+    cut.write_bytes(mixed.read_bytes()[:chunk.offset + chunk.length // 2])
+    with Engines() as engines:
+        with pytest.raises(CaptureDamagedError, match="no readable prefix of steps"):
+            replay_capture(cut, ReplayOptions(overrides=VLLM, engines=engines))
+        assert engines.starts == 0
 
 
 def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
