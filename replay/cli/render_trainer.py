@@ -40,10 +40,15 @@ def render_trainer(r: TrainerReport) -> str:
     for s in r.requests:
         if s.set_aside:
             lines.append(f"  set aside: {s.request}: {s.set_aside}")
+    alike: dict[str, list] = {}  # one line for the sequences sampled alike (an RL batch: all of them)
     for s in r.requests:
         if s.semantics:
-            gap = f" (the gap, not counted: max {s.semantic_gap:.3g})" if s.semantic_gap else ""
-            lines.append(f"  semantics: {s.request}: {s.semantics}{gap}")
+            alike.setdefault(s.semantics, []).append(s)
+    for meaning, group in alike.items():
+        names = ", ".join(s.request for s in group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
+        widest = max(s.semantic_gap for s in group)
+        gap = f" (the gap, not counted: max {widest:.3g})" if widest else ""
+        lines.append(f"  semantics: {names}: {meaning}{gap}")
     lines += [f"  note: {n}" for n in r.notes]
     if r.data_lost:
         lines.append(f"  capture damaged ({'; '.join(r.data_lost[:3])}): the sequences it cut are scored up to "

@@ -242,6 +242,14 @@ def test_the_worst_token_table_fits_vllms_request_ids(fanned):
     assert len({len(line) for line in table}) == 1, table  # every column in line with the header's
 
 
+def test_sequences_sampled_alike_share_one_semantics_line(fanned):
+    """An RL batch samples every sequence alike: one line says how vLLM's numbers differ in meaning, not one each."""
+    res = score_capture(fanned)
+    assert [bool(s.semantics) for s in res.requests] == [True, True], res.requests
+    [line] = [x for x in render_trainer(res).splitlines() if "semantics:" in x]
+    assert line.startswith(f"  semantics: {PARENT}#0, {PARENT}#1: vLLM's raw numbers come before temperature 0.7"), line
+
+
 def test_the_command_refuses_requests_it_cannot_compare_and_a_dump_without_a_bisect(captures, fanned, tmp_path,
                                                                                     capsys):
     assert main(["trainer", str(fanned), "--request", PARENT]) == 2  # the parent of an n=2 request: name its sequences
