@@ -82,7 +82,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
     # snapshot, so any keyframe will do.
     vllm = (overrides or {}).get("runner") == "vllm"
     s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines,
-                     watch=request if vllm else None)
+                     watch=request if vllm else None, request=request)
     try:
         return _bisect(s, str(path), request, tol, hooks, log, state)
     finally:

@@ -209,8 +209,9 @@ def _config_command(path: str, good: dict[str, str], opts: ReplayOptions, step: 
 
 def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceExplanation:
     """Nothing differs in the settings and the replay repeats itself: the swap, then the padding sweep, at R's step."""
+    r = d.internal_id or d.request_id  # (watched: the swap gives its neighbours other content throughout)
     s = make_session(path, d.step, opts.overrides, log=log, from_start=opts.from_start, engines=opts.engines,
-                     watch=d.internal_id or d.request_id)  # (the swap gives its neighbours other content throughout)
+                     watch=r, request=r)
     try:
         rid = s.request_id(d.internal_id or d.request_id)
         leak = None

@@ -192,12 +192,17 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     unless `from_start`."""
     log = log or (lambda msg: None)
     path = str(path)
+    arrivals = _requests(path)
+    by_internal = {rec.request.request_id: name for name, rec in arrivals.items()}
+    a, b = by_internal.get(a, a), by_internal.get(b, b)  # (an internal id, as bisects and divergences print it)
     if a == b:
         raise UsageError(f"explain --pair {a} {b}: name two different requests (twins: the same prompt and sampling)")
-    arrivals = _requests(path)
     for name in (a, b):
         if name not in arrivals:
-            raise UsageError(f"{path}: no request {name!r} (requests: {', '.join(list(arrivals)[:8])}, ...)")
+            prompts = [x for x in arrivals if x.startswith(f"{name}-")]
+            raise UsageError(f"{path}: no request {name!r} " + (
+                f"(an OpenAI response's id names its prompts' requests: {', '.join(prompts[:4])})" if prompts else
+                f"(requests: {', '.join(list(arrivals)[:8])}, ...)"))
     if _twin_key(arrivals[a]) is None or _twin_key(arrivals[a]) != _twin_key(arrivals[b]):
         raise UsageError(f"requests {a} and {b} do not share their prompt and sampling (greedy, or the same seed): "
                          "two answers are expected")
@@ -279,7 +284,8 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
 
     def alone(name: str, step: int):
         nonlocal runs
-        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=name)
+        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=name,
+                         request=name)
         try:
             rid = s.request_id(name)
             here = plant if plant is not None and plant.step == step else None
@@ -334,7 +340,8 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
     for name, step in ((b, step_b), (a, step_a)):  # a leak into either parts them: B first
         log(f"{a} and {b} alone " + ("are bitwise equal" if same else f"part by {diff:.3g}") +
             f": swapping {name}'s neighbours' content at step {step}")
-        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=name)
+        s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=name,
+                         request=name)
         try:
             if s.swap_candidates(s.request_id(name)):
                 leaks.append(leak_in_session(s, name, log=log,

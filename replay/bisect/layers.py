@@ -36,7 +36,7 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
     # R alone on vLLM's runner is alone in every step up to S: start before its neighbours there were scheduled
     alone = overrides.get("runner") == "vllm" and any(solo for solo, _ in runs)
     session = make_session(path, step, overrides, force=force, log=log, from_start=from_start, engines=engines,
-                           watch=request if alone else None)
+                           watch=request if alone else None, request=request)
     try:
         rid = session.request_id(request)
         out = [session.run(rid, {rid} if alone else None, modules=True, plant=plant) for alone, plant in runs]

@@ -94,7 +94,8 @@ def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: t
                               plant=plant, from_start=from_start)
     log = log or (lambda msg: None)
     log(f"replaying {path} to step {step}")
-    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=request)
+    s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines, watch=request,
+                     request=request)
     try:
         return leak_in_session(s, request, contents=contents, plant=plant, log=log)
     finally:

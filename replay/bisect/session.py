@@ -54,8 +54,7 @@ class Session:
         """Internal id of a request given by its external or internal id, checked to be in the step."""
         rid = self.internal.get(name, name)
         if rid not in self.step.scheduler_output.num_scheduled_tokens:
-            raise UsageError(f"request {name!r} is not scheduled in step {self.step.index} "
-                             f"(scheduled: {', '.join(self.names(self.step.scheduler_output.num_scheduled_tokens))})")
+            raise not_scheduled(name, self.step.index, self.names(self.step.scheduler_output.num_scheduled_tokens))
         return rid
 
     def names(self, ids: Iterable[str]) -> list[str]:
@@ -152,6 +151,37 @@ def start_for(reader: CaptureReader, step: int, watch: str | None, from_start: b
         return start  # (the session says what is wrong with the step or the request)
     others = set(found.scheduler_output.num_scheduled_tokens) - {rid}
     return clear_of(reader, start, others, f"request {watch}'s {len(others)} neighbours at step {step}")
+
+
+def check_target(reader: CaptureReader, start: Start, step: int, request: str | None) -> None:
+    """Refuse, before a runner is built for them, a step the capture does not hold and a request (external or internal
+    id) not scheduled in it: reads the records from `start` to the step."""
+    ids: dict[str, str] = {}  # external id -> internal id
+    found = None
+    for rec in records_from(reader, start):
+        if isinstance(rec, Keyframe):
+            ids.update((x.request.name, x.request.request_id) for x in rec.requests)
+        elif isinstance(rec, RequestAdded):
+            ids[rec.request.name] = rec.request.request_id
+        elif isinstance(rec, Step) and rec.index >= step:
+            found = rec if rec.index == step else None
+            break
+    if found is None:
+        raise UsageError(f"{reader.path}: no step {step} in this capture")
+    if request is None or ids.get(request, request) in found.scheduler_output.num_scheduled_tokens:
+        return
+    names = {v: k for k, v in ids.items()}
+    raise not_scheduled(request, step, [names.get(r, r) for r in found.scheduler_output.num_scheduled_tokens])
+
+
+def not_scheduled(name: str, step: int, scheduled: list[str]) -> UsageError:
+    """The refusal of request `name` at a step that schedules `scheduled` (external ids) and not it. An OpenAI
+    server's response carries `cmpl-...`, and its engine's requests are `cmpl-...-0`, `-1`, ... (one per prompt):
+    those are named."""
+    hint = [x for x in scheduled if x.startswith(f"{name}-")]
+    return UsageError(f"request {name!r} is not scheduled in step {step} (scheduled: {', '.join(scheduled)})"
+                      + (f"; an OpenAI response's id names its prompts' requests {name}-0, {name}-1, ...: "
+                         f"{', '.join(hint)} here" if hint else ""))
 
 
 def refuse_crashed(reader: CaptureReader, step: int) -> None:

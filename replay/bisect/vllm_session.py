@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from replay.bisect.session import Run, Session, padded, refuse_crashed, start_for
+from replay.bisect.session import Run, Session, check_target, padded, refuse_crashed, start_for
 from replay.capture import CaptureReader, EngineConfig, Step
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -39,13 +39,14 @@ def eager(ec: EngineConfig, overrides: dict[str, str]) -> tuple[dict[str, str], 
 class VllmStepSession(Session):
     """Replays a capture on vLLM's runner up to step `step`, then re-executes that step on demand (each time from
     where the replay starts, on the same engine). `watch`: a request whose neighbours runs leave out, or swap
-    (`start_for`)."""
+    (`start_for`); `request`: the one the session is about, refused before the engine starts if the step does not
+    schedule it."""
 
     runner_kind = "vllm"
 
     def __init__(self, path: str | os.PathLike, step: int, overrides: dict[str, str] | None = None, *,
                  force: bool = False, log: Callable[[str], None] | None = None, from_start: bool = False,
-                 engines: Engines | None = None, watch: str | None = None) -> None:
+                 engines: Engines | None = None, watch: str | None = None, request: str | None = None) -> None:
         self.path = str(path)
         self.target = step
         self.log = log or (lambda msg: None)
@@ -54,6 +55,7 @@ class VllmStepSession(Session):
             self.header = header = r.header
             self.start = start_for(r, step, watch, from_start)
             refuse_crashed(r, step)
+            check_target(r, self.start, step, request)  # (before an engine starts for a step or request not there)
         overrides, eager_note = eager(header.engine_config, overrides)
         self.log(f"starting vLLM's runner for {path}")
         built = build_runner(header, overrides, force=force, capture=path, engines=engines)

@@ -100,6 +100,7 @@ class CorpusResult(msgspec.Struct):
     code: int
     # vLLM engines this run started: one per layout in this process or in each `--jobs` worker, one per capture on Ray
     engine_starts: int = 0
+    verdict: str = ""  # the summary line the terminal ends with (`corpus_verdict`)
 
 
 def corpus_paths(spec: str | os.PathLike) -> list[Path]:
@@ -247,7 +248,8 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
                  on_row: Callable[[CorpusRow], None] | None = None) -> CorpusResult:
     """Check every capture of `corpus` (see `corpus_paths`) with `opts`, fanned out `how`. `results`: a JSONL file
     each row is appended to as it finishes; rows already there for an unchanged capture are reused (resume).
-    `on_row`: called for each row as it arrives (progress)."""
+    `on_row`: called for each row as it arrives (progress). On vLLM's runner the captures checked in this process
+    share one engine per layout: from `opts.engines` where given (left open), else from a pool of its own."""
     t = time.perf_counter()
     paths = corpus_paths(corpus)
     spec = CheckSpec.of(opts or ReplayOptions())
@@ -268,7 +270,8 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     if out is not None and out.tell() and not _ends_with_newline(Path(results)):
         out.write(b"\n")  # a run killed mid-row left a torn line: the next row starts on its own
     in_here = not how.ray and (how.jobs <= 1 or len(todo) <= 1)  # then one vLLM engine serves each layout
-    engines = Engines() if in_here and _on_vllm(spec) else None
+    given = opts.engines if opts is not None and in_here else None  # a script's pool, left open for it
+    engines = given or (Engines() if in_here and _on_vllm(spec) else None)
     if engines is not None:
         task = functools.partial(check_one, engines=engines)
     else:
@@ -286,12 +289,24 @@ def check_corpus(corpus: str | os.PathLike, opts: ReplayOptions | None = None, *
     finally:
         if out is not None:
             out.close()
-        if engines is not None:
+        if engines is not None and given is None:
             engines.close()
     ordered = [rows[str(p)] for p in paths]
     good = sum(r.code == EXIT_OK for r in ordered)
     bad = sum(r.code == EXIT_DIVERGED for r in ordered)
     cannot = len(ordered) - good - bad
     code = EXIT_DIVERGED if bad else EXIT_OK if good else EXIT_CANNOT_TEST
-    return CorpusResult(str(corpus), how.describe(), ordered, corpus_groups(ordered), good, bad, cannot, resumed,
-                        round(time.perf_counter() - t, 3), code, started)
+    res = CorpusResult(str(corpus), how.describe(), ordered, corpus_groups(ordered), good, bad, cannot, resumed,
+                       round(time.perf_counter() - t, 3), code, started)
+    res.verdict = corpus_verdict(res)
+    return res
+
+
+def corpus_verdict(res: CorpusResult) -> str:
+    """'10 captures: 9 good, 1 bad, 0 cannot test (serial, 41.2 s, 1 vLLM engine(s) started)'."""
+    resumed = f", {res.resumed} resumed from the results file" if res.resumed else ""
+    started = f", {res.engine_starts} vLLM engine(s) started" if res.engine_starts else ""
+    lost = sum(bool(r.data_lost) for r in res.rows)
+    started += f"; {lost} of them lost data" if lost else ""
+    return (f"{len(res.rows)} captures: {res.good} good, {res.bad} bad, {res.cannot_test} cannot test "
+            f"({res.how}, {res.seconds:.1f} s{resumed}{started})")

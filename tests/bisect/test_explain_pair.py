@@ -13,6 +13,7 @@ import pytest
 
 from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, twin_groups
 from replay.bisect.leak import CONTAMINATION
+from replay.capture import CaptureReader, RequestAdded
 from replay.cli import main
 from replay.errors import UsageError
 from testbed.twins import record_twins
@@ -91,6 +92,12 @@ def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins, tmp_path):
         explain_pair(plain, "a", "c")
     with pytest.raises(UsageError, match="name two different requests"):  # a request is not its own twin
         explain_pair(plain, "n0", "n0")
+    with CaptureReader(agree) as r:  # an internal id, as divergences and bisects print it, names its request too
+        internal = next(rec.request.request_id for rec in r.records()
+                        if isinstance(rec, RequestAdded) and rec.request.name == "a")
+    assert internal != "a" and explain_pair(agree, internal, "b").found == NOTHING
+    with pytest.raises(UsageError, match="name two different requests"):
+        explain_pair(agree, internal, "a")
 
 
 def test_a_leak_is_contamination_though_the_twins_schedules_part_them_a_little_alone(tmp_path, monkeypatch, capsys):

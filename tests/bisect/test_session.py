@@ -9,7 +9,7 @@ import pytest
 
 from replay.bisect.batch import bisect_batch
 from replay.bisect.layers import bisect_layers
-from replay.bisect.session import co_batched
+from replay.bisect.session import co_batched, not_scheduled
 from replay.capture import CaptureReader, Step
 from replay.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from replay.errors import UsageError
@@ -100,3 +100,11 @@ def test_a_bisect_from_python_checks_its_knobs_and_runner(tmp_path):
         bisect_batch(path, 2, "req-0", overrides={"nonsense": "1"})
     with pytest.raises(UsageError, match="runner 'bogus'"):
         bisect_layers(path, 2, "req-0", runner="bogus")
+
+
+def test_a_request_named_by_an_openai_responses_id_is_pointed_at_its_prompts_requests():
+    """The response says `cmpl-ab`; the engine's requests are `cmpl-ab-0`, `cmpl-ab-1` (one per prompt)."""
+    said = str(not_scheduled("cmpl-ab", 4, ["cmpl-ab-0", "cmpl-cd-0", "cmpl-ab-1"]))
+    assert said.startswith("request 'cmpl-ab' is not scheduled in step 4 (scheduled: cmpl-ab-0, cmpl-cd-0, cmpl-ab-1)")
+    assert said.endswith("requests cmpl-ab-0, cmpl-ab-1, ...: cmpl-ab-0, cmpl-ab-1 here")
+    assert "OpenAI" not in str(not_scheduled("x", 4, ["y-0"]))

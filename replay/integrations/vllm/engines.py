@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from replay.errors import UsageError
+
 
 @dataclass(slots=True)
 class StartedEngine:
@@ -42,9 +44,15 @@ class Engines:
         self._started: OrderedDict[str, StartedEngine] = OrderedDict()
         self.keep = max(keep, 1)
         self.starts = 0  # engines started (a reuse does not count)
+        self.closed = False
 
-    def take(self, key: str, start: Callable[[], StartedEngine]) -> tuple[StartedEngine, bool]:
-        """The engine for `key`, started with `start()` if there is none yet; and whether it was just started."""
+    def take(self, key: str, start: Callable[[], StartedEngine],
+             alone_may_help: Callable[[Exception], bool] = lambda e: True) -> tuple[StartedEngine, bool]:
+        """The engine for `key`, started with `start()` if there is none yet; and whether it was just started.
+        `alone_may_help(e)`: whether a start that failed with `e` beside the engines held may succeed alone (False
+        for a configuration the engine refuses anyway: the engines held then stay)."""
+        if self.closed:
+            raise UsageError("this Engines pool is closed: open another (`with Engines() as engines:`)")
         engine = self._started.get(key)
         if engine is not None:
             self._started.move_to_end(key)
@@ -54,12 +62,12 @@ class Engines:
             shutdown(self._started.popitem(last=False)[1])
         try:
             engine = start()
-        except Exception:
-            if not self._started:
+        except Exception as e:
+            if not self._started or not alone_may_help(e):
                 raise
             # vLLM keeps one parallel state per process, set up by the first engine: one started beside it may
             # find it wanting (an MoE model's expert-parallel group, beside a dense model's engine). Alone, it starts.
-            self.close()
+            self._shut_all()
             engine = start()
         engine.replays = 1
         self._started[key] = engine
@@ -79,7 +87,11 @@ class Engines:
         shutdown(engine)
 
     def close(self) -> None:
-        """Shut every engine down (KV caches, weights, worker processes)."""
+        """Shut every engine down (KV caches, weights, worker processes); the pool starts none after."""
+        self.closed = True
+        self._shut_all()
+
+    def _shut_all(self) -> None:
         while self._started:
             shutdown(self._started.popitem()[1])
 

@@ -88,8 +88,6 @@ class VllmRunner:
         model = overrides.get("model") or m.location()
         if not os.path.isdir(model):
             raise UsageError(f"{model}: not a model directory (vLLM needs a local checkpoint; --set model=PATH)")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.log = VllmLog(log_beside, ".vllm-replay.log").start()
         self._engines = engines
         try:
@@ -101,7 +99,8 @@ class VllmRunner:
                               os.environ.get(FAULT_ENV)], sort_keys=True, default=str)
             start = lambda: StartedEngine(self._start(kwargs, bind, header, ec), seed=seed)  # noqa: E731
             while True:
-                self._engine, fresh = engines.take(key, start) if engines is not None else (start(), True)
+                self._engine, fresh = engines.take(key, start, lambda e: not isinstance(e, _Refused)) \
+                    if engines is not None else (start(), True)
                 if not fresh and self._engine.seed != seed and not self._engine.reseedable:
                     engines.discard(self._engine)  # its generators cannot be put where a start with `seed` puts them
                     continue
@@ -172,7 +171,12 @@ class VllmRunner:
 
             plant_test_fault()
         guard_kernel_rebind()  # an ngram engine earlier in this process must not stop this one from starting
-        before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        # while vLLM reads them, and no longer (a script's own vLLM engine later in this process chooses its own):
+        # the engine core in this process, a 1 GiB KV cache unless the user sized it, and the workers' binding
+        names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+        before = {k: os.environ.get(k) for k in names}
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if bind:  # vllm-cpu refuses to start more than one CPU worker without it on a single NUMA node
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         try:
@@ -185,13 +189,14 @@ class VllmRunner:
             if "block size" in msg.lower():
                 hint = (f" (the capture's KV block size is {ec.block_size}; vLLM's CPU attention takes multiples of "
                         "32: record with --block-size 32)")
-            raise UsageError(f"vLLM cannot build an engine for this capture: {msg}{hint}{self.log.where()}") from None
-        finally:  # the workers have read it: the next engine of this process chooses its own
-            if bind:
-                if before is None:
-                    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            refused = _Refused if _in_configuration(e) else UsageError
+            raise refused(f"vLLM cannot build an engine for this capture: {msg}{hint}{self.log.where()}") from None
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
                 else:
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+                    os.environ[k] = v
 
     def _recorded_threads(self, header: Header) -> None:
         """A one-worker engine runs its worker in this process, where nothing binds its threads: give it the
@@ -421,6 +426,24 @@ def _grammar_to_vllm(go: GrammarOutput[str] | None):
     return VGO(**_vllm_kwargs(VGO, dict(structured_output_request_ids=list(go.structured_output_request_ids),
                                         grammar_bitmask=go.grammar_bitmask.to_numpy(),
                                         num_acceptable_drafts=go.num_acceptable_drafts)))
+
+
+class _Refused(UsageError):
+    """vLLM refused the engine's configuration itself: no engine, started or not, has a say in it."""
+
+
+def _in_configuration(e: BaseException) -> bool:
+    """Whether `e` was raised while vLLM read its arguments into a configuration (`LLM`'s own checks, `EngineArgs`,
+    the config classes), before anything started: then the same arguments fail however many engines are up, where
+    a failure in a worker's start (one parallel state per process) may not."""
+    files = []
+    tb = e.__traceback__
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename.replace(os.sep, "/"))
+        tb = tb.tb_next
+    ours = [f for f in files if "/vllm/" in f]
+    return any("/vllm/engine/arg_utils.py" in f or "/vllm/config/" in f for f in ours) or (
+        bool(ours) and ours[-1].endswith("/vllm/entrypoints/llm.py"))
 
 
 def _said(e: Exception) -> str:

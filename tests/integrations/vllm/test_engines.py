@@ -12,8 +12,10 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from replay.bisect.batch import bisect_batch  # noqa: E402
+from replay.bisect.layers import bisect_layers  # noqa: E402
+from replay.bisect.leak import bisect_leak  # noqa: E402
 from replay.capture import CaptureReader  # noqa: E402
-from replay.errors import CaptureDamagedError  # noqa: E402
+from replay.errors import CaptureDamagedError, UsageError  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.processes.fanout import FanOut  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
@@ -80,6 +82,41 @@ def test_a_capture_with_no_readable_step_starts_no_engine(mixed, tmp_path):
         assert engines.starts == 0
 
 
+def test_arguments_vllm_refuses_leave_the_engines_held_as_they_were(mixed):
+    """A typo in a knob's value is refused by vLLM's configuration, which no engine held has a say in: the pool keeps
+    its engines (a real model's takes minutes to start again). A closed pool starts no engine."""
+    with Engines() as engines:
+        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
+        for knob in ({"dtype": "float16", "vllm.kv_cache_dtype": "bogus"}, {"vllm.max_logprobs": "-7"}):
+            with pytest.raises(UsageError, match="vLLM cannot build an engine for this capture"):
+                replay_capture(mixed, ReplayOptions(overrides={**VLLM, **knob}, engines=engines))
+            assert len(engines.held()) == 1
+        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
+        assert engines.starts == 1
+    with pytest.raises(UsageError, match="this Engines pool is closed"):
+        replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+
+
+def test_a_bisect_of_a_step_or_request_the_capture_lacks_starts_no_engine(mixed):
+    """Refused before vLLM starts, not after it and a replay to the step (seconds on a tiny model, minutes on a real
+    one); the request is named by its engine's internal id, or by the one a client saw."""
+    internal = next(rid for rid in _scheduled(mixed, 3) if rid.startswith("2-"))
+    with Engines() as engines:
+        with pytest.raises(UsageError, match="no step 999 in this capture"):
+            bisect_batch(mixed, 999, "2", overrides=VLLM, engines=engines)
+        with pytest.raises(UsageError, match="request 'nope' is not scheduled in step 3"):
+            bisect_leak(mixed, 3, "nope", overrides=VLLM, engines=engines)
+        with pytest.raises(UsageError, match="request 'nope' is not scheduled in step 3"):
+            bisect_layers(mixed, 3, "nope", overrides=VLLM, engines=engines)
+        assert engines.starts == 0
+        assert bisect_layers(mixed, 3, internal, overrides=VLLM, engines=engines).request == internal
+
+
+def _scheduled(capture, step: int) -> list[str]:
+    with CaptureReader(capture) as reader:
+        return list(reader.step(step).scheduler_output.num_scheduled_tokens)
+
+
 def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -88,6 +125,10 @@ def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
     res = check_corpus(corpus, ReplayOptions(overrides=VLLM))
     assert res.good == 3 and res.bad == 0 and res.engine_starts == 1, res
     assert [r.engine_starts for r in res.rows] == [1, 0, 0]
+    with Engines() as engines:  # a script's pool: the corpus takes its engine, and leaves it open
+        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
+        res = check_corpus(corpus, ReplayOptions(overrides=VLLM, engines=engines))
+        assert res.good == 3 and res.engine_starts == 0 and engines.starts == 1 and len(engines.held()) == 1, res
 
 
 def test_each_local_worker_keeps_its_engine_for_the_captures_it_checks(mixed, tmp_path):
