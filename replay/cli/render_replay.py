@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from replay.errors import VERBOSE_ENV
 from replay.replayer.suspects import LORA_SLOTS
 from replay.replayer.verdict import (
-    capture_diff_verdict,
     compared_counts,
     crash_verdict,
     divergence_verdict,
@@ -157,12 +156,7 @@ def render_corpus(res: CorpusResult) -> str:
         what = g.label
         counts = f"{g.diverged} of {g.captures} diverge" + (f", {g.cannot_test} cannot test" if g.cannot_test else "")
         lines.append(f"{counts}: {what}")
-    resumed = f", {res.resumed} resumed from the results file" if res.resumed else ""
-    started = f", {res.engine_starts} vLLM engine(s) started" if res.engine_starts else ""
-    lost = sum(bool(r.data_lost) for r in res.rows)
-    started += f"; {lost} of them lost data" if lost else ""
-    lines.append(f"{len(res.rows)} captures: {res.good} good, {res.bad} bad, {res.cannot_test} cannot test "
-                 f"({res.how}, {res.seconds:.1f} s{resumed}{started})")
+    lines.append(res.verdict)
     return "\n".join(lines)
 
 
@@ -274,7 +268,7 @@ def render_capture_diff(res: CaptureDiff, verbose: bool | None = None) -> str:
         lines.append(f"capture damaged ({'; '.join(res.data_lost[:3])}): each request compared up to where its "
                      "capture lost data")
     d = res.first_divergence
-    lines.append(capture_diff_verdict(res))
+    lines.append(res.verdict)
     if d is None:
         return "\n".join(lines)
     if d.kind == "token":

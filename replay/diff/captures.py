@@ -30,6 +30,7 @@ from replay.diff.rules import (
     same_distribution,
 )
 from replay.diff.step import BatchComposition, batch_composition
+from replay.diff.verdict import capture_diff_verdict
 from replay.errors import CaptureDamagedError, UsageError
 from replay.provenance import hardware_differences, header_differences, is_suspect
 
@@ -108,6 +109,7 @@ class CaptureDiff(msgspec.Struct):
     aligned_by_prompt: bool = False  # the runs share no request id: requests aligned by prompt and arrival order
     # unseeded random requests whose draws parted (from equal logprobs): compared up to there, not divergences
     draws_differ: int = 0
+    verdict: str = ""  # the sentence the terminal and the HTML report lead with (`replay.diff.verdict`)
 
 
 def _nothing_to_compare(a_path, b_path, a: AlignedRun, b: AlignedRun) -> NoReturn:
@@ -314,9 +316,11 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
             first.suspect = "configuration (" + "; ".join(knobs[:3]) + ")"
         else:
             first.suspect = "run-to-run nondeterminism"
-    return CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
-                       [a.name(k) for k in a.order if k not in b.prompts],
-                       [b.name(k) for k in b.order if k not in a.prompts],
-                       tol, [d.as_pair() for d in differences if d.affects != "host"], near_ties,
-                       [d.as_pair() for d in differences if d.affects == "host"],
-                       [f"A: {x}" for x in a.lost] + [f"B: {x}" for x in b.lost], bool(by_prompt), draws_differ)
+    res = CaptureDiff(str(a_path), str(b_path), first is not None, first, len(common), diverged_reqs,
+                      [a.name(k) for k in a.order if k not in b.prompts],
+                      [b.name(k) for k in b.order if k not in a.prompts],
+                      tol, [d.as_pair() for d in differences if d.affects != "host"], near_ties,
+                      [d.as_pair() for d in differences if d.affects == "host"],
+                      [f"A: {x}" for x in a.lost] + [f"B: {x}" for x in b.lost], bool(by_prompt), draws_differ)
+    res.verdict = capture_diff_verdict(res)
+    return res

@@ -318,6 +318,8 @@ def _repeat_digests(path: str | os.PathLike, opts: ReplayOptions) -> list[list[t
 
 def replay_capture(path: str | os.PathLike, opts: ReplayOptions | None = None) -> ReplayReport:
     """Replay `path` (`opts.repeat` times) and diff it against the recording."""
+    if opts is not None and not isinstance(opts, ReplayOptions):
+        raise TypeError(f"replay_capture(path, opts): opts is a ReplayOptions(...), not a {type(opts).__name__}")
     opts = opts or ReplayOptions()
     check_mode(opts.mode)
     env = env_knobs(opts.overrides)

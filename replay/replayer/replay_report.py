@@ -69,3 +69,8 @@ class ReplayReport(msgspec.Struct):
     rows_compared: int = 0  # logprob rows without a sampled token (partial prefills' discarded ones, prompt logprobs)
     rerun: str = ""  # the command that runs this comparison again, as it was asked for
     verdict: str = ""  # the sentence the terminal and the HTML report lead with (`replay_verdict`)
+
+    def __repr__(self) -> str:
+        # a notebook shows what the terminal leads with, not every step's summary (tens of thousands of characters)
+        return (f"ReplayReport({self.capture!r}: {self.verdict or ('DIVERGED' if self.diverged else 'MATCH')}; "
+                f"{self.steps_replayed} steps replayed)")

@@ -1,12 +1,13 @@
-"""The one-sentence verdicts of a comparison, written once: the terminal prints them (`replay run --diff`,
-`replay diff`) and the HTML report leads with them (`replay report`), so both say the same words."""
+"""The one-sentence verdicts of a replay, written once: the terminal prints them (`replay run --diff`) and the HTML
+report leads with them (`replay report`), so both say the same words (`replay diff`'s: `replay.diff.verdict`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from replay.diff.verdict import near_ties
+
 if TYPE_CHECKING:
-    from replay.diff import CaptureDiff
     from replay.replayer.replay_report import ReplayReport
 
 
@@ -28,14 +29,6 @@ def crash_verdict(rep: ReplayReport) -> str | None:
         return None
     then = f"raised {crash.replayed}" if crash.replayed else "ran through without an error"
     return f"DIVERGED: the recording crashed at step {crash.step} ({crash.recorded}); the replay {then}"
-
-
-def near_ties(count: int) -> str:
-    """'; 3 near-tie rank changes, within tolerance' ('' for none): positions whose rank or top-k order moved
-    among logprobs within the tolerance, which the comparison counts and does not call divergences."""
-    if not count:
-        return ""
-    return f"; {count} near-tie rank change{'s' * (count != 1)}, within tolerance"
 
 
 def rebuilt(rep: ReplayReport) -> str:
@@ -75,17 +68,3 @@ def replay_verdict(rep: ReplayReport) -> str:
                 + near_ties(sum(s.near_ties for s in rep.steps)) + rebuilt(rep)
                 + (" (data was lost: the readable prefix matches)" if rep.data_lost else ""))
     return crash_verdict(rep) or divergence_verdict(rep) or "DIVERGED"
-
-
-def capture_diff_verdict(res: CaptureDiff) -> str:
-    """The sentence `replay diff A B` leads with."""
-    d = res.first_divergence
-    tol = res.tolerance
-    within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
-    if d is None:
-        lost = " (data was lost: the readable prefixes match)" if res.data_lost else ""
-        return (f"MATCH: every common request produced the same tokens and logprobs{within}{near_ties(res.near_ties)}"
-                f"{lost}")
-    where = "token" if d.kind == "routed_experts" else "output position"
-    return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, {where} "
-            f"{d.position}{near_ties(res.near_ties)}")

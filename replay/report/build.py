@@ -26,7 +26,7 @@ from replay.diff import (
 from replay.errors import UsageError
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
 from replay.replayer.suspects import LORA_SLOTS
-from replay.replayer.verdict import capture_diff_verdict, replay_verdict
+from replay.replayer.verdict import replay_verdict
 from replay.report.comparison import cell_of, comparison_data
 from replay.report.origin import made_on
 from replay.report.page import Batch, Card, Page, render_page
@@ -86,7 +86,7 @@ def write_report(capture: str | os.PathLike, output: str | os.PathLike | None = 
     elif other is not None:
         res = diff_captures(capture, other, tolerance or Tolerance())
         page, first, lost = _captures_page(run, res, tolerance or Tolerance()), res.first_divergence, []
-        kind, verdict, diverged = "captures", capture_diff_verdict(res), res.diverged
+        kind, verdict, diverged = "captures", res.verdict, res.diverged
     else:
         page, first, lost, kind, diverged = _run_page(run), None, [], "none", False
         verdict = page.verdict
@@ -206,7 +206,7 @@ def _captures_page(run: RunFacts, res: CaptureDiff, tol: Tolerance) -> Page:
         for side, b in (("A", d.a_batch), ("B", d.b_batch)):
             if b is not None:  # (the divergences are placed at A's steps: B's batch marks the first one alone)
                 batches.append(_batch(b, first, divs if side == "A" else [], side))
-    return _page(run, capture_diff_verdict(res), "diverged" if res.diverged else "match", notes=notes,
+    return _page(run, res.verdict, "diverged" if res.diverged else "match", notes=notes,
                  commands=commands, cards=cards, batches=batches, comparison_text=text,
                  legend=_legend(data), comparison=data, per_request=per_request,
                  subtitle=f"A: {res.a} · B: {res.b} · written by replay {__version__}")

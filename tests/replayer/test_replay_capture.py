@@ -68,6 +68,7 @@ def test_self_replay_is_bitwise(rich_capture, mode):
     assert not rep.diverged, rep.first_divergence
     assert rep.verdict.startswith("MATCH: every replayed step equals the recording")  # as the terminal says it
     assert rep.steps_replayed == len(rep.steps) > 20 and rep.environment_differences == []
+    assert repr(rep) == f"ReplayReport({str(rich_capture)!r}: {rep.verdict}; {rep.steps_replayed} steps replayed)"
 
 
 def test_another_dtype_diverges_and_flips_are_classified(rich_capture):
