@@ -78,5 +78,7 @@ def module_verdict(head: str, diffs: list[ModuleDiff], same: str, apart: str) ->
     first = next((d for d in diffs if not d.equal), None)
     if first is None:
         return f"{head}: every module's output ({len(diffs)} compared) is bitwise the same {same}"
-    return (f"{head}: the first module whose output differs {apart} is {first.module} "
-            f"(max |Δ| {first.max_abs:.3g}, {first.max_ulps:.3g} ULPs)")
+    # 0 ULPs where the outputs differ: two dtypes, the finer side's values rounding to the coarser side's
+    ulp = f"{first.max_ulps:.3g} ULPs" if first.max_ulps else "0 ULPs: equal once rounded to the coarser dtype"
+    return f"{head}: the first module whose output differs {apart} is {first.module} (max |Δ| {first.max_abs:.3g}, " \
+           f"{ulp})"

@@ -70,6 +70,10 @@ def check_overrides(overrides: dict[str, object]) -> dict[str, str]:
     return parse_overrides([f"{k}={'' if v is None else v}" for k, v in overrides.items()]) if overrides else {}
 
 
+# what either runner takes (the builtin one the first three; vLLM's, its own names for them too)
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float", "half", "auto")
+
+
 def _checked(key: str, value: str) -> str:
     """`value` of our own knob `key`, checked and normalised."""
     if key == "threads" and not (value.isdigit() and int(value) >= 1):
@@ -78,6 +82,8 @@ def _checked(key: str, value: str) -> str:
         raise UsageError(f"--set seed={value}: expected a non-negative integer")
     if key in ("batch_invariant", "enforce_eager") and value.lower() not in BOOLEANS:
         raise UsageError(f"--set {key}={value}: expected true or false")
+    if key == "dtype" and value not in DTYPE_NAMES:
+        raise UsageError(f"--set dtype={value}: expected one of {', '.join(DTYPE_NAMES)}")
     if key == "runner" and value not in RUNNERS:
         raise UsageError(f"--set runner={value}: expected builtin or vllm")
     if key in LAYOUT_KNOBS:

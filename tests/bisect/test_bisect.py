@@ -9,11 +9,13 @@ import random
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from replay.bisect.batch import PAD_SIZES, bisect_batch
 from replay.bisect.config import bisect_config
 from replay.bisect.layers import bisect_layers
+from replay.bisect.module_compare import compare_modules, module_verdict
 from replay.bisect.steps import bisect_steps
 from replay.capture import CaptureReader, RequestAdded, Step, StepRange
 from replay.cli import app
@@ -274,3 +276,14 @@ def test_ulps_count_the_floats_between_two_outputs_across_zero_too():
     assert _ulps(torch.tensor([0.0], dtype=bf16), torch.tensor([1e-3], dtype=bf16)) < 2**16
     assert _ulps(torch.tensor([1.0], dtype=f32), torch.tensor([1.0078125], dtype=bf16)) == 1  # in bfloat16's units
     assert _ulps(torch.tensor([float("nan"), 2.0]), torch.tensor([float("nan"), 2.0])) == 0
+
+
+def test_outputs_that_differ_only_by_rounding_to_the_coarser_dtype_say_so():
+    """float32 against bfloat16: every module differs, and at the first the difference is bfloat16's rounding."""
+    a = torch.tensor([1.0001, 2.5, -3.0])
+    [same] = compare_modules([("embed", a)], [("embed", a.to(torch.bfloat16))])
+    assert not same.equal and same.max_abs > 0 and same.max_ulps == 0
+    said = module_verdict("request r at step 0", [same], "", "against dtype=bfloat16")
+    assert said.endswith("is embed (max |Δ| 0.0001, 0 ULPs: equal once rounded to the coarser dtype)"), said
+    [apart] = compare_modules([("embed", a)], [("embed", (a + 0.5).to(torch.bfloat16))])
+    assert module_verdict("r", [apart], "", "x").endswith(f"{apart.max_ulps:.3g} ULPs)") and apart.max_ulps > 0
