@@ -66,10 +66,12 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
                  overrides: dict[str, str] | None = None, hooks: list[Callable[[], Any]] | None = None,
                  log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None,
                  from_start: bool = False, engines: Engines | None = None) -> BatchBisect:
-    """See the module docstring. `hooks` (callables returning hook handles) are installed for every run (builtin
-    runner). `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner; with environment knobs the
-    bisect runs in a fresh process started with them. The replay to the step starts at the nearest keyframe unless
-    `from_start`. `engines`: started vLLM engines to run on (`replay.integrations.vllm.engines`)."""
+    """Whether request `request`'s logits at step `step` depend on its batch: alone against as recorded, the 1-minimal
+    set of neighbours that changes them (ddmin), and a padding sweep (the module docstring). `hooks` (callables
+    returning hook handles) are installed for every run (builtin runner). `overrides`: `--set` knobs, `runner=vllm`
+    among them for vLLM's runner; with environment knobs the bisect runs in a fresh process started with them. The
+    replay to the step starts at the nearest keyframe unless `from_start`. `engines`: started vLLM engines to run on
+    (`replay.integrations.vllm.engines`)."""
     tol = tol or Tolerance()
     env = env_knobs(overrides or {})
     if env and not applied(env):

@@ -75,8 +75,10 @@ def _pick(divergences: list[Divergence], step: int | None, request: str | None) 
 
 def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = None, *, step: int | None = None,
                        request: str | None = None, log: Callable[[str], None] | None = None) -> DivergenceExplanation:
-    """See the module docstring. `opts`: how to replay (knobs, tolerance, runner); `step`/`request` pick the
-    divergence (default: the first)."""
+    """Bug or noise: the class of a replay's first divergence (NOT-ARGMAX, RUN-TO-RUN, SAMPLER, CONFIG, CONTAMINATION,
+    BATCH VARIANCE or RECORDING NOT REPEATABLE; the module docstring gives the order), with the evidence and a command
+    that reproduces it. `opts`: how to replay (knobs, tolerance, runner); `step`/`request` pick the divergence (default:
+    the first)."""
     log = log or (lambda msg: None)
     path = str(path)
     opts = opts or ReplayOptions()

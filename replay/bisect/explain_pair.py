@@ -185,7 +185,9 @@ def twin_groups(path: str | os.PathLike) -> list[Twins]:
 def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str, str] | None = None,
                  plant: Plant | None = None, log: Callable[[str], None] | None = None, from_start: bool = False,
                  engines: Engines | None = None) -> PairExplanation:
-    """See the module docstring. `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (every
+    """Bug or noise for twins `a` and `b` (the same prompt and sampling, two answers; external or internal ids):
+    where they part, whether each alone repeats itself, and whether a neighbour's content or the batches' shapes
+    part them (the module docstring). `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (every
     re-execution then runs on one engine, from `engines` where given). `plant`: a fault added in every
     re-execution of its step (a planted leak). Each replay starts at the nearest keyframe (an earlier one where
     every one of the request's neighbours at its step is live there: they are left out, or swapped, in every step),

@@ -78,7 +78,9 @@ def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: t
                 overrides: dict[str, str] | None = None, plant: Plant | None = None,
                 log: Callable[[str], None] | None = None, from_start: bool = False,
                 engines: Engines | None = None) -> LeakBisect:
-    """See the module docstring. `contents`: the kinds of other content tried, in order, until one moves R.
+    """Whether request `request`'s logits at step `step` move when its neighbours get other token ids of the same
+    shapes (contamination), which neighbours (a 1-minimal set) and the first module that moves; the module docstring
+    says why nothing else may move them. `contents`: the kinds of other content tried, in order, until one moves R.
     `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (environment knobs: in a fresh process
     started with them). `plant`: a fault added at S in every run (a planted leak, `STEP:R:MODULE:SIZE*NEIGHBOUR`,
     is what the tests find). The replay to S starts at the nearest keyframe (one before R's neighbours at S were

@@ -237,7 +237,9 @@ def _routing_mismatch(name: str, ra: dict[int, tuple[int, np.ndarray]],
 
 
 def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tolerance | None = None) -> CaptureDiff:
-    """Compare two captures request by request (see the module docstring)."""
+    """Compare two recorded runs of one workload request by request: each request's sampled tokens and logprobs in
+    A against B's (aligned by id, else by prompt, sampling and arrival order), to the first divergence, with a
+    suspect from how the headers and batches differ; `.verdict` is the sentence `replay diff` prints."""
     tol = tol or Tolerance()
     a, b = read_aligned(a_path), read_aligned(b_path)
     by_prompt = not any(k in b.prompts for k in a.order) and (a.names or b.names)

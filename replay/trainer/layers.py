@@ -86,12 +86,14 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
                    engines: Engines | None = None, hook: Callable[[Any], None] | None = None,
                    dump: str | os.PathLike | None = None, model: Any | None = None,
                    against: str = "transformers", device: str = "cpu") -> TrainerLayers:
-    """See the module docstring. `plant`: a fault on the replay side (`--plant`); `hook(model)`: called on the trainer's
-    transformers model once loaded (a test plants the trainer side's fault with it); `dump`: a directory for both
-    sides' outputs of the modules around the first one beyond the tolerance; `model`: the trainer's model, already
-    loaded from `model_path` in `dtype` (else it is loaded here); `against`: "transformers" (the trainer's forward)
-    or "builtin" (the builtin runner's replay of the step, in `dtype`, on the trainer's side); `device`: where the
-    trainer's forward runs (the builtin runner's replay stays on the CPU)."""
+    """The first module whose output for one token moves beyond the dtype's tolerance between the replay's step and
+    the trainer's forward (the module docstring says how modules are paired). `plant`: a fault on the replay side
+    (`--plant`); `hook(model)`: called on the trainer's transformers model once loaded (a test plants the trainer
+    side's fault with it); `dump`: a directory for both sides' outputs of the modules around the first one beyond the
+    tolerance; `model`: the trainer's model, already loaded from `model_path` in `dtype` (else it is loaded here);
+    `against`: "transformers" (the trainer's forward) or "builtin" (the builtin runner's replay of the step, in
+    `dtype`, on the trainer's side); `device`: where the trainer's forward runs (the builtin runner's replay stays on
+    the CPU)."""
     path = str(path)
     check_against(against)
     data = read_rollouts(path, [request])

@@ -105,7 +105,8 @@ class TrainerReport(msgspec.Struct):
 
 def score_capture(path: str | os.PathLike, opts: TrainerOptions | None = None, *,
                   engines: Engines | None = None, hook: Callable[[Any], None] | None = None) -> TrainerReport:
-    """See the module docstring. `engines`: started vLLM engines the bisect may run on (else it starts its own).
+    """Score every rollout of capture `path` with the trainer's forward against what vLLM returned, like for like,
+    with the figures RL teams log. `engines`: started vLLM engines the bisect may run on (else it starts its own).
     `hook(model)`: called on the trainer's model once loaded (a test plants a trainer-side fault with it)."""
     opts = opts or TrainerOptions()
     if opts.micro_batch < 1 or opts.clip <= 0:
