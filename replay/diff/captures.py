@@ -30,7 +30,7 @@ from replay.diff.rules import (
     same_distribution,
 )
 from replay.diff.step import BatchComposition, batch_composition
-from replay.diff.verdict import capture_diff_verdict
+from replay.diff.verdict import near_ties
 from replay.errors import CaptureDamagedError, UsageError
 from replay.provenance import hardware_differences, header_differences, is_suspect
 
@@ -109,7 +109,7 @@ class CaptureDiff(msgspec.Struct):
     aligned_by_prompt: bool = False  # the runs share no request id: requests aligned by prompt and arrival order
     # unseeded random requests whose draws parted (from equal logprobs): compared up to there, not divergences
     draws_differ: int = 0
-    verdict: str = ""  # the sentence the terminal and the HTML report lead with (`replay.diff.verdict`)
+    verdict: str = ""  # the sentence the terminal and the HTML report lead with (`capture_diff_verdict`)
 
 
 def _nothing_to_compare(a_path, b_path, a: AlignedRun, b: AlignedRun) -> NoReturn:
@@ -326,3 +326,17 @@ def diff_captures(a_path: str | os.PathLike, b_path: str | os.PathLike, tol: Tol
                       [f"A: {x}" for x in a.lost] + [f"B: {x}" for x in b.lost], bool(by_prompt), draws_differ)
     res.verdict = capture_diff_verdict(res)
     return res
+
+
+def capture_diff_verdict(res: CaptureDiff) -> str:
+    """The sentence `replay diff A B` leads with."""
+    d = res.first_divergence
+    tol = res.tolerance
+    within = "" if tol.bitwise else f" within atol {tol.atol:g}, rtol {tol.rtol:g}"
+    if d is None:
+        lost = " (data was lost: the readable prefixes match)" if res.data_lost else ""
+        return (f"MATCH: every common request produced the same tokens and logprobs{within}{near_ties(res.near_ties)}"
+                f"{lost}")
+    where = "token" if d.kind == "routed_experts" else "output position"
+    return (f"DIVERGED: {res.requests_diverged} request(s) differ; first: request {d.request_id}, {where} "
+            f"{d.position}{near_ties(res.near_ties)}")

@@ -1,5 +1,5 @@
 """The one-sentence verdicts of a replay, written once: the terminal prints them (`replay run --diff`) and the HTML
-report leads with them (`replay report`), so both say the same words (`replay diff`'s: `replay.diff.verdict`)."""
+report leads with them (`replay report`), so both say the same words (`replay diff`'s: `replay.diff.captures`)."""
 
 from __future__ import annotations
 
