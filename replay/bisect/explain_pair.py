@@ -29,6 +29,7 @@ import torch
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
+from replay.bisect.session import openai_hint
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
 from replay.diff.captures import AlignedRun, read_aligned
@@ -201,10 +202,8 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
         raise UsageError(f"explain --pair {a} {b}: name two different requests (twins: the same prompt and sampling)")
     for name in (a, b):
         if name not in arrivals:
-            prompts = [x for x in arrivals if x.startswith(f"{name}-")]
-            raise UsageError(f"{path}: no request {name!r} " + (
-                f"(an OpenAI response's id names its prompts' requests: {', '.join(prompts[:4])})" if prompts else
-                f"(requests: {', '.join(list(arrivals)[:8])}, ...)"))
+            raise UsageError(f"{path}: no request {name!r} (requests: {', '.join(list(arrivals)[:8])}, ...)"
+                             + openai_hint(name, arrivals))
     if _twin_key(arrivals[a]) is None or _twin_key(arrivals[a]) != _twin_key(arrivals[b]):
         raise UsageError(f"requests {a} and {b} do not share their prompt and sampling (greedy, or the same seed): "
                          "two answers are expected")

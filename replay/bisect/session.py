@@ -16,7 +16,7 @@ from replay.capture import CaptureReader, Header, Keyframe, RequestAdded, Step
 from replay.capture.reading.keyframe_seek import chunks_from
 from replay.contracts import GrammarOutput, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from replay.contracts.lora import lora_fields
-from replay.errors import UsageError
+from replay.errors import CaptureDamagedError, UsageError
 from replay.replayer.start import Start, clear_of, records_from, start_at
 from replay.replayer.swap import Swap
 
@@ -136,16 +136,7 @@ def start_for(reader: CaptureReader, step: int, watch: str | None, from_start: b
     start = start_at(reader, step, from_start=from_start)
     if watch is None or start.keyframe is None:
         return start
-    ids: dict[str, str] = {}  # external id -> internal id
-    found = None
-    for rec in records_from(reader, start):
-        if isinstance(rec, Keyframe):
-            ids.update((x.request.name, x.request.request_id) for x in rec.requests)
-        elif isinstance(rec, RequestAdded):
-            ids[rec.request.name] = rec.request.request_id
-        elif isinstance(rec, Step) and rec.index >= step:
-            found = rec if rec.index == step else None
-            break
+    ids, found = _names_to(reader, start, step)
     rid = ids.get(watch, watch)
     if found is None or rid not in found.scheduler_output.num_scheduled_tokens:
         return start  # (the session says what is wrong with the step or the request)
@@ -156,17 +147,12 @@ def start_for(reader: CaptureReader, step: int, watch: str | None, from_start: b
 def check_target(reader: CaptureReader, start: Start, step: int, request: str | None) -> None:
     """Refuse, before a runner is built for them, a step the capture does not hold and a request (external or internal
     id) not scheduled in it: reads the records from `start` to the step."""
-    ids: dict[str, str] = {}  # external id -> internal id
-    found = None
-    for rec in records_from(reader, start):
-        if isinstance(rec, Keyframe):
-            ids.update((x.request.name, x.request.request_id) for x in rec.requests)
-        elif isinstance(rec, RequestAdded):
-            ids[rec.request.name] = rec.request.request_id
-        elif isinstance(rec, Step) and rec.index >= step:
-            found = rec if rec.index == step else None
-            break
+    ids, found = _names_to(reader, start, step)
     if found is None:
+        lost = [d for d in reader.damage if d.first_step is not None and d.first_step <= step <= (d.last_step or step)]
+        if lost:
+            raise CaptureDamagedError(reader.path, f"step {step} is in a damaged part of the capture: "
+                                      f"{lost[0].describe()}")
         raise UsageError(f"{reader.path}: no step {step} in this capture")
     if request is None or ids.get(request, request) in found.scheduler_output.num_scheduled_tokens:
         return
@@ -174,14 +160,32 @@ def check_target(reader: CaptureReader, start: Start, step: int, request: str | 
     raise not_scheduled(request, step, [names.get(r, r) for r in found.scheduler_output.num_scheduled_tokens])
 
 
+def _names_to(reader: CaptureReader, start: Start, step: int) -> tuple[dict[str, str], Step | None]:
+    """The requests named from `start` up to step `step` (external id -> internal id: the keyframe's, then each
+    arrival), and that step's record (None where the capture has no step `step`)."""
+    ids: dict[str, str] = {}
+    for rec in records_from(reader, start):
+        if isinstance(rec, Keyframe):
+            ids.update((x.request.name, x.request.request_id) for x in rec.requests)
+        elif isinstance(rec, RequestAdded):
+            ids[rec.request.name] = rec.request.request_id
+        elif isinstance(rec, Step) and rec.index >= step:
+            return ids, rec if rec.index == step else None
+    return ids, None
+
+
 def not_scheduled(name: str, step: int, scheduled: list[str]) -> UsageError:
-    """The refusal of request `name` at a step that schedules `scheduled` (external ids) and not it. An OpenAI
-    server's response carries `cmpl-...`, and its engine's requests are `cmpl-...-0`, `-1`, ... (one per prompt):
-    those are named."""
-    hint = [x for x in scheduled if x.startswith(f"{name}-")]
+    """The refusal of request `name` at a step that schedules `scheduled` (external ids) and not it."""
     return UsageError(f"request {name!r} is not scheduled in step {step} (scheduled: {', '.join(scheduled)})"
-                      + (f"; an OpenAI response's id names its prompts' requests {name}-0, {name}-1, ...: "
-                         f"{', '.join(hint)} here" if hint else ""))
+                      + openai_hint(name, scheduled))
+
+
+def openai_hint(name: str, names: Iterable[str]) -> str:
+    """'; an OpenAI response's id names ...' where `name` is a response's id (`cmpl-...`) and `names` hold its
+    engine's requests `cmpl-...-0`, `-1`, ... (one per prompt); '' otherwise."""
+    prompts = [x for x in names if x.startswith(f"{name}-")]
+    return (f"; an OpenAI response's id names its prompts' requests {name}-0, {name}-1, ...: {', '.join(prompts[:4])} "
+            "here" if prompts else "")
 
 
 def refuse_crashed(reader: CaptureReader, step: int) -> None:

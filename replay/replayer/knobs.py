@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from replay.engine.config import DTYPES
 from replay.errors import UsageError
 from replay.integrations.vllm.layout import ENGINE_ARG, LAYOUT_KNOBS, check_layout_knob
 
@@ -70,8 +71,7 @@ def check_overrides(overrides: dict[str, object]) -> dict[str, str]:
     return parse_overrides([f"{k}={'' if v is None else v}" for k, v in overrides.items()]) if overrides else {}
 
 
-# what either runner takes (the builtin one the first three; vLLM's, its own names for them too)
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float", "half", "auto")
+VLLM_DTYPES = ("float32", "bfloat16", "float16", "float", "half", "auto")  # vLLM's `ModelDType`
 
 
 def _checked(key: str, value: str) -> str:
@@ -82,8 +82,6 @@ def _checked(key: str, value: str) -> str:
         raise UsageError(f"--set seed={value}: expected a non-negative integer")
     if key in ("batch_invariant", "enforce_eager") and value.lower() not in BOOLEANS:
         raise UsageError(f"--set {key}={value}: expected true or false")
-    if key == "dtype" and value not in DTYPE_NAMES:
-        raise UsageError(f"--set dtype={value}: expected one of {', '.join(DTYPE_NAMES)}")
     if key == "runner" and value not in RUNNERS:
         raise UsageError(f"--set runner={value}: expected builtin or vllm")
     if key in LAYOUT_KNOBS:
@@ -96,6 +94,10 @@ def _checked(key: str, value: str) -> str:
 
 def _check_runner(out: dict[str, str]) -> None:
     """Refuse, in one line naming the knob and the runner, what the chosen runner cannot apply."""
+    dtypes = VLLM_DTYPES if out.get("runner") == "vllm" else DTYPES
+    if "dtype" in out and out["dtype"] not in dtypes:
+        raise UsageError(f"--set dtype={out['dtype']}: expected one of {', '.join(dtypes)} on the "
+                         f"{out.get('runner', 'builtin')} runner")
     layout = [k for k in out if k in LAYOUT_KNOBS]
     if layout and out.get("runner") != "vllm":
         raise UsageError(f"--set {', '.join(layout)}: a vLLM layout knob; it needs vLLM's runner (--runner vllm): the "

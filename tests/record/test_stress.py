@@ -42,7 +42,7 @@ def test_stress_in_an_environment_of_its_own_runs_there_and_refuses_other_knobs(
     cfg = EngineConfig(runner=RunnerConfig(num_threads=1))
     serial = stress(PROMPT, cfg, trials=3, seed=3)
     assert stress(PROMPT, cfg, trials=3, seed=3, env={"OMP_WAIT_POLICY": "PASSIVE"}) == serial  # a fresh process
-    out = CliRunner().invoke(app, ["stress", "--prompt-token-ids", "5,6,7", "--set", "dtype=bfloat16"])
+    out = CliRunner().invoke(app, ["stress", "--prompt-token-ids", "5,6,7", "--set", "dtype=float64"])
     assert out.exit_code == 2 and "stress runs the builtin engine" in out.output
     out = CliRunner().invoke(app, ["stress", "--prompt-token-ids", "5,6,7", "--neighbours", "5:1"])
     assert out.exit_code == 2 and "--neighbours '5:1': expected 0 <= MIN <= MAX" in out.output

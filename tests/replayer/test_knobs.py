@@ -24,8 +24,8 @@ def test_an_engine_argument_we_also_name_is_our_knob():
 
 
 def test_environment_knobs_apply_to_both_runners():
-    assert parse_overrides(["env.ATEN_CPU_CAPABILITY=avx2", "dtype=bfloat16"]) == {
-        "env.ATEN_CPU_CAPABILITY": "avx2", "dtype": "bfloat16"}
+    assert parse_overrides(["env.ATEN_CPU_CAPABILITY=avx2", "dtype=float64"]) == {
+        "env.ATEN_CPU_CAPABILITY": "avx2", "dtype": "float64"}
 
 
 @pytest.mark.parametrize("items,message", [
@@ -36,7 +36,9 @@ def test_environment_knobs_apply_to_both_runners():
     (["env.NAME"], "expected env.NAME=VALUE"),
     (["runner=vllm", "threads=2"], "threads: builtin runner only"),
     (["nonsense=1"], "unknown knob 'nonsense'; knobs are .* vllm.ARG .* env.NAME"),
-    (["dtype=float99"], "dtype=float99: expected one of float32, bfloat16, float16"),
+    (["dtype=float99"], "dtype=float99: expected one of float32, bfloat16, float16, float64 on the builtin runner"),
+    (["dtype=half"], "dtype=half: expected one of float32, bfloat16, float16, float64 on the builtin runner"),
+    (["runner=vllm", "dtype=float64"], "dtype=float64: expected one of float32, .*, auto on the vllm runner"),
 ])
 def test_what_a_runner_cannot_apply_is_refused_in_one_line(items, message):
     with pytest.raises(UsageError, match=message):

@@ -94,8 +94,8 @@ class VllmRunner:
             kwargs, bind = self._plan(model, m, ec, overrides, header)
             env = header.environment  # what decides the threads it computes with, too
             threads = [env.num_threads, env.env.get("OMP_NUM_THREADS"), env.env.get("MKL_DYNAMIC")]
-            seed = kwargs["seed"]
-            key = json.dumps([{k: v for k, v in kwargs.items() if k != "seed"}, bind, threads,
+            seed = _as_seed(kwargs.get("seed"))  # (None: a seed the pool cannot compare; then it is in the key)
+            key = json.dumps([{k: v for k, v in kwargs.items() if k != "seed" or seed is None}, bind, threads,
                               os.environ.get(FAULT_ENV)], sort_keys=True, default=str)
             start = lambda: StartedEngine(self._start(kwargs, bind, header, ec), seed=seed)  # noqa: E731
             while True:
@@ -142,7 +142,8 @@ class VllmRunner:
         self._recorded_threads(header)
         if self._engines is not None and fresh:  # what a reuse puts back: the generators as the engine started
             self._engine.rng = self.executor.collective_rpc(rng_state)
-            self._engine.reseedable = all(self.executor.collective_rpc(seeded_as_started, args=(seed,)))
+            self._engine.reseedable = seed is not None and all(
+                self.executor.collective_rpc(seeded_as_started, args=(seed,)))
         elif self._engines is not None and self._engine.reseedable:
             self.executor.collective_rpc(reseed, args=(seed,))
             core.vllm_config.model_config.seed = self._engine.seed = seed  # (what describe() reports)
@@ -172,9 +173,12 @@ class VllmRunner:
             plant_test_fault()
         guard_kernel_rebind()  # an ngram engine earlier in this process must not stop this one from starting
         # while vLLM reads them, and no longer (a script's own vLLM engine later in this process chooses its own):
-        # the engine core in this process, a 1 GiB KV cache unless the user sized it, and the workers' binding
+        # the engine core in this process, a 1 GiB KV cache unless the user sized it, and the workers' binding.
+        # vLLM caches what it read once an engine core is up: that cache goes, before and after, or an engine
+        # started next would read the last one's
         names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
         before = {k: os.environ.get(k) for k in names}
+        _forget_vllm_envs()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if bind:  # vllm-cpu refuses to start more than one CPU worker without it on a single NUMA node
@@ -197,6 +201,7 @@ class VllmRunner:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            _forget_vllm_envs()
 
     def _recorded_threads(self, header: Header) -> None:
         """A one-worker engine runs its worker in this process, where nothing binds its threads: give it the
@@ -432,18 +437,38 @@ class _Refused(UsageError):
     """vLLM refused the engine's configuration itself: no engine, started or not, has a say in it."""
 
 
+def _as_seed(value: Any) -> int | None:
+    """The engine seed as vLLM's configuration takes it (`--set vllm.seed=1.0` is 1); None where it is no number."""
+    try:
+        number = float(value if value is not None else 0)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number.is_integer() else None
+
+
+def _forget_vllm_envs() -> None:
+    """Drop vLLM's cache of the environment variables it read (`vllm.envs`, from 0.31), so the next read sees them."""
+    import vllm.envs
+
+    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+
+
 def _in_configuration(e: BaseException) -> bool:
     """Whether `e` was raised while vLLM read its arguments into a configuration (`LLM`'s own checks, `EngineArgs`,
     the config classes), before anything started: then the same arguments fail however many engines are up, where
     a failure in a worker's start (one parallel state per process) may not."""
+    import vllm
+
+    root = os.path.dirname(os.path.abspath(vllm.__file__))
     files = []
     tb = e.__traceback__
     while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename.replace(os.sep, "/"))
+        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if name.startswith(root + os.sep):
+            files.append(os.path.relpath(name, root).replace(os.sep, "/"))
         tb = tb.tb_next
-    ours = [f for f in files if "/vllm/" in f]
-    return any("/vllm/engine/arg_utils.py" in f or "/vllm/config/" in f for f in ours) or (
-        bool(ours) and ours[-1].endswith("/vllm/entrypoints/llm.py"))
+    return any(f == "engine/arg_utils.py" or f.startswith("config/") for f in files) or (
+        bool(files) and files[-1] == "entrypoints/llm.py")
 
 
 def _said(e: Exception) -> str:

@@ -79,35 +79,30 @@ def force_sampled_tokens(worker: Any, forced: dict[str, tuple[int, list[int]]]) 
 
 
 def rng_state(worker: Any) -> dict:
-    """On one worker: its global random generators' state (torch's CPU one, and every CUDA device's), which draws
-    the samples of unseeded requests."""
-    import torch
-
-    cuda = [s for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
-    return {"rank": _rank(worker), "cpu": torch.get_rng_state(), "cuda": cuda}
+    """On one worker: its global random generators' state (torch's CPU one, every CUDA device's, Python's and
+    numpy's: vLLM's samplers draw unseeded requests' samples, or seeds, from them)."""
+    return {"rank": _rank(worker), "states": _all_states()}
 
 
 def set_rng_state(worker: Any, states: list[dict]) -> None:
     """On one worker: its generators put back to the state `rng_state` read on it (found by its rank)."""
-    import torch
-
     mine = next((s for s in states if s["rank"] == _rank(worker)), None)
-    if mine is None:
-        return
-    torch.set_rng_state(mine["cpu"])
-    if mine["cuda"]:
-        torch.cuda.set_rng_state_all(mine["cuda"])
+    if mine is not None:
+        _put_all_states(mine["states"])
 
 
 def seeded_as_started(worker: Any, seed: int) -> bool:
-    """On one worker: whether its generators (torch's, CUDA's, Python's, numpy's) stand exactly where vLLM's
-    `set_random_seed(seed)` puts them. vLLM reseeds them at the end of its warm-up, so after a start they do, and
-    reseeding such an engine to another seed leaves what a fresh start with that seed would. Left as they were."""
+    """On one worker: whether its generators stand exactly where vLLM's `set_random_seed(seed)` puts them. vLLM
+    reseeds them at the end of its warm-up, so after a start they do, and reseeding such an engine to another seed
+    leaves what a fresh start with that seed would. Left as they were; False where it cannot tell."""
     before = _all_states()
-    _reseed(worker, seed)
-    after = _all_states()
-    _put_all_states(before)
-    return _same(before, after)
+    try:
+        _reseed(worker, seed)
+        return _same(before, _all_states())
+    except Exception:  # noqa: BLE001 - a seed vLLM took and its generators do not: no reuse across seeds then
+        return False
+    finally:
+        _put_all_states(before)
 
 
 def reseed(worker: Any, seed: int) -> None:
@@ -121,11 +116,16 @@ def reseed(worker: Any, seed: int) -> None:
 
 
 def _reseed(worker: Any, seed: int) -> None:
+    import inspect
+
     from vllm.utils.torch_utils import set_random_seed
 
     inner = getattr(worker, "worker", worker)
     dp = int(getattr(getattr(inner, "parallel_config", None), "data_parallel_index", 0) or 0)
-    set_random_seed(seed, dp) if dp else set_random_seed(seed)  # (vLLM 0.31's takes the seed alone)
+    if dp and len(inspect.signature(set_random_seed).parameters) > 1:
+        set_random_seed(seed, dp)  # (0.32's warm-up reseeds with the data-parallel index; 0.31's with the seed alone)
+    else:
+        set_random_seed(seed)
 
 
 def _all_states() -> list[Any]:

@@ -55,7 +55,12 @@ def test_captures_that_differ_in_the_engine_seed_share_one_engine(mixed, tmp_pat
     assert unseeded[0] != unseeded[1]  # the seed decided the unseeded request's tokens
     with Engines() as engines:
         reps = [replay_capture(c, ReplayOptions(overrides=VLLM, engines=engines)) for c in (mixed, seven, mixed)]
+        reps.append(replay_capture(seven, ReplayOptions(overrides={**VLLM, "vllm.seed": "7.0"}, engines=engines)))
         assert engines.starts == 1
+        [engine] = engines.held()
+        engine.reseedable = False  # as an engine whose warm-up drew after vLLM reseeded it would be: not reused
+        reps.append(replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)))
+        assert engines.starts == 2 and engine not in engines.held()
     for rep in reps:
         assert not rep.diverged and rep.foreign_draws_differ == 0 and rep.tokens_compared > 0, rep.first_divergence
         assert not rep.environment_differences, rep.environment_differences  # it says the recording's seed
