@@ -36,6 +36,7 @@ class StepSession(Session):
             built = build_runner(r.header, overrides or {}, force=force, extra_blocks=PAD_BLOCKS)
             self.runner = built.builtin("bisecting a step")
             self.notes = built.notes
+            self.differences = built.differences
         self.vocab_size = self.runner.vocab_size
         self.empty = self.runner.snapshot(kv=False)  # where a replay with other content starts over
         loop = self._replay(None)

