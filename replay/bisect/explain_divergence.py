@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 from collections.abc import Callable
 
 import msgspec
 import torch
 
 from replay.bisect.batch import PAD_SIZES
+from replay.bisect.commands import command_line
 from replay.bisect.config import ConfigBisect, bisect_config
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
@@ -169,7 +169,7 @@ def _config(path, rep, opts, d, at, command, runs, common, log) -> DivergenceExp
         within = (f"within the cross-hardware tolerance ({cross}) it matches" if a is None
                   else f"the replay parts beyond the cross-hardware tolerance too ({cross}; {where}{_how(a)}), so "
                        "what the header does not name (the processor, a thread setting) is the suspect")
-        rerun = _command(["replay", "run", path, "--diff", "--steps", f"{first}-{d.step}", "--tolerance", "auto"],
+        rerun = command_line(["replay", "run", path, "--diff", "--steps", f"{first}-{d.step}", "--tolerance", "auto"],
                          opts.overrides)
         return DivergenceExplanation(path, CONFIG, f"{CONFIG} (hardware unknown): {at} parts, and {rep.unknown}; "
                                      f"{within}", False, rerun, d, [rep.unknown, within], re_executions=runs + 1,
@@ -194,19 +194,13 @@ def _text(knobs: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in knobs.items())
 
 
-def _command(args: list[str], overrides: dict[str, str], from_start: bool = False) -> str:
-    """A command line that reproduces a test of the explanation: its knobs (the runner among them) as `--set`."""
-    args = args + [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")] + ["--from-start"] * from_start
-    return " ".join(shlex.quote(a) for a in args)
-
-
 def _config_command(path: str, good: dict[str, str], opts: ReplayOptions, step: int, tol: Tolerance) -> str:
     """`bisect config` as the explanation ran it: the runner on both sides, its steps and its tolerance."""
     args = ["replay", "bisect", "config", path, *(["--good", _text(good)] if good else []),
             "--bad", _text(opts.overrides), "--steps", f"0-{step}"]
     if not tol.bitwise:
         args += ["--atol", f"{tol.atol:g}", "--rtol", f"{tol.rtol:g}"]
-    return _command(args, {})
+    return command_line(args, {})
 
 
 def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceExplanation:
@@ -225,7 +219,7 @@ def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceE
                 planted = [] if opts.plant is None else ["--plant", _plant_text(opts.plant)]
                 said = leak.verdict.removeprefix(CONTAMINATION + ": ")
                 return DivergenceExplanation(path, CONTAMINATION, f"{CONTAMINATION}: {at}: {said}", True,
-                                             _command(["replay", "bisect", "leak", path, "--step", str(d.step),
+                                             command_line(["replay", "bisect", "leak", path, "--step", str(d.step),
                                                        "--request", d.request_id, *planted], opts.overrides,
                                                       opts.from_start), d, [], leak=leak, re_executions=runs,
                                              **common)
@@ -250,8 +244,8 @@ def _batch_or_leak(path, opts, d, at, command, runs, common, log) -> DivergenceE
         return DivergenceExplanation(path, BATCH_VARIANCE, f"{BATCH_VARIANCE}: {at}: no neighbour's content moves it, "
                                      f"but the batch's size alone does (from {k} padding request(s)): a batch laid "
                                      "out otherwise than the recording's explains it", False,
-                                     _command(["replay", "bisect", "batch", path, "--step", str(d.step), "--request",
-                                               d.request_id], opts.overrides, opts.from_start), d,
+                                     command_line(["replay", "bisect", "batch", path, "--step", str(d.step),
+                                                   "--request", d.request_id], opts.overrides, opts.from_start), d,
                                      evidence, leak=leak, re_executions=runs, **common)
     return DivergenceExplanation(path, NOT_REPEATABLE, f"{NOT_REPEATABLE}: {at}: the replay repeats itself with the "
                                  "recorded settings, and neither a neighbour's content nor the batch's size moves "

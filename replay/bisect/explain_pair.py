@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 import torch
 
+from replay.bisect.commands import command_line
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
@@ -78,6 +79,7 @@ class PairExplanation(msgspec.Struct):
     runner: str = "builtin"
     notes: list[str] = []
     recorded_max_abs_logprob_diff: float | None = None  # at p, over the logprobs both recorded rows hold
+    command: str = ""  # a command that reproduces the test the class rests on
 
 
 def _requests(path: str | os.PathLike) -> dict[str, RequestAdded]:
@@ -372,7 +374,10 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
                    f"moves when {' and '.join(leak.minimal_set)} {'is' if len(leak.minimal_set) == 1 else 'are'} "
                    "given other tokens of the same shapes" +
                    (f"; first at {leak.first_module}" if leak.first_module else ""))
-        return PairExplanation(path, a, b, CONTAMINATION, verdict, True, leak=leak, re_executions=runs, **common)
+        command = command_line(["replay", "bisect", "leak", path, "--step", str(leak.step), "--request",
+                                leak.request], overrides or {}, from_start)
+        return PairExplanation(path, a, b, CONTAMINATION, verdict, True, leak=leak, re_executions=runs,
+                               command=command if plant is None else "", **common)
     who = " and ".join(x.request for x in leaks)
     unmoved = (f"{who} {'does' if len(leaks) == 1 else 'do'} not move when {_their(len(leaks))} {len(swapped)} "
                f"neighbour{'s' * (len(swapped) != 1)} {'is' if len(swapped) == 1 else 'are'} given other content of "
@@ -387,7 +392,11 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
                                       if engine != kind_of_runner else ""))
         verdict = (f"{NOT_REPEATABLE}: {alone}, and {unmoved}; yet {apart}: the recording cannot be produced again "
                    "from its own inputs")
-        return PairExplanation(path, a, b, NOT_REPEATABLE, verdict, True, leak=leak, re_executions=runs, **common)
+        last = max(step_a, step_b)
+        command = command_line(["replay", "run", path, "--diff", "--steps", f"{min(step_a, step_b)}-{last}"],
+                               overrides or {}, from_start)
+        return PairExplanation(path, a, b, NOT_REPEATABLE, verdict, True, leak=leak, re_executions=runs,
+                               command=command, **common)
     if not same and accounted is not False:  # their own schedules parted them, and no neighbour's content moves them
         return PairExplanation(path, a, b, BATCH_VARIANCE, f"{by_schedules}; {unmoved}", False, leak=leak, knob=knob,
                                re_executions=runs, **common)
@@ -395,8 +404,10 @@ def _explain(job: _Parted, how: _How) -> PairExplanation:
     shapes = f"; batches: {_shape(ba)} at step {step_a}, {_shape(bb)} at step {step_b}" if ba and bb else ""
     verdict = (f"{BATCH_VARIANCE}: {alone}, and {unmoved}: the batch's shape parted them at output position {p}"
                + (f" (margin {m:.3g})" if m is not None else "") + shapes + (f"; {knob} removes it" if knob else ""))
+    command = command_line(["replay", "bisect", "batch", path, "--step", str(step_a), "--request", a],
+                           overrides or {}, from_start)
     return PairExplanation(path, a, b, BATCH_VARIANCE, verdict, False, leak=leak, knob=knob, re_executions=runs,
-                           **common)
+                           command=command, **common)
 
 
 def _their(n: int) -> str:

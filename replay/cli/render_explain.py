@@ -36,6 +36,8 @@ def render_pair(res: PairExplanation) -> str:
         lines.append(f"  swap: {res.leak.verdict}")
     if res.knob:
         lines.append(f"  the knob: {res.knob}")
+    if res.command:
+        lines.append(f"  reproduce: {res.command}")
     lines.append(f"  {res.re_executions} replays" + (" on vLLM's runner, one engine" if res.runner == "vllm" else ""))
     return "\n".join(lines + [f"  note: {n}" for n in res.notes])
 

@@ -118,6 +118,10 @@ def test_a_leak_is_contamination_though_the_twins_schedules_part_them_a_little_a
     assert res["recorded_max_abs_logprob_diff"] > 0.01
     if not res["alone_equal"]:  # (what the processor's kernels make of the two schedules: see the test above)
         assert "too little for the recorded max |Δlogprob|" in res["verdict"], res["verdict"]
+    step = res["leak"]["step"]
+    assert res["command"] == f"replay bisect leak {path} --step {step} --request b"
+    assert main(res["command"].split()[1:] + ["-q"]) == 1  # it reproduces: the leak, named
+    assert "CONTAMINATION" in capsys.readouterr().out
 
 
 def test_a_leak_into_the_twin_whose_blocks_the_other_hits_is_contamination_not_their_schedules(tmp_path, monkeypatch):
@@ -141,6 +145,7 @@ def test_twins_the_replay_of_their_own_batches_does_not_part_are_no_batch_varian
     res = explain_pair(path, "a", "b")
     assert res.found == NOT_REPEATABLE and res.bug and res.alone_equal, res.verdict
     assert "replayed in their recorded batches" in res.verdict and "from its recorded one" in res.verdict, res.verdict
+    assert res.command == f"replay run {path} --diff --steps {res.step_a}-{res.step_b}"
     assert main(["explain", str(path), "--pair", "a", "b", "-q"]) == 1
 
 
