@@ -53,6 +53,8 @@ class Twins(msgspec.Struct):
     position: int  # the first output position where any two part
     kind: str  # "token" | "logprobs" | "length" | "prompt_logprobs" (then `position` is the prompt's)
     max_abs_logprob_diff: float  # at that position, over the logprobs both hold
+    pair: list[str] = []  # the two that part there (the first such, in arrival order): the pair `--pairs` explains
+    answers: int = 0  # distinct answers among them (token sequences; 0 where only logprobs or prompts part)
 
 
 class PairExplanation(msgspec.Struct):
@@ -176,13 +178,15 @@ def twin_groups(path: str | os.PathLike) -> list[Twins]:
         ids = [arrivals[n].request.request_id for n in names]
         keys = [side.key_of.get(rid, "") for rid in ids]
         seqs = [side.outputs.get(k, []) for k in keys]
-        parts = [x for i in range(1, len(names))
-                 if (x := _part(seqs[0], seqs[i], (keys[0] in side.cut, keys[i] in side.cut))) is not None]
-        parts = parts or [x for i in range(1, len(names))
-                          if (x := _prompt_part(prompts.get(ids[0]), prompts.get(ids[i]))) is not None]
+        pairs = [(i, j) for i in range(len(names)) for j in range(i + 1, len(names))]  # (groups are small)
+        parts = [(x, i, j) for i, j in pairs
+                 if (x := _part(seqs[i], seqs[j], (keys[i] in side.cut, keys[j] in side.cut))) is not None]
+        parts = parts or [(x, i, j) for i, j in pairs
+                          if (x := _prompt_part(prompts.get(ids[i]), prompts.get(ids[j]))) is not None]
         if parts:
-            p, kind, diff = min(parts, key=lambda x: x[0])
-            out.append(Twins(names, p, kind, diff))
+            (p, kind, diff), i, j = min(parts, key=lambda x: x[0][0])  # (the first pair that parts there)
+            answers = len({tuple(t for _, t, _ in seq) for seq in seqs})
+            out.append(Twins(names, p, kind, diff, [names[i], names[j]], answers if answers > 1 else 0))
     return sorted(out, key=lambda t: (t.kind != "token", -t.max_abs_logprob_diff if t.kind != "token" else 0))
 
 

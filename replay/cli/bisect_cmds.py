@@ -252,7 +252,7 @@ def explain(
             if json:  # (the same shape as with groups: every group, and the first one's explanation)
                 emit({"groups": groups, "explanation": None}, render_twins, json=True)
             return
-        pair = (groups[0].requests[0], groups[0].requests[1])
+        pair = tuple(groups[0].pair or groups[0].requests[:2])
     res = explain_pair(capture, *pair, overrides=opts.overrides, plant=opts.plant, log=progress_log(quiet),
                        from_start=from_start)
     if json and groups is not None:

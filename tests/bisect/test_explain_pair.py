@@ -36,6 +36,20 @@ def test_pairs_lists_the_twins_that_answered_differently_and_explains_batch_vari
     assert "batches: 6 requests, 80 tokens (6 prefill) at step 0, 2 requests, 40 tokens (2 prefill) at step" in out
 
 
+def test_pairs_explains_the_two_that_part_first_not_the_first_two(tmp_path, capsys):
+    """Three twins, `a` and `d` in one batch (the same answer), `b` later: the first two listed agree, so `--pairs`
+    explains `a` and `b`, the first pair that parts where the group does."""
+    path = record_twins(tmp_path / "three.capture", d_beside_a=True)
+    if explain_pair(path, "a", "d").found != NOTHING:
+        pytest.skip("this processor's kernels gave two rows of one batch other bits: no agreeing first two")
+    [group] = twin_groups(path)
+    assert group.requests == ["a", "d", "b"] and group.pair == ["a", "b"], group
+    assert main(["explain", str(path), "--pairs", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert f"a, d, b: a and b part at output position {group.position}" in out, out
+    assert "requests a and b" in out.splitlines()[2], out
+
+
 def test_pairs_json_has_one_shape_with_twins_or_without(twins, tmp_path, capsys):
     """Every group and the first one's explanation, or no group and no explanation: a script reads one shape."""
     plain, _ = twins
