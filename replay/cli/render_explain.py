@@ -53,4 +53,4 @@ def render_divergence(res: DivergenceExplanation) -> str:
     lines.append(f"  {res.re_executions} replays" + (" on vLLM's runner" if res.runner == "vllm" else ""))
     if res.data_lost:
         lines.append(f"  capture damaged ({'; '.join(res.data_lost[:3])}): only its readable prefix was replayed")
-    return "\n".join(lines + [f"  note: {n}" for n in res.notes if n not in res.verdict])
+    return "\n".join(lines + [f"  note: {n}" for n in res.notes if n not in res.verdict and n not in res.evidence])

@@ -62,6 +62,28 @@ def test_a_server_with_a_leak_is_explained_as_contamination_on_one_engine(captur
         assert engines.starts == 1 and again.found == CONTAMINATION
 
 
+def test_a_leak_the_replay_lacks_is_not_called_batch_variance_on_either_runner(captures):
+    """A server recorded with a leak its replay lacks (the recording engine's kernel bug, fixed since, or set for the
+    recording only): alone the twins agree and no neighbour's content moves them, yet their recorded batches,
+    replayed, do not part them as recorded. On vLLM's runner that is RECORDING NOT REPEATABLE (exit 1); the builtin
+    runner, another implementation, says it cannot tell and which runner can; explain of the replay's divergence
+    on it says the same of the engine."""
+    from replay.bisect.explain_divergence import CONFIG, explain_divergence
+    from replay.bisect.explain_pair import NOT_REPEATABLE
+    from replay.errors import CannotTestError
+    from replay.replayer import ReplayOptions
+
+    leaky = captures["leaky"]
+    with Engines() as engines:
+        res = explain_pair(leaky, "0", "5", overrides={"runner": "vllm"}, engines=engines)
+    assert res.found == NOT_REPEATABLE and res.bug and res.alone_equal, res.verdict
+    assert "replayed in their recorded batches" in res.verdict and res.command.startswith("replay run "), res
+    with pytest.raises(CannotTestError, match="runs otherwise than the recording .*--runner vllm replays"):
+        explain_pair(leaky, "0", "5")
+    div = explain_divergence(leaky, ReplayOptions())
+    assert div.found == CONFIG and "--runner vllm replays vLLM's own kernels" in div.verdict, div.verdict
+
+
 def test_without_the_fault_nothing_leaks_and_with_it_in_the_replay_only_the_leak_is_found(captures, monkeypatch):
     clean = captures["clean"]
     with Engines() as engines:
