@@ -23,7 +23,7 @@ import msgspec
 
 from replay.capture import Crash, Keyframe, Record, RequestAdded, Step
 from replay.contracts import ModelRunnerOutput
-from replay.errors import UsageError
+from replay.errors import CannotTestError, ReplayError, UsageError
 from replay.replayer.build import Runner
 from replay.replayer.prime import Priming, prime
 from replay.replayer.swap import Swap
@@ -191,6 +191,15 @@ class StepLoop:
             if self._crash is not None and self._crash.step == step.index:
                 self.crash = self._reexecute_crash(step, self._crash, run)
                 return
-            actual = self.execute(step, run)
+            try:
+                actual = self.execute(step, run)
+            except ReplayError:
+                raise
+            except Exception as e:
+                if getattr(self.runner, "kind", "") != "vllm":
+                    raise  # (a failure of our own runner is ours to report)
+                # vLLM's kernels failed on a step the recording ran: a replay this install cannot run, not a bug of ours
+                raise CannotTestError(f"{self.path}: vLLM's runner raised at step {step.index}, where the recording "
+                                      f"did not: {' '.join(f'{type(e).__name__}: {e}'.split())[:300]}") from e
             yield step, actual
             self.advance(step)

@@ -77,6 +77,8 @@ def _returns_routing() -> bool:
 class VllmRunner:
     """The replayer's runner interface (`update_states` + `run_step`) over vLLM's GPUModelRunner/CPUModelRunner."""
 
+    kind = "vllm"
+
     def __init__(self, header: Header, overrides: dict[str, str], log_beside: str | os.PathLike,
                  engines: Engines | None = None) -> None:
         """`log_beside`: the capture; vLLM's own output goes to `<capture>.vllm-replay.log` (see `logs`).
