@@ -33,6 +33,9 @@ class StartedEngine:
     seed: int | None = None  # the engine seed its workers' generators stand at (`VllmRunner`)
     reseedable: bool = False  # whether they stood where vLLM's `set_random_seed(seed)` puts them as it started
     replays: int = 0  # replays that ran on it
+    # another engine of this process was shut down since it started: vLLM's teardown destroys the process's one
+    # parallel state, which this one's in-process worker steps in ("model parallel group is not initialized")
+    stale: bool = False
     beside: str = ""  # the capture it started for: what it prints as it shuts down goes to that capture's vLLM log
 
 
@@ -54,6 +57,9 @@ class Engines:
         if self.closed:
             raise UsageError("this Engines pool is closed: open another (`with Engines() as engines:`)")
         engine = self._started.get(key)
+        if engine is not None and engine.stale:
+            del self._started[key]  # (it cannot step any more; shutting it down would only stale the others again)
+            engine = None
         if engine is not None:
             self._started.move_to_end(key)
             engine.replays += 1
@@ -70,6 +76,7 @@ class Engines:
             self._shut_all()
             engine = start()
         engine.replays = 1
+        _ALIVE.append(engine)
         self._started[key] = engine
         self.starts += 1
         return engine, True
@@ -103,6 +110,7 @@ class Engines:
 
 
 _PROCESS: Engines | None = None
+_ALIVE: list[StartedEngine] = []  # every engine of this process's pools not shut down yet
 
 
 def process_engines(keep: int = 2) -> Engines:
@@ -128,3 +136,7 @@ def shutdown(engine: StartedEngine) -> None:
             engine.llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort: its replays are over
         pass
+    if engine in _ALIVE:
+        _ALIVE.remove(engine)
+        for other in _ALIVE:  # (see `StartedEngine.stale`)
+            other.stale = True

@@ -33,6 +33,13 @@ def mixed(tmp_path_factory):
     return record(tiny_llama(d / "tiny-llama"), d / "mixed.capture", seeded=True, unseeded=True, max_tokens=8)
 
 
+@pytest.fixture(scope="module")
+def pool():
+    """One pool for the tests that need an engine of `mixed`'s layout held, not a start of their own (~10 s each)."""
+    with Engines() as engines:
+        yield engines
+
+
 def test_replays_on_a_reused_engine_are_the_replay_on_a_fresh_one(mixed):
     fresh = replay_capture(mixed, ReplayOptions(overrides=VLLM))
     assert not fresh.diverged and fresh.foreign_draws_differ == 0
@@ -46,21 +53,22 @@ def test_replays_on_a_reused_engine_are_the_replay_on_a_fresh_one(mixed):
     assert res.step == 3 and res.re_executions > 2
 
 
-def test_captures_that_differ_in_the_engine_seed_share_one_engine(mixed, tmp_path):
+def test_captures_that_differ_in_the_engine_seed_share_one_engine(mixed, pool, tmp_path):
     """RL workers record with a seed each: their captures replay on one engine, reseeded between them, and each
     replay is bitwise, the unseeded requests' draws (which the seed decides) included."""
     seven = record(mixed.parent / "tiny-llama", tmp_path / "seed7.capture", seeded=True, unseeded=True,
                    max_tokens=8, engine_args={"seed": 7})
     unseeded = [_tokens(c, "2") for c in (mixed, seven)]
     assert unseeded[0] != unseeded[1]  # the seed decided the unseeded request's tokens
-    with Engines() as engines:
-        reps = [replay_capture(c, ReplayOptions(overrides=VLLM, engines=engines)) for c in (mixed, seven, mixed)]
-        reps.append(replay_capture(seven, ReplayOptions(overrides={**VLLM, "vllm.seed": "7.0"}, engines=engines)))
-        assert engines.starts == 1
-        [engine] = engines.held()
-        engine.reseedable = False  # as an engine whose warm-up drew after vLLM reseeded it would be: not reused
-        reps.append(replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)))
-        assert engines.starts == 2 and engine not in engines.held()
+    before = pool.starts
+    reps = [replay_capture(c, ReplayOptions(overrides=VLLM, engines=pool)) for c in (mixed, seven, mixed)]
+    reps.append(replay_capture(seven, ReplayOptions(overrides={**VLLM, "vllm.seed": "7.0"}, engines=pool)))
+    assert pool.starts - before <= 1  # (none where the pool held the layout's engine already)
+    started = pool.starts
+    [engine] = pool.held()
+    engine.reseedable = False  # as an engine whose warm-up drew after vLLM reseeded it would be: not reused
+    reps.append(replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=pool)))
+    assert pool.starts == started + 1 and engine not in pool.held()
     for rep in reps:
         assert not rep.diverged and rep.foreign_draws_differ == 0 and rep.tokens_compared > 0, rep.first_divergence
         assert not rep.environment_differences, rep.environment_differences  # it says the recording's seed
@@ -87,34 +95,38 @@ def test_a_capture_with_no_readable_step_starts_no_engine(mixed, tmp_path):
         assert engines.starts == 0
 
 
-def test_arguments_vllm_refuses_leave_the_engines_held_as_they_were(mixed):
+def test_arguments_vllm_refuses_leave_the_engines_held_as_they_were(mixed, pool):
     """A typo in a knob's value is refused by vLLM's configuration, which no engine held has a say in: the pool keeps
     its engines (a real model's takes minutes to start again). A closed pool starts no engine."""
-    with Engines() as engines:
-        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
-        for knob in ({"dtype": "float16", "vllm.kv_cache_dtype": "bogus"}, {"vllm.max_logprobs": "-7"}):
-            with pytest.raises(UsageError, match="vLLM cannot build an engine for this capture"):
-                replay_capture(mixed, ReplayOptions(overrides={**VLLM, **knob}, engines=engines))
-            assert len(engines.held()) == 1
-        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
-        assert engines.starts == 1
+    assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=pool)).diverged
+    held, starts = pool.held(), pool.starts
+    for knob in ({"dtype": "float16", "vllm.kv_cache_dtype": "bogus"}, {"vllm.max_logprobs": "-7"}):
+        with pytest.raises(UsageError, match="vLLM cannot build an engine for this capture"):
+            replay_capture(mixed, ReplayOptions(overrides={**VLLM, **knob}, engines=pool))
+        assert pool.held() == held
+    assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=pool)).diverged
+    assert pool.starts == starts
+    closed = Engines()
+    closed.close()
     with pytest.raises(UsageError, match="this Engines pool is closed"):
-        replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines))
+        replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=closed))
 
 
-def test_a_bisect_of_a_step_or_request_the_capture_lacks_starts_no_engine(mixed):
+def test_a_bisect_of_a_step_or_request_the_capture_lacks_starts_no_engine(mixed, pool):
     """Refused before vLLM starts, not after it and a replay to the step (seconds on a tiny model, minutes on a real
     one); the request is named by its engine's internal id, or by the one a client saw."""
     internal = next(rid for rid in _scheduled(mixed, 3) if rid.startswith("2-"))
-    with Engines() as engines:
+    starts = pool.starts
+    with Engines() as none:  # (an empty pool: a start would show)
         with pytest.raises(UsageError, match="no step 999 in this capture"):
-            bisect_batch(mixed, 999, "2", overrides=VLLM, engines=engines)
+            bisect_batch(mixed, 999, "2", overrides=VLLM, engines=none)
         with pytest.raises(UsageError, match="request 'nope' is not scheduled in step 3"):
-            bisect_leak(mixed, 3, "nope", overrides=VLLM, engines=engines)
+            bisect_leak(mixed, 3, "nope", overrides=VLLM, engines=none)
         with pytest.raises(UsageError, match="request 'nope' is not scheduled in step 3"):
-            bisect_layers(mixed, 3, "nope", overrides=VLLM, engines=engines)
-        assert engines.starts == 0
-        assert bisect_layers(mixed, 3, internal, overrides=VLLM, engines=engines).request == internal
+            bisect_layers(mixed, 3, "nope", overrides=VLLM, engines=none)
+        assert none.starts == 0
+    assert bisect_layers(mixed, 3, internal, overrides=VLLM, engines=pool).request == internal
+    assert pool.starts - starts <= 1
 
 
 def _scheduled(capture, step: int) -> list[str]:
@@ -122,7 +134,7 @@ def _scheduled(capture, step: int) -> list[str]:
         return list(reader.step(step).scheduler_output.num_scheduled_tokens)
 
 
-def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
+def test_a_corpus_of_one_layout_starts_one_engine(mixed, pool, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(3):
@@ -130,10 +142,10 @@ def test_a_corpus_of_one_layout_starts_one_engine(mixed, tmp_path):
     res = check_corpus(corpus, ReplayOptions(overrides=VLLM))
     assert res.good == 3 and res.bad == 0 and res.engine_starts == 1, res
     assert [r.engine_starts for r in res.rows] == [1, 0, 0]
-    with Engines() as engines:  # a script's pool: the corpus takes its engine, and leaves it open
-        assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=engines)).diverged
-        res = check_corpus(corpus, ReplayOptions(overrides=VLLM, engines=engines))
-        assert res.good == 3 and res.engine_starts == 0 and engines.starts == 1 and len(engines.held()) == 1, res
+    assert not replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=pool)).diverged
+    held = pool.held()  # a script's pool: the corpus takes its engine, and leaves it open
+    res = check_corpus(corpus, ReplayOptions(overrides=VLLM, engines=pool))
+    assert res.good == 3 and res.engine_starts == 0 and pool.held() == held and not pool.closed, res
 
 
 def test_each_local_worker_keeps_its_engine_for_the_captures_it_checks(mixed, tmp_path):
