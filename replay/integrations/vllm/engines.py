@@ -58,7 +58,9 @@ class Engines:
             raise UsageError("this Engines pool is closed: open another (`with Engines() as engines:`)")
         engine = self._started.get(key)
         if engine is not None and engine.stale:
-            del self._started[key]  # (it cannot step any more; shutting it down would only stale the others again)
+            # it cannot step any more, and its teardown would only stale the others again: let it go as it is
+            del self._started[key]
+            _ALIVE.remove(engine)
             engine = None
         if engine is not None:
             self._started.move_to_end(key)
