@@ -128,7 +128,8 @@ def trainer_layers(path: str | os.PathLike, request: str, position: int, *, mode
         seq = r.prompt + r.tokens[:position]
         trainer_side, sources = _trainer_modules(model, seq, range(len(seq) - rows, len(seq)))
     prefix = "model." if replay_side[0][0].startswith("model.") else ""
-    mine = [(n, trainer_side[n.removeprefix(prefix)]) for n, _ in replay_side if n.removeprefix(prefix) in trainer_side]
+    mine = [(n, _sampled_rows(n, trainer_side[n.removeprefix(prefix)], t)) for n, t in replay_side
+            if n.removeprefix(prefix) in trainer_side]
     diffs = compare_modules(replay_side, [(n, t.to(dict(replay_side)[n].dtype)) for n, t in mine], run.gathered)
     scale = {n: float(t.double().abs().max()) for n, t in replay_side}
     tol = TOLERANCE.get(dtype, TOLERANCE["float32"])
@@ -171,6 +172,14 @@ def _skipped(name: str, runner: str) -> bool:
     """Replay-side outputs with no trainer counterpart by construction: a tuple's later parts (vLLM's residual), a
     shared module's later calls, and on vLLM a decoder layer's output (its residual is not added yet)."""
     return "[" in name or "#" in name or (runner == "vllm" and re.search(r"layers\.\d+$", name) is not None)
+
+
+def _sampled_rows(name: str, trainer: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:
+    """The trainer's output of module `name` on the replay's rows: an engine computes logits (`lm_head`) only for the
+    rows that sample, the last of a prefill's, where the trainer's forward computes them for every row."""
+    if name.endswith("lm_head") and trainer.shape[1:] == replay.shape[1:] and 0 < len(replay) < len(trainer):
+        return trainer[-len(replay):]
+    return trainer
 
 
 def _trainer_modules(model: Any, seq: list[int], rows: range) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

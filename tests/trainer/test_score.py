@@ -289,6 +289,8 @@ def test_a_module_whose_shape_differs_from_the_trainers_is_named_not_counted_sil
         return out, sources
 
     monkeypatch.setattr(layers, "_trainer_modules", one_column_more)
-    res = score_capture(captures["raw_logprobs"], TrainerOptions(worst=1, bisect=True))
-    assert not any(m.module.endswith("layers.0.mlp.down_proj") for m in res.layers.modules)
-    assert "not compared, their shape differs from the trainer's: layers.0.mlp.down_proj" in res.layers.notes
+    for token in (("greedy", 0), ("greedy", 3)):  # its prefill (the engine's logits: its last row alone), a decode
+        res = score_capture(captures["raw_logprobs"], TrainerOptions(worst=1, bisect=True, token=token))
+        assert not any(m.module.endswith("layers.0.mlp.down_proj") for m in res.layers.modules)
+        assert any(m.module.endswith("lm_head") for m in res.layers.modules)
+        assert "not compared, their shape differs from the trainer's: layers.0.mlp.down_proj" in res.layers.notes
