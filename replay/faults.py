@@ -51,9 +51,7 @@ def install_fault(model: Any, spans: Callable[[], list[tuple[int, int]]]) -> Any
 
     kind, name, size = fault
     modules = dict(model.named_modules())
-    if name not in modules:
-        raise UsageError(f"{ENV}: the model has no module {name!r} (modules are named like "
-                         f"{', '.join(n for n in list(modules)[1:6])}, ...)")
+    name = _module_named(name, list(modules))
 
     def hook(module: Any, args: Any, out: Any) -> Any:
         first = out[0] if isinstance(out, tuple) else out
@@ -77,3 +75,17 @@ def install_fault(model: Any, spans: Callable[[], list[tuple[int, int]]]) -> Any
         return (changed, *out[1:]) if isinstance(out, tuple) else changed
 
     return modules[name].register_forward_hook(hook)
+
+
+def _module_named(name: str, names: list[str]) -> str:
+    """The module `name` names: itself, or the one module it names under another root (vLLM's Qwen2 holds
+    `model.layers.0.mlp` where our engine holds `layers.0.mlp`), so that one REPLAY_TEST_FAULT serves both runs."""
+    if name in names:
+        return name
+    bare = name.removeprefix("model.")
+    found = [n for n in names if n == bare or n.endswith(f".{bare}")]
+    if len(found) == 1:
+        return found[0]
+    raise UsageError(f"{ENV}: the model has no module {name!r} (modules are named like "
+                     f"{', '.join(n for n in names[1:6])}, ...)" + (f"; it could be {', '.join(found[:3])}"
+                                                                   if found else ""))

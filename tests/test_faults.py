@@ -17,7 +17,7 @@ from replay.bisect.leak import CONTAMINATION, NO_LEAK, bisect_leak
 from replay.bisect.promise import determinism_promise
 from replay.cli import main
 from replay.errors import UsageError
-from replay.faults import ENV, planted_fault
+from replay.faults import ENV, _module_named, planted_fault
 from replay.replayer import ReplayOptions, replay_capture
 from testbed.twins import record_twins
 
@@ -48,7 +48,7 @@ def test_a_capture_recorded_with_a_leak_replays_with_it_and_explains_as_contamin
 
 
 def test_a_leak_only_in_the_replay_is_contamination_too(clean, monkeypatch):
-    monkeypatch.setenv(ENV, LEAK)
+    monkeypatch.setenv(ENV, "leak:model.layers.0.mlp:0.05")  # vLLM's Qwen2 name for our `layers.0.mlp`: one serves both
     res = explain_pair(clean, "a", "b")
     assert res.found == CONTAMINATION and res.bug and res.leak.minimal_set == ["n0"], res.verdict
 
@@ -65,6 +65,16 @@ def test_a_fault_it_cannot_read_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv(ENV, "spill:layers.0.mlp:1")
     with pytest.raises(UsageError, match="expected KIND:MODULE:SIZE, KIND one of leak, shape, noise"):
         planted_fault()
+
+
+def test_a_module_name_is_taken_under_either_root_and_refused_where_it_names_none_or_several():
+    names = ["", "layers", "layers.0", "layers.0.mlp", "layers.1.mlp", "norm"]
+    assert _module_named("model.layers.0.mlp", names) == "layers.0.mlp"
+    assert _module_named("layers.0.mlp", ["", "model", "model.layers.0.mlp"]) == "model.layers.0.mlp"
+    with pytest.raises(UsageError, match="no module 'layers.7.mlp'"):
+        _module_named("layers.7.mlp", names)
+    with pytest.raises(UsageError, match="it could be a.mlp, b.mlp"):
+        _module_named("mlp", ["", "a.mlp", "b.mlp"])
 
 
 def test_a_replay_that_does_not_repeat_itself_is_run_to_run_a_bug_only_where_determinism_was_promised(
