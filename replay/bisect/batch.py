@@ -23,7 +23,7 @@ from replay.diff import Tolerance
 from replay.errors import CannotTestError
 from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
-from replay.replayer.knobs import env_knobs
+from replay.replayer.knobs import Knobs, check_overrides, env_knobs
 
 PAD_SIZES = (1, 2, 3, 4, 8, 16, 32)
 
@@ -63,17 +63,19 @@ def differs(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
 
 
 def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Tolerance | None = None,
-                 overrides: dict[str, str] | None = None, hooks: list[Callable[[], Any]] | None = None,
-                 log: Callable[[str], None] | None = None, state: str | os.PathLike | None = None,
-                 from_start: bool = False, engines: Engines | None = None) -> BatchBisect:
+                 overrides: Knobs | None = None, runner: str | None = None,
+                 hooks: list[Callable[[], Any]] | None = None, log: Callable[[str], None] | None = None,
+                 state: str | os.PathLike | None = None, from_start: bool = False,
+                 engines: Engines | None = None) -> BatchBisect:
     """Whether request `request`'s logits at step `step` depend on its batch: alone against as recorded, the 1-minimal
     set of neighbours that changes them (ddmin), and a padding sweep (the module docstring). `hooks` (callables
-    returning hook handles) are installed for every run (builtin runner). `overrides`: `--set` knobs, `runner=vllm`
-    among them for vLLM's runner; with environment knobs the bisect runs in a fresh process started with them. The
-    replay to the step starts at the nearest keyframe unless `from_start`. `engines`: started vLLM engines to run on
-    (`replay.integrations.vllm.engines`)."""
+    returning hook handles) are installed for every run (builtin runner). `overrides`: `--set` knobs (a dict, "K=V,K=V"
+    or a list); `runner="vllm"` (or the knob) for vLLM's runner; with environment knobs the bisect runs in a fresh
+    process started with them. The replay to the step starts at the nearest keyframe unless `from_start`. `engines`:
+    started vLLM engines to run on (`replay.integrations.vllm.engines`)."""
     tol = tol or Tolerance()
-    env = env_knobs(overrides or {})
+    overrides = check_overrides(overrides, runner)
+    env = env_knobs(overrides)
     if env and not applied(env):
         return in_environment(env, bisect_batch, path, step, request, tol=tol, overrides=overrides, state=state,
                               from_start=from_start)
@@ -82,7 +84,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
     # vLLM's runner leaves a neighbour out of every step up to S, which no replay from a keyframe where it is live
     # can: start before the step's neighbours were scheduled. The builtin runner leaves them out of S alone, from a
     # snapshot, so any keyframe will do.
-    vllm = (overrides or {}).get("runner") == "vllm"
+    vllm = overrides.get("runner") == "vllm"
     s = make_session(path, step, overrides, log=log, from_start=from_start, engines=engines,
                      watch=request if vllm else None, request=request)
     try:

@@ -18,8 +18,8 @@ from replay.integrations.vllm.engines import Engines, process_engines
 from replay.integrations.vllm.layout import engine_args
 from replay.processes.fanout import FanOut, fan_out
 from replay.processes.in_environment import Environments, applied
-from replay.replayer import ReplayOptions, parse_overrides, replay_capture
-from replay.replayer.knobs import env_knobs, split_knobs
+from replay.replayer import ReplayOptions, replay_capture
+from replay.replayer.knobs import Knobs, check_overrides, env_knobs
 
 
 class ConfigBisect(msgspec.Struct):
@@ -34,20 +34,20 @@ class ConfigBisect(msgspec.Struct):
     engine_starts: int = 0  # vLLM engines its serial replays started, in this process and in those of `env.*` knobs
 
 
-def bisect_config(path: str | os.PathLike, good: str, bad: str, *, steps: StepRange | None = None,
+def bisect_config(path: str | os.PathLike, good: Knobs, bad: Knobs, *, steps: StepRange | None = None,
                   log: Callable[[str], None] | None = None,
                   state: str | os.PathLike | None = None, how: FanOut = FanOut(),
                   engines: Engines | None = None, tolerance: Tolerance | None = None) -> ConfigBisect:
-    """`good` / `bad`: "K=V,K=V" knob settings (see `replay.replayer.KNOBS`). The good one must replay within
-    `tolerance` (default: bitwise), the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`);
-    fanned out, each round of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started
-    vLLM engines the serial replays reuse (one per configuration tested, `replay.integrations.vllm.engines`;
-    without, the bisect keeps its own). The tests that set the same `env.*` knobs run in one fresh process, on one
-    engine per configuration."""
+    """`good` / `bad`: knob settings, "K=V,K=V" or a dict (see `replay.replayer.KNOBS`). The good one must replay within
+    `tolerance` (default: bitwise), the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned
+    out, each round of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started vLLM
+    engines the serial replays reuse (one per configuration tested, `replay.integrations.vllm.engines`; without, the
+    bisect keeps its own). The tests that set the same `env.*` knobs run in one fresh process, on one engine per
+    configuration."""
     log = log or (lambda msg: None)
     tol = tolerance or Tolerance()
-    g = parse_overrides(split_knobs(good))
-    b = parse_overrides(split_knobs(bad))
+    g = check_overrides(good)
+    b = check_overrides(bad)
     changes = [(k, v) for k, v in b.items() if g.get(k) != v]
     if not changes:
         raise UsageError("--good and --bad set the same knobs to the same values: nothing to bisect")

@@ -39,6 +39,7 @@ from replay.diff.step import BatchComposition
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.replayer import Plant
+from replay.replayer.knobs import Knobs, check_overrides
 
 RUN_TO_RUN = "RUN-TO-RUN"
 BATCH_VARIANCE = "BATCH VARIANCE"
@@ -55,6 +56,15 @@ class Twins(msgspec.Struct):
     max_abs_logprob_diff: float  # at that position, over the logprobs both hold
     pair: list[str] = []  # the two that part there (the first such, in arrival order): the pair `--pairs` explains
     answers: int = 0  # distinct answers among them (token sequences; 0 where only logprobs or prompts part)
+
+    def describe(self) -> str:
+        """'a, b, c: 2 distinct answers; a and c part at output position 3 (token)': the group in one line."""
+        size = f", max |Δlogprob| {self.max_abs_logprob_diff:.3g}" if self.kind == "logprobs" else ""
+        many = len(self.requests) > 2
+        answers = f"{self.answers} distinct answers; " if self.answers > 2 or (self.answers and many) else ""
+        first = f"{' and '.join(self.pair)} " if self.pair and many else ""
+        return (f"{', '.join(self.requests)}: {answers}{first}part at output position {self.position} "
+                f"({self.kind}{size})")
 
 
 class PairExplanation(msgspec.Struct):
@@ -190,18 +200,19 @@ def twin_groups(path: str | os.PathLike) -> list[Twins]:
     return sorted(out, key=lambda t: (t.kind != "token", -t.max_abs_logprob_diff if t.kind != "token" else 0))
 
 
-def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str, str] | None = None,
-                 plant: Plant | None = None, log: Callable[[str], None] | None = None, from_start: bool = False,
-                 engines: Engines | None = None) -> PairExplanation:
-    """Bug or noise for twins `a` and `b` (the same prompt and sampling, two answers; external or internal ids):
-    where they part, whether each alone repeats itself, and whether a neighbour's content or the batches' shapes
-    part them (the module docstring). `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (every
-    re-execution then runs on one engine, from `engines` where given). `plant`: a fault added in every
-    re-execution of its step (a planted leak). Each replay starts at the nearest keyframe (an earlier one where
+def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | None = None,
+                 runner: str | None = None, plant: Plant | None = None, log: Callable[[str], None] | None = None,
+                 from_start: bool = False, engines: Engines | None = None) -> PairExplanation:
+    """Bug or noise for twins `a` and `b` (the same prompt and sampling, two answers; external or internal ids): where
+    they part, whether each alone repeats itself, and whether a neighbour's content or the batches' shapes part them
+    (the module docstring). `overrides`: `--set` knobs (a dict, "K=V,K=V" or a list); `runner="vllm"` (or the knob) for
+    vLLM's runner (every re-execution then runs on one engine, from `engines` where given). `plant`: a fault added in
+    every re-execution of its step (a planted leak). Each replay starts at the nearest keyframe (an earlier one where
     every one of the request's neighbours at its step is live there: they are left out, or swapped, in every step),
     unless `from_start`."""
     log = log or (lambda msg: None)
     path = str(path)
+    overrides = check_overrides(overrides, runner)
     arrivals = _requests(path)
     by_internal = {rec.request.request_id: name for name, rec in arrivals.items()}
     a, b = by_internal.get(a, a), by_internal.get(b, b)  # (an internal id, as bisects and divergences print it)
@@ -218,7 +229,7 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
     key_a, key_b = (side.key_of[arrivals[n].request.request_id] for n in (a, b))
     seq_a, seq_b = side.outputs.get(key_a, []), side.outputs.get(key_b, [])
     parted = _part(seq_a, seq_b, (key_a in side.cut, key_b in side.cut))
-    runner = (overrides or {}).get("runner", "builtin")
+    runner = overrides.get("runner", "builtin")
     ids = {n: arrivals[n].request.request_id for n in (a, b)}
     if parted is None:
         rows = _prompt_rows(path, set(ids.values()))
@@ -228,9 +239,10 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: dict[str
                                   f"their prompt logprobs at prompt position {prompt[0]} (max |Δ| {prompt[2]:.3g}): "
                                   "explain re-executes the rows that sample; `replay run --diff` compares prompt "
                                   "logprobs with their replay")
-        said = " and prompt logprobs" if rows else ""
+        said = (" and logprobs" if any(x[2] is not None for x in seq_a) else "") + (
+            " and prompt logprobs" if rows else "")
         return PairExplanation(path, a, b, NOTHING, f"{NOTHING}: requests {a} and {b} gave the same "
-                               f"{len(seq_a)} tokens and logprobs{said}", False, runner=runner)
+                               f"{len(seq_a)} tokens{said}", False, runner=runner)
     p, kind, recorded = parted
     if kind == "length":
         raise UsageError(f"requests {a} and {b} agree on their {p} common tokens and stop apart: nothing to "

@@ -16,11 +16,11 @@ from replay.bisect.dump import write_dump
 from replay.bisect.module_compare import LayersBisect, compare_modules, module_verdict
 from replay.bisect.open_session import make_session
 from replay.bisect.session import Run
-from replay.errors import CannotTestError, UsageError
+from replay.errors import CannotTestError
 from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.replayer import Plant, parse_overrides
-from replay.replayer.knobs import RUNNERS, env_knobs, split_knobs
+from replay.replayer.knobs import Knobs, check_overrides, env_knobs, split_knobs
 
 
 def side_runs(path: str, step: int, request: str, overrides: dict[str, str], runs: list[tuple[bool, Plant | None]],
@@ -46,22 +46,21 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
 
 
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
-                  plant: Plant | None = None, runner: str | None = None, overrides: dict[str, str] | None = None,
+                  plant: Plant | None = None, runner: str | None = None, overrides: Knobs | None = None,
                   dump: str | os.PathLike | None = None, dump_all: bool = False,
                   log: Callable[[str], None] | None = None, from_start: bool = False,
                   engines: Engines | None = None) -> LayersBisect:
     """Side A: step `step` as recorded (with `overrides`). Side B: R alone (`against="solo"`), the same step under
     other knobs (`"dtype=bfloat16,attention=reference"`, `"tensor_parallel_size=1"`), and/or with a planted fault
-    (`plant`). `runner`: "builtin" or "vllm" (default: the `runner` knob, else builtin). `dump`: a directory for
+    (`plant`). `runner`: "builtin" or "vllm" (default: the `runner` knob, else builtin); `overrides`: a dict, "K=V,K=V"
+    or a list. `dump`: a directory for
     both sides' outputs of the first differing modules, or of every module (`dump_all`: for `compare_dumps` across
     installs; `replay.bisect.dump`). Each side's replay to the step starts at the nearest keyframe unless
     `from_start`. `engines`: started vLLM engines to run on (`replay.integrations.vllm.engines`)."""
     log = log or (lambda msg: None)
     path = str(path)
-    runner = runner or (overrides or {}).get("runner", "builtin")
-    if runner not in RUNNERS:
-        raise UsageError(f"runner {runner!r}: expected {' or '.join(RUNNERS)}")
-    base = {**(overrides or {}), **({"runner": runner} if runner == "vllm" else {})}
+    base = check_overrides(overrides, runner)
+    runner = base.get("runner", "builtin")
     if against in ("solo", "", "same", "none"):
         log(f"replaying {path} to step {step}, twice ({'R alone' if against == 'solo' else 'as recorded'})")
         _, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)], log=log,

@@ -29,7 +29,7 @@ from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.replayer import Plant
-from replay.replayer.knobs import env_knobs
+from replay.replayer.knobs import Knobs, check_overrides, env_knobs
 from replay.replayer.swap import CONTENTS
 
 CONTAMINATION = "CONTAMINATION"
@@ -75,22 +75,22 @@ class LeakBisect(msgspec.Struct):
 
 
 def bisect_leak(path: str | os.PathLike, step: int, request: str, *, contents: tuple[str, ...] = CONTENTS,
-                overrides: dict[str, str] | None = None, plant: Plant | None = None,
+                overrides: Knobs | None = None, runner: str | None = None, plant: Plant | None = None,
                 log: Callable[[str], None] | None = None, from_start: bool = False,
                 engines: Engines | None = None) -> LeakBisect:
-    """Whether request `request`'s logits at step `step` move when its neighbours get other token ids of the same
-    shapes (contamination), which neighbours (a 1-minimal set) and the first module that moves; the module docstring
-    says why nothing else may move them. `contents`: the kinds of other content tried, in order, until one moves R.
-    `overrides`: `--set` knobs, `runner=vllm` among them for vLLM's runner (environment knobs: in a fresh process
-    started with them). `plant`: a fault added at S in every run (a planted leak, `STEP:R:MODULE:SIZE*NEIGHBOUR`,
-    is what the tests find). The replay to S starts at the nearest keyframe (one before R's neighbours at S were
-    scheduled where every one of them is live there: a run cannot swap one the keyframe rebuilds), unless
-    `from_start`. `engines`: started vLLM engines to run
-    on."""
+    """Whether request `request`'s logits at step `step` move when its neighbours get other token ids of the same shapes
+    (contamination), which neighbours (a 1-minimal set) and the first module that moves; the module docstring says why
+    nothing else may move them. `contents`: the kinds of other content tried, in order, until one moves R. `overrides`:
+    `--set` knobs (a dict, "K=V,K=V" or a list); `runner="vllm"` (or the knob) for vLLM's runner (environment knobs: in
+    a fresh process started with them). `plant`: a fault added at S in every run (a planted leak,
+    `STEP:R:MODULE:SIZE*NEIGHBOUR`, is what the tests find). The replay to S starts at the nearest keyframe (one before
+    R's neighbours at S were scheduled where every one of them is live there: a run cannot swap one the keyframe
+    rebuilds), unless `from_start`. `engines`: started vLLM engines to run on."""
     bad = [c for c in contents if c not in CONTENTS]
     if bad or not contents:
         raise UsageError(f"--contents {','.join(contents)}: expected some of {', '.join(CONTENTS)}")
-    env = env_knobs(overrides or {})
+    overrides = check_overrides(overrides, runner)
+    env = env_knobs(overrides)
     if env and not applied(env):
         return in_environment(env, bisect_leak, path, step, request, contents=contents, overrides=overrides,
                               plant=plant, from_start=from_start)

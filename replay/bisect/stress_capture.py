@@ -22,7 +22,7 @@ from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
 from replay.record.stress import StressReport, Watch, first_fork
 from replay.replayer import build_runner
-from replay.replayer.knobs import env_knobs
+from replay.replayer.knobs import Knobs, check_overrides, env_knobs
 from replay.replayer.start import Start, clear_of, live_at, loop_from, start_at
 
 
@@ -39,14 +39,16 @@ class _Target:
 
 
 def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, seed: int = 0,
-                   overrides: dict[str, str] | None = None, force: bool = False, from_start: bool = False,
-                   engines: Engines | None = None, log: Callable[[str], None] | None = None) -> StressReport:
-    """Replay request `request` (external or internal id) of `path` `trials` times, the first time with every
-    neighbour as recorded, then each time with a random subset (drawn from `seed`) of the neighbours it shared a step
-    with left out of every step; count the unique completions and logprob sequences it gives. Starts at the keyframe
-    nearest its first step unless `from_start`. `overrides`: replay knobs (`runner=vllm`, `dtype`, `env.NAME`...);
-    `engines`: started vLLM engines to run on (every trial runs on one)."""
-    overrides = dict(overrides or {})
+                   overrides: Knobs | None = None, runner: str | None = None, force: bool = False,
+                   from_start: bool = False, engines: Engines | None = None,
+                   log: Callable[[str], None] | None = None) -> StressReport:
+    """Replay request `request` (external or internal id) of `path` `trials` times, the first time with every neighbour
+    as recorded, then each time with a random subset (drawn from `seed`) of the neighbours it shared a step with left
+    out of every step; count the unique completions and logprob sequences it gives. Starts at the keyframe nearest its
+    first step unless `from_start`. `overrides`: replay knobs (`dtype`, `env.NAME`...: a dict, "K=V,K=V" or a list);
+    `runner="vllm"` (or the knob) for vLLM's runner; `engines`: started vLLM engines to run on (every trial runs on
+    one)."""
+    overrides = check_overrides(overrides, runner)
     env = env_knobs(overrides)
     if env and not applied(env):
         return in_environment(env, stress_capture, path, request, trials=trials, seed=seed, overrides=overrides,

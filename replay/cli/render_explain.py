@@ -14,12 +14,7 @@ def render_twins(groups: list[Twins]) -> str:
     if not groups:
         return "no two requests with the same prompt and sampling answered differently"
     lines = [f"{len(groups)} group(s) of requests with the same prompt and sampling answered differently:"]
-    for g in groups:
-        size = f", max |Δlogprob| {g.max_abs_logprob_diff:.3g}" if g.kind == "logprobs" else ""
-        answers = f"{g.answers} distinct answers; " if g.answers > 2 or (g.answers and len(g.requests) > 2) else ""
-        first = f"{' and '.join(g.pair)} " if g.pair and len(g.requests) > 2 else ""
-        lines.append(f"  {', '.join(g.requests)}: {answers}{first}part at output position {g.position} "
-                     f"({g.kind}{size})")
+    lines.extend(f"  {g.describe()}" for g in groups)
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ Three kinds, by name:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 
 from replay.engine.config import DTYPES
 from replay.errors import UsageError
@@ -66,9 +67,30 @@ def _parse(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def check_overrides(overrides: dict[str, object]) -> dict[str, str]:
-    """Knobs given from Python ({"dtype": "bfloat16", "threads": 2}), checked and normalised as `--set` does them."""
-    return parse_overrides([f"{k}={'' if v is None else v}" for k, v in overrides.items()]) if overrides else {}
+Knobs = Mapping[str, object] | str | Iterable[str]  # {"dtype": "bfloat16"}, "dtype=bfloat16,threads=2", [...]
+
+
+def check_overrides(overrides: Knobs | None, runner: str | None = None) -> dict[str, str]:
+    """Knobs given from Python, checked and normalised as `--set` does them: a dict ({"dtype": "bfloat16",
+    "threads": 2}), a "K=V,K=V" string or a list of "K=V". `runner` ("builtin" or "vllm") is the `runner` knob,
+    refused where the knobs name another."""
+    if overrides is None:
+        items: list[str] = []
+    elif isinstance(overrides, str):
+        items = split_knobs(overrides)
+    elif isinstance(overrides, Mapping):
+        items = [f"{k}={'' if v is None else v}" for k, v in overrides.items()]
+    else:
+        items = list(overrides)
+    if runner is not None:
+        if runner not in RUNNERS:
+            raise UsageError(f"runner {runner!r}: expected {' or '.join(RUNNERS)}")
+        said = [x.partition("=")[2].strip() for x in items if x.partition("=")[0].strip() == "runner"]
+        if any(v != runner for v in said):
+            raise UsageError(f"runner={runner!r} and the knob runner={said[0]} say two things: keep one")
+        if runner != "builtin":  # (the default: no knob)
+            items.append(f"runner={runner}")
+    return parse_overrides(items)
 
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16", "float", "half", "auto")  # vLLM's `ModelDType`

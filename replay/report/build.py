@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from replay import __version__
+from replay.bisect.explain_pair import Twins
 from replay.diff import (
     BatchComposition,
     CaptureDiff,
@@ -277,15 +278,21 @@ def _explain_card(path: str | os.PathLike, capture: str | os.PathLike) -> Card:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"{path}: cannot read an explanation: {getattr(e, 'strerror', None) or e}") from None
+    groups: list[Twins] = []
     if isinstance(doc, dict) and "groups" in doc and "explanation" in doc:  # `--pairs --json`: the first group's
         if doc["explanation"] is None:
             raise UsageError(f"{path}: `explain --pairs` found no twins that answered differently: nothing to show")
+        try:
+            groups = msgspec.convert(doc["groups"], list[Twins])
+        except msgspec.ValidationError as e:
+            raise UsageError(f"{path}: `explain --pairs` JSON with unreadable groups: {e}") from None
         doc = doc["explanation"]
     if not isinstance(doc, dict) or not isinstance(doc.get("found"), str) or not isinstance(doc.get("verdict"), str):
         raise UsageError(f"{path}: not an explanation (the JSON `replay explain --json` prints has found and verdict)")
     made_on(doc, path, capture, "an explanation")
     facts: list[tuple[str, Any]] = [("class", doc["found"]), ("a bug", "yes" if doc.get("bug") else "no"),
                                     ("verdict", doc["verdict"])]
+    facts += [("twins", g.describe()) for g in groups]  # (every group --pairs found; the verdict is the first's)
     facts += [("evidence", e) for e in doc.get("evidence") or [] if isinstance(e, str)]
     leak = doc.get("leak")
     if isinstance(leak, dict) and leak.get("minimal_set"):

@@ -58,7 +58,8 @@ def test_pairs_json_has_one_shape_with_twins_or_without(twins, tmp_path, capsys)
     assert [g["requests"] for g in out["groups"]] == [["a", "b"]] and out["explanation"]["found"] == BATCH_VARIANCE
     (tmp_path / "pairs.json").write_text(json.dumps(out))  # what the report takes: the first group's explanation
     assert main(["report", str(plain), "--explain", str(tmp_path / "pairs.json"), "-o", str(tmp_path / "r.html")]) == 0
-    assert f'data-found="{BATCH_VARIANCE}"' in (tmp_path / "r.html").read_text()
+    page = (tmp_path / "r.html").read_text()
+    assert f'data-found="{BATCH_VARIANCE}"' in page and "a, b: part at output position" in page  # and every group
     capsys.readouterr()
     none = record_twins(tmp_path / "invariant.capture", batch_invariant=True)  # twins that agree: no group
     assert main(["explain", str(none), "--pairs", "--json", "-q"]) == 0

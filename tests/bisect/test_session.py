@@ -98,8 +98,9 @@ def test_a_bisect_from_python_checks_its_knobs_and_runner(tmp_path):
     path = record_builtin(RecordOptions(EngineConfig(), synthetic(wl, 512), tmp_path / "a.capture")).path
     with pytest.raises(UsageError, match="unknown knob 'nonsense'"):
         bisect_batch(path, 2, "req-0", overrides={"nonsense": "1"})
-    with pytest.raises(UsageError, match="runner 'bogus'"):
-        bisect_layers(path, 2, "req-0", runner="bogus")
+    for bisect in (bisect_layers, bisect_batch):
+        with pytest.raises(UsageError, match="runner 'bogus': expected builtin or vllm"):
+            bisect(path, 2, "req-0", runner="bogus")
 
 
 def test_a_request_named_by_an_openai_responses_id_is_pointed_at_its_prompts_requests():

@@ -7,7 +7,7 @@ import pytest
 
 from replay.errors import UsageError
 from replay.replayer import parse_overrides
-from replay.replayer.knobs import env_knobs, split_knobs
+from replay.replayer.knobs import check_overrides, env_knobs, split_knobs
 
 
 def test_engine_arguments_and_environment_variables_parse_by_their_own_names():
@@ -56,3 +56,19 @@ def test_a_refusal_names_the_flag_the_knobs_came_with():
         parse_overrides(["garbage"], "--against")
     with pytest.raises(UsageError, match=r"^--set 'garbage': expected KNOB=VALUE"):
         parse_overrides(["garbage"])
+
+
+def test_python_callers_give_knobs_as_a_dict_a_string_or_a_list_and_the_runner_by_keyword():
+    want = {"dtype": "bfloat16", "threads": "2"}
+    assert check_overrides({"dtype": "bfloat16", "threads": 2}) == want
+    assert check_overrides("dtype=bfloat16,threads=2") == want
+    assert check_overrides(["dtype=bfloat16", "threads=2"]) == want
+    assert check_overrides(None) == {} and check_overrides("", runner="builtin") == {}
+    assert check_overrides("tensor_parallel_size=2", runner="vllm") == {"tensor_parallel_size": "2", "runner": "vllm"}
+    assert check_overrides({"runner": "vllm"}, runner="vllm") == {"runner": "vllm"}
+    with pytest.raises(UsageError, match="runner='builtin' and the knob runner=vllm say two things"):
+        check_overrides({"runner": "vllm"}, runner="builtin")
+    with pytest.raises(UsageError, match="a vLLM layout knob; it needs vLLM's runner"):
+        check_overrides("tensor_parallel_size=2", runner="builtin")
+    with pytest.raises(UsageError, match="runner 'vLLM': expected builtin or vllm"):
+        check_overrides(None, runner="vLLM")
