@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from replay.bisect.explain_divergence import DivergenceExplanation
-    from replay.bisect.explain_pair import PairExplanation, Twins
+    from replay.bisect.explain_pair import PairExplanation
+    from replay.diff.twins import Twins
 
 
 def render_twins(groups: list[Twins]) -> str:

@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 
 from replay import __version__
-from replay.bisect.explain_pair import Twins
 from replay.diff import (
     BatchComposition,
     CaptureDiff,
@@ -24,6 +23,7 @@ from replay.diff import (
     Tolerance,
     diff_captures,
 )
+from replay.diff.twins import Twins
 from replay.errors import UsageError
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
 from replay.replayer.suspects import LORA_SLOTS
