@@ -37,15 +37,18 @@ class ConfigBisect(msgspec.Struct):
 def bisect_config(path: str | os.PathLike, good: Knobs, bad: Knobs, *, steps: StepRange | None = None,
                   log: Callable[[str], None] | None = None,
                   state: str | os.PathLike | None = None, how: FanOut = FanOut(),
-                  engines: Engines | None = None, tolerance: Tolerance | None = None) -> ConfigBisect:
+                  engines: Engines | None = None, tol: Tolerance | None = None,
+                  tolerance: Tolerance | None = None) -> ConfigBisect:
     """`good` / `bad`: knob settings, "K=V,K=V" or a dict (see `replay.replayer.KNOBS`). The good one must replay within
-    `tolerance` (default: bitwise), the bad one must diverge. `how`: where the replays run (`--jobs`, `--ray`); fanned
-    out, each round of ddmin's subsets replays at once and the verdict is the serial one. `engines`: started vLLM
-    engines the serial replays reuse (one per configuration tested, `replay.integrations.vllm.engines`; without, the
-    bisect keeps its own). The tests that set the same `env.*` knobs run in one fresh process, on one engine per
-    configuration."""
+    `tol` (default: bitwise; `tolerance` is its other name), the bad one must diverge. `how`: where the replays run
+    (`--jobs`, `--ray`); fanned out, each round of ddmin's subsets replays at once and the verdict is the serial one.
+    `engines`: started vLLM engines the serial replays reuse (one per configuration tested,
+    `replay.integrations.vllm.engines`; without, the bisect keeps its own). The tests that set the same `env.*` knobs
+    run in one fresh process, on one engine per configuration."""
     log = log or (lambda msg: None)
-    tol = tolerance or Tolerance()
+    if tol is not None and tolerance is not None and tol != tolerance:
+        raise UsageError(f"two tolerances given ({tol} and {tolerance}): give one")
+    tol = tol or tolerance or Tolerance()
     g = check_overrides(good)
     b = check_overrides(bad)
     changes = [(k, v) for k, v in b.items() if g.get(k) != v]

@@ -151,6 +151,8 @@ def test_config_bisect_refuses_an_engine_argument_the_steps_fix_before_any_repla
         bisect_config(path, "runner=vllm", "runner=vllm,vllm.max_num_seqs=4", steps=StepRange(0, 4))
     with pytest.raises(UsageError, match="has no argument 'max_num_seq'"):
         bisect_config(path, "runner=vllm,vllm.max_num_seq=4", "runner=vllm,dtype=bfloat16", steps=StepRange(0, 4))
+    with pytest.raises(UsageError, match="two tolerances given"):  # `tol`, as the other bisects name it, or `tolerance`
+        bisect_config(path, "", {"dtype": "bfloat16"}, tol=Tolerance(atol=1e-3), tolerance=Tolerance(atol=1e-4))
 
 
 def test_config_bisect_fanned_out_gives_the_serial_verdict(crowd):
