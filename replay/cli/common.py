@@ -198,13 +198,9 @@ def step_range(text: str | None, flag: str = "--steps") -> StepRange | None:
 
 def knobs_with_runner(set_: list[str] | None, runner: str | None) -> list[str]:
     """The --set knobs with `--runner R` as `runner=R`; a --set runner= that says otherwise is a UsageError."""
-    knobs = list(set_ or [])
-    if runner is None:
-        return knobs
-    said = [k.split("=", 1)[1].strip() for k in knobs if k.split("=", 1)[0].strip() == "runner" and "=" in k]
-    if any(v != runner for v in said):
-        raise UsageError(f"--runner {runner} and --set runner={said[0]} say two things: keep one")
-    return [*knobs, f"runner={runner}"]
+    from replay.replayer.knobs import with_runner
+
+    return with_runner(list(set_ or []), runner, "--runner {runner} and --set runner={said}")
 
 
 def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: float, rtol: float, tie_margin: float,

@@ -82,15 +82,21 @@ def check_overrides(overrides: Knobs | None, runner: str | None = None) -> dict[
         items = [f"{k}={'' if v is None else v}" for k, v in overrides.items()]
     else:
         items = list(overrides)
-    if runner is not None:
-        if runner not in RUNNERS:
-            raise UsageError(f"runner {runner!r}: expected {' or '.join(RUNNERS)}")
-        said = [x.partition("=")[2].strip() for x in items if x.partition("=")[0].strip() == "runner"]
-        if any(v != runner for v in said):
-            raise UsageError(f"runner={runner!r} and the knob runner={said[0]} say two things: keep one")
-        if runner != "builtin":  # (the default: no knob)
-            items.append(f"runner={runner}")
-    return parse_overrides(items)
+    return parse_overrides(with_runner(items, runner))
+
+
+def with_runner(items: list[str], runner: str | None,
+                said_as: str = "runner={runner!r} and the knob runner={said}") -> list[str]:
+    """Knobs ("K=V") with `runner` ("builtin" or "vllm", where given) as the runner knob; a runner knob among them
+    that names another runner is refused, in `said_as`'s words (the CLI's name its flags)."""
+    if runner is None:
+        return items
+    if runner not in RUNNERS:
+        raise UsageError(f"runner {runner!r}: expected {' or '.join(RUNNERS)}")
+    said = [x.partition("=")[2].strip() for x in items if x.partition("=")[0].strip() == "runner"]
+    if any(v != runner for v in said):
+        raise UsageError(f"{said_as.format(runner=runner, said=said[0])} say two things: keep one")
+    return items if runner == "builtin" else [*items, f"runner={runner}"]  # (builtin: the default, no knob)
 
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16", "float", "half", "auto")  # vLLM's `ModelDType`

@@ -101,7 +101,10 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
         text, capture = scripts[name]
         script = d / f"{name}.py"
         script.write_text(text)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **({"REPLAY_CAPTURE": str(capture)} if capture else {}))
+        # (the engine core in the script's process: both reports are of the kernels, and a spawned engine core and
+        # worker would import vLLM twice more)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   **({"REPLAY_CAPTURE": str(capture)} if capture else {}))
         return capture, subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True,
                                        timeout=600, env=env)
 
