@@ -25,9 +25,12 @@ def test_long_capture_in_flat_memory():
     print(res)
     assert res["steps_read"] == STEPS
     assert res["lookup_chunks"] == 1 and res["chunks"] > 100 * STEPS // 100_000
-    rec, scan = res["record_rss_mb"], res["scan_rss_mb"]
     # recording keeps only the open chunk and the request-id table (which the seek index needs): ~100 B/request;
-    # at 100,000 steps that was 26 MB of growth, scanning 18.8 MB (about 0.2 KB/step of allocator retention)
+    # at 100,000 steps that was 26 MB of growth, scanning 18.8 MB (about 0.2 KB/step of allocator retention).
+    # RSS at each tenth of the steps, the second half against the first: a per-step leak grows both alike, while
+    # what fills once (the compression queue, the read-ahead's chunks, the allocator's arenas) grows the first half
+    # only, and by more on a busy machine (a CI run under load: +5.8 MB between two tenths of the scan, then flat)
     scale = STEPS / 100_000
-    assert rec[-1] - rec[1] < 8 + 32 * scale, rec
-    assert scan[-1] - scan[1] < 6 + 24 * scale, scan  # one chunk at a time
+    for rss, per_100k in ((res["record_rss_mb"], 32), (res["scan_rss_mb"], 24)):
+        half = len(rss) // 2
+        assert rss[-1] - rss[half - 1] < 3 + per_100k * scale / 2, rss
