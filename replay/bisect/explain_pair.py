@@ -155,6 +155,12 @@ def _prompt_part(a: np.ndarray | None, b: np.ndarray | None) -> tuple[int, str, 
 def twin_groups(path: str | os.PathLike) -> list[Twins]:
     """Every group of requests with the same prompt and sampling (greedy, or the same seed) whose outputs differ,
     those that part in a token first, then by the size of their first difference."""
+    return twins_compared(path)[1]
+
+
+def twins_compared(path: str | os.PathLike) -> tuple[int, list[Twins]]:
+    """(How many groups of requests share a prompt and sampling, `twin_groups`): none compared and none differing
+    are two answers."""
     arrivals = _requests(path)
     side = read_aligned(path)
     groups: dict[tuple, list[str]] = defaultdict(list)
@@ -178,7 +184,8 @@ def twin_groups(path: str | os.PathLike) -> list[Twins]:
             (p, kind, diff), i, j = min(parts, key=lambda x: x[0][0])  # (the first pair that parts there)
             answers = len({tuple(t for _, t, _ in seq) for seq in seqs})
             out.append(Twins(names, p, kind, diff, [names[i], names[j]], answers if answers > 1 else 0))
-    return sorted(out, key=lambda t: (t.kind != "token", -t.max_abs_logprob_diff if t.kind != "token" else 0))
+    return len(twins), sorted(out, key=lambda t: (t.kind != "token",
+                                                  -t.max_abs_logprob_diff if t.kind != "token" else 0))
 
 
 def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | None = None,

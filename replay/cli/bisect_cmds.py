@@ -221,7 +221,7 @@ def explain(
     Exit 1 for a bug, 0 for expected numerics or nothing to explain, 3 when that holds of a damaged capture's
     readable prefix, 125 when it cannot test."""
     from replay.bisect.explain_divergence import explain_divergence
-    from replay.bisect.explain_pair import explain_pair, twin_groups
+    from replay.bisect.explain_pair import explain_pair, twins_compared
     from replay.cli.render_explain import render_divergence, render_pair, render_twins
     from replay.errors import UsageError
 
@@ -243,20 +243,20 @@ def explain(
         if res.data_lost:
             raise typer.Exit(EXIT_DAMAGED)
         return
-    groups = None
+    groups = compared = None
     if pair is None:
-        groups = twin_groups(capture)
+        compared, groups = twins_compared(capture)
         if not json:
-            print(render_twins(groups))
+            print(render_twins(groups, compared))
         if not groups:
-            if json:  # (the same shape as with groups: every group, and the first one's explanation)
-                emit({"groups": groups, "explanation": None}, render_twins, json=True)
+            if json:  # (the same shape as with groups: every group, how many compared, the first one's explanation)
+                emit({"groups": groups, "compared": compared, "explanation": None}, render_twins, json=True)
             return
         pair = tuple(groups[0].pair or groups[0].requests[:2])
     res = explain_pair(capture, *pair, overrides=opts.overrides, plant=opts.plant, log=progress_log(quiet),
                        from_start=from_start)
     if json and groups is not None:
-        emit({"groups": groups, "explanation": res}, render_pair, json=True)
+        emit({"groups": groups, "compared": compared, "explanation": res}, render_pair, json=True)
     else:
         emit(res, render_pair, json=json)
     if res.bug:

@@ -10,10 +10,13 @@ if TYPE_CHECKING:
     from replay.diff.twins import Twins
 
 
-def render_twins(groups: list[Twins]) -> str:
-    """`explain --pairs` without one to explain: every group of identical requests whose outputs differ."""
+def render_twins(groups: list[Twins], compared: int | None = None) -> str:
+    """`explain --pairs`: every group of identical requests whose outputs differ, of `compared` groups."""
+    if not groups and compared == 0:
+        return "no two requests share a prompt and sampling (greedy, or one seed): no twins to compare"
     if not groups:
-        return "no two requests with the same prompt and sampling answered differently"
+        return ("no two requests with the same prompt and sampling answered differently" +
+                (f" ({compared} group(s) of twins compared)" if compared is not None else ""))
     lines = [f"{len(groups)} group(s) of requests with the same prompt and sampling answered differently:"]
     lines.extend(f"  {g.describe()}" for g in groups)
     return "\n".join(lines)

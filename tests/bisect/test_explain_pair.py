@@ -56,6 +56,7 @@ def test_pairs_json_has_one_shape_with_twins_or_without(twins, tmp_path, capsys)
     main(["explain", str(plain), "--pairs", "--json", "-q"])
     out = json.loads(capsys.readouterr().out)
     assert [g["requests"] for g in out["groups"]] == [["a", "b"]] and out["explanation"]["found"] == BATCH_VARIANCE
+    assert out["compared"] == 1
     (tmp_path / "pairs.json").write_text(json.dumps(out))  # what the report takes: the first group's explanation
     assert main(["report", str(plain), "--explain", str(tmp_path / "pairs.json"), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
@@ -63,7 +64,18 @@ def test_pairs_json_has_one_shape_with_twins_or_without(twins, tmp_path, capsys)
     capsys.readouterr()
     none = record_twins(tmp_path / "invariant.capture", batch_invariant=True)  # twins that agree: no group
     assert main(["explain", str(none), "--pairs", "--json", "-q"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"groups": [], "explanation": None}
+    assert json.loads(capsys.readouterr().out) == {"groups": [], "compared": 1, "explanation": None}
+
+
+def test_pairs_says_how_many_groups_it_compared_or_that_there_were_none(twins, small_capture, tmp_path, capsys):
+    """Twins that agree and a capture with no twins at all are two answers: neither hides behind the other."""
+    none = record_twins(tmp_path / "invariant.capture", batch_invariant=True)
+    assert main(["explain", str(none), "--pairs", "-q"]) == 0
+    assert capsys.readouterr().out == ("no two requests with the same prompt and sampling answered differently "
+                                       "(1 group(s) of twins compared)\n")
+    assert main(["explain", str(small_capture), "--pairs", "-q"]) == 0
+    assert capsys.readouterr().out == ("no two requests share a prompt and sampling (greedy, or one seed): no twins "
+                                       "to compare\n")
 
 
 def test_a_planted_leak_makes_the_pair_contamination_with_the_neighbour_and_module(twins, capsys):
