@@ -96,6 +96,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
 def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> BatchBisect:
     step = s.step.index
     rid = s.request_id(request)
+    request = s.names([rid])[0]  # (as the capture names it: an OpenAI response's id is its prompt's request)
     others = s.neighbours(rid)
     if not others:  # "alone" would be the full batch again: the same logits, and an invariance never tested
         if len(s.step.scheduler_output.num_scheduled_tokens) == 1:

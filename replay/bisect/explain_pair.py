@@ -30,7 +30,7 @@ from replay.bisect.commands import command_line
 from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
-from replay.bisect.session import Run, openai_hint
+from replay.bisect.session import Run, openai_hint, response_request
 from replay.capture import CaptureReader, RequestAdded, Step
 from replay.contracts import SAMPLING_EPS
 from replay.diff.captures import AlignedRun, read_aligned
@@ -204,6 +204,7 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | 
     arrivals = _requests(path)
     by_internal = {rec.request.request_id: name for name, rec in arrivals.items()}
     a, b = by_internal.get(a, a), by_internal.get(b, b)  # (an internal id, as bisects and divergences print it)
+    a, b = response_request(a, arrivals), response_request(b, arrivals)  # (an OpenAI response's id)
     if a == b:
         raise UsageError(f"explain --pair {a} {b}: name two different requests (twins: the same prompt and sampling)")
     for name in (a, b):

@@ -28,8 +28,9 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
               fresh: bool = False, from_start: bool = False,
               engines: Engines | None = None) -> tuple[str, list[str], list[Run]]:
     """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
-    Returns R's internal id, the session's notes and the runs. With environment knobs, or `fresh`, this runs in a
-    fresh process started with them (`replay.processes.in_environment`)."""
+    Returns R as the capture names it (an OpenAI response's id: its prompt's request), the session's notes and the
+    runs. With environment knobs, or `fresh`, this runs in a fresh process started with them
+    (`replay.processes.in_environment`)."""
     env = env_knobs(overrides)
     if fresh or (env and not applied(env)):
         return in_environment(env, side_runs, path, step, request, overrides, runs, force, from_start=from_start)
@@ -42,7 +43,7 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
         out = [session.run(rid, {rid} if alone else None, modules=True, plant=plant) for alone, plant in runs]
     finally:
         session.close()
-    return rid, session.notes, out
+    return session.names([rid])[0], session.notes, out
 
 
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,
@@ -63,14 +64,14 @@ def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str
     runner = base.get("runner", "builtin")
     if against in ("solo", "", "same", "none"):
         log(f"replaying {path} to step {step}, twice ({'R alone' if against == 'solo' else 'as recorded'})")
-        _, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)], log=log,
-                                     from_start=from_start, engines=engines)
+        request, notes, (a, b) = side_runs(path, step, request, base, [(False, None), (against == "solo", plant)],
+                                           log=log, from_start=from_start, engines=engines)
     else:
         knobs = parse_overrides(split_knobs(against) + ([f"runner={runner}"] if runner == "vllm" else []), "--against")
         fresh = bool(env_knobs(knobs))  # then side A runs in a fresh process too: the variables are the difference
         log(f"replaying {path} to step {step} (side A)")
-        _, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log, fresh=fresh,
-                                   from_start=from_start, engines=None if fresh else engines)
+        request, notes, (a,) = side_runs(path, step, request, base, [(False, None)], log=log, fresh=fresh,
+                                         from_start=from_start, engines=None if fresh else engines)
         log(f"replaying {path} to step {step} with {against} (side B)")
         _, notes_b, (b,) = side_runs(path, step, request, {**base, **knobs}, [(False, plant)], force=True, log=log,
                                      from_start=from_start, engines=engines)

@@ -140,6 +140,7 @@ def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CON
                               f"{', '.join(f'{k}={v}' for k, v in experts.items())}): a token's experts follow its "
                               "content, so other content regroups the experts' GEMMs, shapes a swap cannot keep")
     rid = s.request_id(request)
+    request = s.names([rid])[0]  # (as the capture names it: an OpenAI response's id is its prompt's request)
     if plant is not None and plant.step != step:
         raise UsageError(f"--plant is at step {plant.step}: bisect leak re-executes step {step} only")
     runs = 0

@@ -6,7 +6,7 @@ with requests left out) and `padded` (the step with one-token requests added). T
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +54,7 @@ class Session:
 
     def request_id(self, name: str) -> str:
         """Internal id of a request given by its external or internal id, checked to be in the step."""
-        rid = self.internal.get(name, name)
+        rid = self.internal.get(response_request(name, self.internal), name)
         if rid not in self.step.scheduler_output.num_scheduled_tokens:
             raise not_scheduled(name, self.step.index, self.names(self.step.scheduler_output.num_scheduled_tokens))
         return rid
@@ -139,7 +139,7 @@ def start_for(reader: CaptureReader, step: int, watch: str | None, from_start: b
     if watch is None or start.keyframe is None:
         return start
     ids, found = _names_to(reader, start, step)
-    rid = ids.get(watch, watch)
+    rid = ids.get(response_request(watch, ids), watch)
     if found is None or rid not in found.scheduler_output.num_scheduled_tokens:
         return start  # (the session says what is wrong with the step or the request)
     others = set(found.scheduler_output.num_scheduled_tokens) - {rid}
@@ -156,10 +156,11 @@ def check_target(reader: CaptureReader, start: Start, step: int, request: str | 
             raise CaptureDamagedError(reader.path, f"step {step} is in a damaged part of the capture: "
                                       f"{lost[0].describe()}")
         raise UsageError(f"{reader.path}: no step {step} in this capture")
-    if request is None or ids.get(request, request) in found.scheduler_output.num_scheduled_tokens:
+    scheduled = found.scheduler_output.num_scheduled_tokens
+    if request is None or ids.get(response_request(request, ids), request) in scheduled:
         return
     names = {v: k for k, v in ids.items()}
-    raise not_scheduled(request, step, [names.get(r, r) for r in found.scheduler_output.num_scheduled_tokens])
+    raise not_scheduled(request, step, [names.get(r, r) for r in scheduled])
 
 
 def _names_to(reader: CaptureReader, start: Start, step: int) -> tuple[dict[str, str], Step | None]:
@@ -180,6 +181,15 @@ def not_scheduled(name: str, step: int, scheduled: list[str]) -> UsageError:
     """The refusal of request `name` at a step that schedules `scheduled` (external ids) and not it."""
     return UsageError(f"request {name!r} is not scheduled in step {step} (scheduled: {', '.join(scheduled)})"
                       + openai_hint(name, scheduled))
+
+
+def response_request(name: str, names: Collection[str]) -> str:
+    """`name`, or where it is no request of `names` (external ids) but an OpenAI response's id whose response had one
+    prompt (`cmpl-X`: its engine's one request `cmpl-X-0`), that request."""
+    if name in names:
+        return name
+    prompts = [x for x in names if x.startswith(f"{name}-") and x[len(name) + 1:].isdigit()]
+    return prompts[0] if len(prompts) == 1 else name
 
 
 def openai_hint(name: str, names: Iterable[str]) -> str:

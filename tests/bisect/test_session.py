@@ -109,3 +109,26 @@ def test_a_request_named_by_an_openai_responses_id_is_pointed_at_its_prompts_req
     assert said.startswith("request 'cmpl-ab' is not scheduled in step 4 (scheduled: cmpl-ab-0, cmpl-cd-0, cmpl-ab-1)")
     assert said.endswith("requests cmpl-ab-0, cmpl-ab-1, ...: cmpl-ab-0, cmpl-ab-1 here")
     assert "OpenAI" not in str(not_scheduled("x", 4, ["y-0"]))
+
+
+def test_an_openai_responses_id_names_its_one_prompts_request(tmp_path):
+    """A server's response of one prompt says `cmpl-ab`, its engine's request is `cmpl-ab-0`: the bisects and
+    `explain --pair` take either. A response of two prompts names two requests, and is still pointed at them."""
+    from replay.bisect.explain_pair import explain_pair
+    from replay.contracts import SamplingParams
+    from replay.record import WorkloadRequest
+
+    twin = list(range(50, 70))
+    reqs = [WorkloadRequest(SamplingParams(max_tokens=6, logprobs=3, temperature=0.0), None, prompt, name, 0)
+            for name, prompt in (("cmpl-ab-0", twin), ("cmpl-cd-0", twin), ("cmpl-ef-0", list(range(100, 112))),
+                                 ("cmpl-ef-1", list(range(200, 216))))]
+    cfg = EngineConfig(scheduler=SchedulerConfig(block_size=4, num_gpu_blocks=100, max_num_seqs=8),
+                       runner=RunnerConfig(num_threads=1))
+    path = record_builtin(RecordOptions(cfg, reqs, tmp_path / "server.capture")).path
+    bare, full = bisect_batch(path, 2, "cmpl-ab"), bisect_batch(path, 2, "cmpl-ab-0")
+    assert (bare.request, bare.minimal_set, bare.verdict) == (full.request, full.minimal_set, full.verdict)
+    assert bisect_layers(path, 2, "cmpl-ab", "solo").request == bisect_layers(path, 2, "cmpl-ab-0", "solo").request
+    res = explain_pair(path, "cmpl-ab", "cmpl-cd")
+    assert (res.a, res.b) == ("cmpl-ab-0", "cmpl-cd-0"), res
+    with pytest.raises(UsageError, match="names its prompts' requests cmpl-ef-0, cmpl-ef-1"):
+        bisect_batch(path, 2, "cmpl-ef")
