@@ -17,7 +17,8 @@ def render_twins(groups: list[Twins], compared: int | None = None) -> str:
     if not groups:
         return ("no two requests with the same prompt and sampling answered differently" +
                 (f" ({compared} group(s) of twins compared)" if compared is not None else ""))
-    lines = [f"{len(groups)} group(s) of requests with the same prompt and sampling answered differently:"]
+    lines = [f"{len(groups)} group(s) of requests with the same prompt and sampling answered differently" +
+             (f" (of {compared} compared):" if compared is not None else ":")]
     lines.extend(f"  {g.describe()}" for g in groups)
     return "\n".join(lines)
 

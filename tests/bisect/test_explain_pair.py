@@ -31,7 +31,7 @@ def test_pairs_lists_the_twins_that_answered_differently_and_explains_batch_vari
     assert group.requests == ["a", "b"] and group.kind == "logprobs"  # c samples: not a twin of theirs
     code = main(["explain", str(plain), "--pairs", "-q"])
     out = capsys.readouterr().out
-    assert code == 0 and "a, b: part at output position" in out
+    assert code == 0 and "answered differently (of 1 compared):\n  a, b: part at output position" in out, out
     assert f"\n{BATCH_VARIANCE}: requests a and b are bitwise equal alone" in out, out
     assert "batches: 6 requests, 80 tokens (6 prefill) at step 0, 2 requests, 40 tokens (2 prefill) at step" in out
 
