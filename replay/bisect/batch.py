@@ -18,7 +18,7 @@ import torch
 
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.open_session import make_session
-from replay.bisect.session import adapters_of
+from replay.bisect.session import adapters_of, response_request
 from replay.diff import Tolerance
 from replay.errors import CannotTestError
 from replay.integrations.vllm.engines import Engines
@@ -96,7 +96,7 @@ def bisect_batch(path: str | os.PathLike, step: int, request: str, *, tol: Toler
 def _bisect(s, path: str, request: str, tol: Tolerance, hooks, log, state) -> BatchBisect:
     step = s.step.index
     rid = s.request_id(request)
-    request = s.names([rid])[0]  # (as the capture names it: an OpenAI response's id is its prompt's request)
+    request = response_request(request, s.internal)  # (an OpenAI response's id: its prompt's request)
     others = s.neighbours(rid)
     if not others:  # "alone" would be the full batch again: the same logits, and an invariance never tested
         if len(s.step.scheduler_output.num_scheduled_tokens) == 1:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from replay.bisect.dump import write_dump
 from replay.bisect.module_compare import LayersBisect, compare_modules, module_verdict
 from replay.bisect.open_session import make_session
-from replay.bisect.session import Run
+from replay.bisect.session import Run, response_request
 from replay.errors import CannotTestError
 from replay.integrations.vllm.engines import Engines
 from replay.processes.in_environment import applied, in_environment
@@ -28,8 +28,8 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
               fresh: bool = False, from_start: bool = False,
               engines: Engines | None = None) -> tuple[str, list[str], list[Run]]:
     """On one runner built with `overrides`: step `step` once per (alone, plant) in `runs`, every module hooked.
-    Returns R as the capture names it (an OpenAI response's id: its prompt's request), the session's notes and the
-    runs. With environment knobs, or `fresh`, this runs in a fresh process started with them
+    Returns R as given (an OpenAI response's id: its prompt's request), the session's notes and the runs. With
+    environment knobs, or `fresh`, this runs in a fresh process started with them
     (`replay.processes.in_environment`)."""
     env = env_knobs(overrides)
     if fresh or (env and not applied(env)):
@@ -43,7 +43,7 @@ def side_runs(path: str, step: int, request: str, overrides: dict[str, str], run
         out = [session.run(rid, {rid} if alone else None, modules=True, plant=plant) for alone, plant in runs]
     finally:
         session.close()
-    return session.names([rid])[0], session.notes, out
+    return response_request(request, session.internal), session.notes, out
 
 
 def bisect_layers(path: str | os.PathLike, step: int, request: str, against: str = "solo", *,

@@ -23,7 +23,7 @@ import torch
 from replay.bisect.ddmin import Ddmin
 from replay.bisect.module_compare import ModuleDiff, compare_modules
 from replay.bisect.open_session import make_session
-from replay.bisect.session import Run, Session
+from replay.bisect.session import Run, Session, response_request
 from replay.contracts import ModelRunnerOutput
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
@@ -140,7 +140,7 @@ def leak_in_session(s: Session, request: str, *, contents: tuple[str, ...] = CON
                               f"{', '.join(f'{k}={v}' for k, v in experts.items())}): a token's experts follow its "
                               "content, so other content regroups the experts' GEMMs, shapes a swap cannot keep")
     rid = s.request_id(request)
-    request = s.names([rid])[0]  # (as the capture names it: an OpenAI response's id is its prompt's request)
+    request = response_request(request, s.internal)  # (an OpenAI response's id: its prompt's request)
     if plant is not None and plant.step != step:
         raise UsageError(f"--plant is at step {plant.step}: bisect leak re-executes step {step} only")
     runs = 0
