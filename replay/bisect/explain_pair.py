@@ -32,7 +32,7 @@ from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
 from replay.bisect.session import Run, openai_hint, response_request
 from replay.capture import CaptureReader, RequestAdded, Step
-from replay.contracts import SAMPLING_EPS
+from replay.contracts import SAMPLING_EPS, RequestOutputKind
 from replay.diff.captures import AlignedRun, read_aligned
 from replay.diff.rules import Tolerance, compare_rows, margin, row
 from replay.diff.step import BatchComposition
@@ -94,15 +94,38 @@ def _schedules(path: str | os.PathLike, rids: set[str]) -> dict[str, list[tuple[
     return out
 
 
+# What stops a request, or what it returns beside its tokens: two requests that differ only here still sample the same
+# tokens until the first of them stops (the stop token ids, unless `min_tokens` masks them, and the seed of a greedy
+# request, too), so they are twins over their common length
+_NOT_SAMPLING = dict(n=1, max_tokens=None, stop=None, ignore_eos=False, logprobs=None, prompt_logprobs=None,
+                     logprob_token_ids=None, flat_logprobs=False, detokenize=True, skip_special_tokens=True,
+                     spaces_between_special_tokens=True, include_stop_str_in_output=False,
+                     output_kind=RequestOutputKind.CUMULATIVE, extra_args=None)
+_STOPS = ("max_tokens", "stop", "stop_token_ids", "all_stop_token_ids", "eos_token_id", "ignore_eos",
+          "include_stop_str_in_output", "min_tokens")
+
+
 def _twin_key(rec: RequestAdded) -> tuple | None:
-    """What two requests must share to be twins; None for a request whose draws differ by design (unseeded)."""
+    """What two requests must share to be twins: the prompt and what decides each sampled token (not when they stop,
+    nor what they return beside it); None for a request whose draws differ by design (unseeded)."""
     req = rec.request
     sp = req.sampling_params
     if sp is None or req.prompt_token_ids is None:
         return None
     if sp.temperature >= SAMPLING_EPS and sp.seed is None:
         return None
-    return tuple(req.prompt_token_ids), msgspec.json.encode(msgspec.structs.replace(sp, extra_args=None))
+    same = dict(_NOT_SAMPLING)
+    if not sp.min_tokens:  # (below min_tokens the stop tokens are masked out of the logits)
+        same.update(stop_token_ids=None, all_stop_token_ids=None, eos_token_id=None)
+    if sp.temperature < SAMPLING_EPS:
+        same["seed"] = None
+    return tuple(req.prompt_token_ids), msgspec.json.encode(msgspec.structs.replace(sp, **same))
+
+
+def _stops_alike(a: RequestAdded, b: RequestAdded) -> bool:
+    """Whether two twins would stop at the same token: else a length apart is no parting."""
+    sa, sb = a.request.sampling_params, b.request.sampling_params
+    return all(getattr(sa, f) == getattr(sb, f) for f in _STOPS)
 
 
 def _part(a: list, b: list, cut: tuple[bool, bool] = (False, False)) -> tuple[int, str, float] | None:
@@ -122,6 +145,13 @@ def _part(a: list, b: list, cut: tuple[bool, bool] = (False, False)) -> tuple[in
     if len(a) != len(b) and not cut[len(a) > len(b)]:
         return min(len(a), len(b)), "length", 0.0
     return None
+
+
+def _cut(key_a: str, key_b: str, side: AlignedRun, a: RequestAdded, b: RequestAdded) -> tuple[bool, bool]:
+    """`_part`'s `cut` for two twins: each stops where its capture lost data, or where it was asked to stop
+    otherwise than the other."""
+    apart = not _stops_alike(a, b)
+    return key_a in side.cut or apart, key_b in side.cut or apart
 
 
 def _prompt_rows(path: str | os.PathLike, rids: set[str]) -> dict[str, np.ndarray]:
@@ -176,13 +206,15 @@ def twins_compared(path: str | os.PathLike) -> tuple[int, list[Twins]]:
         keys = [side.key_of.get(rid, "") for rid in ids]
         seqs = [side.outputs.get(k, []) for k in keys]
         pairs = [(i, j) for i in range(len(names)) for j in range(i + 1, len(names))]  # (groups are small)
+        recs = [arrivals[n] for n in names]
         parts = [(x, i, j) for i, j in pairs
-                 if (x := _part(seqs[i], seqs[j], (keys[i] in side.cut, keys[j] in side.cut))) is not None]
+                 if (x := _part(seqs[i], seqs[j], _cut(keys[i], keys[j], side, recs[i], recs[j]))) is not None]
         parts = parts or [(x, i, j) for i, j in pairs
                           if (x := _prompt_part(prompts.get(ids[i]), prompts.get(ids[j]))) is not None]
         if parts:
             (p, kind, diff), i, j = min(parts, key=lambda x: x[0][0])  # (the first pair that parts there)
-            answers = len({tuple(t for _, t, _ in seq) for seq in seqs})
+            shortest = min(map(len, seqs))  # (twins that stop apart by design: their answers over the common length)
+            answers = len({tuple(t for _, t, _ in seq[:shortest]) for seq in seqs})
             out.append(Twins(names, p, kind, diff, [names[i], names[j]], answers if answers > 1 else 0))
     return len(twins), sorted(out, key=lambda t: (t.kind != "token",
                                                   -t.max_abs_logprob_diff if t.kind != "token" else 0))
@@ -217,21 +249,24 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | 
     side = read_aligned(path)
     key_a, key_b = (side.key_of[arrivals[n].request.request_id] for n in (a, b))
     seq_a, seq_b = side.outputs.get(key_a, []), side.outputs.get(key_b, [])
-    parted = _part(seq_a, seq_b, (key_a in side.cut, key_b in side.cut))
+    parted = _part(seq_a, seq_b, _cut(key_a, key_b, side, arrivals[a], arrivals[b]))
     runner = overrides.get("runner", "builtin")
     ids = {n: arrivals[n].request.request_id for n in (a, b)}
     if parted is None:
         rows = _prompt_rows(path, set(ids.values()))
         prompt = _prompt_part(rows.get(ids[a]), rows.get(ids[b]))
+        common = min(len(seq_a), len(seq_b))
         if prompt is not None:
-            raise CannotTestError(f"requests {a} and {b} gave the same {len(seq_a)} tokens and logprobs and part in "
+            raise CannotTestError(f"requests {a} and {b} gave the same {common} tokens and logprobs and part in "
                                   f"their prompt logprobs at prompt position {prompt[0]} (max |Δ| {prompt[2]:.3g}): "
                                   "explain re-executes the rows that sample; `replay run --diff` compares prompt "
                                   "logprobs with their replay")
-        said = (" and logprobs" if any(x[2] is not None for x in seq_a) else "") + (
-            " and prompt logprobs" if rows else "")
+        both = all(any(x[2] is not None for x in seq) for seq in (seq_a, seq_b))  # (logprobs compared where both have)
+        said = (" and logprobs" if both else "") + (" and prompt logprobs" if len(rows) == 2 else "")
+        if len(seq_a) != len(seq_b):
+            said += f" (of {len(seq_a)} and {len(seq_b)}: they were asked to stop apart)"
         return PairExplanation(path, a, b, NOTHING, f"{NOTHING}: requests {a} and {b} gave the same "
-                               f"{len(seq_a)} tokens{said}", False, runner=runner)
+                               f"{common} tokens{said}", False, runner=runner)
     p, kind, recorded = parted
     if kind == "length":
         raise UsageError(f"requests {a} and {b} agree on their {p} common tokens and stop apart: nothing to "

@@ -204,3 +204,25 @@ def test_rows_as_wide_as_their_batch_part_only_over_the_columns_both_hold():
     b = a[:, :, :6].copy()
     b[1, 2, 3] += 0.5
     assert _prompt_part(a, b) == (3, "prompt_logprobs", 0.5)
+
+
+def test_twins_asked_to_stop_apart_or_for_other_logprobs_are_compared_over_their_common_tokens(tmp_path, capsys):
+    """The same prompt, greedy, but `b` asks for 6 tokens and 5 logprobs where `a` asks for 10 and 3, and carries a
+    seed (a greedy request's seed draws nothing): still twins, compared over their common 6 tokens and 3 logprobs;
+    stopping 4 tokens sooner is no parting."""
+    b = {"max_tokens": 6, "logprobs": 5, "seed": 7}
+    same = record_twins(tmp_path / "invariant.capture", batch_invariant=True, b_params=b)
+    assert main(["explain", str(same), "--pairs", "-q"]) == 0
+    assert "(1 group(s) of twins compared)" in capsys.readouterr().out
+    res = explain_pair(same, "a", "b")
+    assert res.found == NOTHING and res.verdict == (f"{NOTHING}: requests a and b gave the same 6 tokens and logprobs "
+                                                    "(of 10 and 6: they were asked to stop apart)"), res.verdict
+    plain = record_twins(tmp_path / "plain.capture", b_params=b)
+    [group] = twin_groups(plain)
+    assert group.requests == ["a", "b"] and group.kind == "logprobs" and group.position < 6, group
+    stops = record_twins(tmp_path / "stops.capture", batch_invariant=True, b_params={"max_tokens": 6, "ignore_eos": True,
+                                                                                 "stop_token_ids": [3]})
+    assert twin_groups(stops) == []  # its stop tokens differ too: still no parting
+    sampled = record_twins(tmp_path / "sampled.capture", batch_invariant=True, b_params={"repetition_penalty": 1.5})
+    with pytest.raises(UsageError, match="do not share their prompt and sampling"):
+        explain_pair(sampled, "a", "b")  # a penalty changes what it samples: no twin
