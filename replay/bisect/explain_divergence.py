@@ -66,9 +66,11 @@ class DivergenceExplanation(msgspec.Struct):
     data_lost: list[str] = []  # what the capture lost: the explanation is of its readable prefix
 
 
-def _pick(divergences: list[Divergence], step: int | None, request: str | None) -> Divergence | None:
+def _pick(divergences: list[Divergence], step: int | None, names: set[str] | None) -> Divergence | None:
+    """The first divergence at `step` (any where None) of the request `names` name (its external and internal ids;
+    any where None)."""
     for d in divergences:
-        if (step is None or d.step == step) and (request is None or request in (d.request_id, d.internal_id)):
+        if (step is None or d.step == step) and (names is None or names & {d.request_id, d.internal_id}):
             return d
     return None
 
@@ -84,13 +86,17 @@ def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = Non
     opts = opts or ReplayOptions()
     runner = opts.overrides.get("runner", "builtin")
     steps = StepRange(step, step) if step is not None else opts.steps
+    internal = None
     if request is not None:  # a name no step schedules is a typo, not a request that matches
-        show_steps(path, steps, request, limit=1)
+        shown = show_steps(path, steps, request, limit=1)
+        internal = shown.request
+        if request not in (internal, shown.external_ids.get(internal)):  # a response's id: its one prompt's request
+            request = shown.external_ids.get(internal, internal)
     base = dataclasses.replace(opts, repeat=max(opts.repeat, 2), steps=steps)
     log(f"replaying {path} twice" + (f" to step {step}" if step is not None else ""))
     rep = replay_capture(path, base)
     runs = 2
-    d = _pick(rep.divergences, step, request)
+    d = _pick(rep.divergences, step, None if request is None else {request, internal})
     where = f" at step {step}" + (f" for request {request}" if request else "") if step is not None else ""
     common = dict(runner=runner, notes=list(rep.environment_differences), data_lost=list(rep.data_lost))
     if d is None:

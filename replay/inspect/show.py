@@ -8,7 +8,7 @@ import os
 import msgspec
 
 from replay.capture import CaptureReader, Crash, Damage, Keyframe, RequestAdded, Step, StepRange
-from replay.errors import CaptureError
+from replay.errors import CaptureError, UsageError
 
 
 class ShownSteps(msgspec.Struct):
@@ -59,6 +59,15 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
             out.append(rec)
             if limit is not None and len(out) >= limit:
                 break
+        if not out and request is not None and internal == request:
+            # no request has that name: an OpenAI response's id, whose one prompt is its engine's request `name-0`
+            prompts = [e for e in ext.values() if e.startswith(f"{request}-") and e[len(request) + 1:].isdigit()]
+            if len(prompts) == 1:
+                return show_steps(path, rng, prompts[0], limit)
+            if prompts:
+                prompts.sort(key=lambda e: int(e.rsplit("-", 1)[1]))
+                raise UsageError(f"{path}: {request!r} is an OpenAI response with {len(prompts)} prompts; name one "
+                                 f"of its requests: {', '.join(prompts[:4])}")
         if not out:
             what = f"step {rng.first}" if rng is not None and rng.last == rng.first else \
                 f"steps {rng}" if rng is not None else "step"

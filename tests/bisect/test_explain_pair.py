@@ -220,8 +220,8 @@ def test_twins_asked_to_stop_apart_or_for_other_logprobs_are_compared_over_their
     plain = record_twins(tmp_path / "plain.capture", b_params=b)
     [group] = twin_groups(plain)
     assert group.requests == ["a", "b"] and group.kind == "logprobs" and group.position < 6, group
-    stops = record_twins(tmp_path / "stops.capture", batch_invariant=True, b_params={"max_tokens": 6, "ignore_eos": True,
-                                                                                 "stop_token_ids": [3]})
+    stopped = {"max_tokens": 6, "ignore_eos": True, "stop_token_ids": [3]}
+    stops = record_twins(tmp_path / "stops.capture", batch_invariant=True, b_params=stopped)
     assert twin_groups(stops) == []  # its stop tokens differ too: still no parting
     sampled = record_twins(tmp_path / "sampled.capture", batch_invariant=True, b_params={"repetition_penalty": 1.5})
     with pytest.raises(UsageError, match="do not share their prompt and sampling"):

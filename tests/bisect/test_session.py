@@ -132,3 +132,13 @@ def test_an_openai_responses_id_names_its_one_prompts_request(tmp_path):
     assert (res.a, res.b) == ("cmpl-ab-0", "cmpl-cd-0"), res
     with pytest.raises(UsageError, match="names its prompts' requests cmpl-ef-0, cmpl-ef-1"):
         bisect_batch(path, 2, "cmpl-ef")
+    # `explain --step S --request` and `show --request` too (they find the request as they read the steps)
+    from replay.bisect.explain_divergence import NOTHING, explain_divergence
+    from replay.inspect import show_steps
+
+    res = explain_divergence(path, step=2, request="cmpl-ab")
+    assert res.found == NOTHING and "at step 2 for request cmpl-ab-0 matches" in res.verdict, res.verdict
+    assert show_steps(path, request="cmpl-ab").request == show_steps(path, request="cmpl-ab-0").request
+    with pytest.raises(UsageError, match="'cmpl-ef' is an OpenAI response with 2 prompts; name one of its requests: "
+                                         "cmpl-ef-0, cmpl-ef-1"):
+        explain_divergence(path, step=2, request="cmpl-ef")
