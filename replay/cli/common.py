@@ -205,9 +205,11 @@ def knobs_with_runner(set_: list[str] | None, runner: str | None) -> list[str]:
 
 def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: float, rtol: float, tie_margin: float,
                    repeat: int, force: bool, plant: str | None, diff: bool = True,
-                   runner: str | None = None, tolerance: str | None = None, from_start: bool = False) -> ReplayOptions:
+                   runner: str | None = None, tolerance: str | None = None, from_start: bool = False,
+                   quiet: bool = False) -> ReplayOptions:
     """ReplayOptions from the replay commands' shared flags (`--runner R` is `--set runner=R`; `--tolerance auto`
-    chooses between bitwise and a cross-hardware tolerance, and cannot be mixed with --atol/--rtol)."""
+    chooses between bitwise and a cross-hardware tolerance, and cannot be mixed with --atol/--rtol; `quiet`: no
+    `replayed step N` line on a terminal)."""
     from replay.replayer import Plant, ReplayOptions, parse_overrides
 
     tol, auto = ReplayOptions.tolerance_from(tolerance, atol, rtol, tie_margin)
@@ -215,7 +217,7 @@ def replay_options(mode: str, set_: list[str] | None, steps: str | None, atol: f
                          steps=step_range(steps), tolerance=tol, auto_tolerance=auto,
                          repeat=repeat, force=force,
                          plant=Plant.parse(plant) if plant else None, diff=diff, from_start=from_start,
-                         progress=step_progress if sys.stderr.isatty() else None)
+                         progress=step_progress if sys.stderr.isatty() and not quiet else None)
 
 
 def step_progress(index: int | None) -> None:

@@ -16,6 +16,7 @@ from replay.cli.common import (
     JsonOpt,
     ModeOpt,
     PlantOpt,
+    QuietOpt,
     RayAddressOpt,
     RayOpt,
     RtolOpt,
@@ -58,6 +59,7 @@ def run(
     jobs: int = JobsOpt,
     ray: bool = RayOpt,
     ray_address: str | None = RayAddressOpt,
+    quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Re-execute the recorded steps on a fresh runner; with --diff, report where and how the outputs part. A
@@ -75,7 +77,7 @@ def run(
     if from_keyframe and from_start:
         raise UsageError("--from-keyframe and --from-start: pick one")
     opts = replay_options(mode, set_, steps, atol, rtol, tie_margin, repeat, force, plant, diff, runner, tolerance,
-                          from_start)
+                          from_start, quiet)
     opts = dataclasses.replace(opts, fan_out=fan_out_options(jobs, ray, ray_address), from_keyframe=from_keyframe)
     diverged = lost = False
 
@@ -116,6 +118,7 @@ def check(
                                            "it finishes; rows already there for unchanged captures are reused."),
     report: Path | None = typer.Option(None, "--report", help="Corpus: also write the answer as one HTML page "
                                           "(`replay report RESULTS` writes it from a results file later)."),
+    quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Predicate for `git bisect run`: 0 replays within tolerance, 1 diverges, 125 cannot test. With
@@ -128,7 +131,7 @@ def check(
 
     try:
         opts = replay_options(mode, set_, steps, atol, rtol, DEFAULT_TIE_MARGIN, 1, force, None, runner=runner,
-                              tolerance=tolerance, from_start=from_start)
+                              tolerance=tolerance, from_start=from_start, quiet=quiet)
         many = corpus_paths(capture) != [capture]  # a directory, a glob, a list file
     except Exception as e:  # noqa: BLE001 - even a bad flag must not read as "bad commit" to git bisect
         err(str(e))
@@ -138,7 +141,8 @@ def check(
         emit(res, render_check, json=json, stderr=not json)
         raise typer.Exit(res.code)
     how = fan_out_options(jobs, ray, ray_address)
-    show = None if json or not sys.stderr.isatty() else (lambda row: print(render_corpus_row(row), file=sys.stderr))
+    show = None if json or quiet or not sys.stderr.isatty() else (
+        lambda row: print(render_corpus_row(row), file=sys.stderr))
     try:
         res = check_corpus(capture, opts, how=how, results=results, on_row=show)
     except ReplayError as e:  # a corpus that names nothing, a cluster out of reach: cannot test

@@ -208,3 +208,38 @@ def test_a_set_with_an_unreadable_capture_still_reports_every_other_one(tmp_path
     assert junk["capture"].endswith("a-junk.capture") and junk["exit_code"] == 2 and "not a replay capture" in \
         junk["error"]
     assert good["num_steps"] > 0
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str]:
+    """Run the CLI with its stderr on a pseudo-terminal (where progress lines show); (exit code, what stderr got)."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "replay.cli", *args], stdout=subprocess.PIPE, stderr=slave,
+                              timeout=300)
+    finally:
+        os.close(slave)
+    got = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # (the terminal's other end is closed and drained)
+            break
+        if not chunk:
+            break
+        got += chunk
+    os.close(master)
+    return proc.returncode, got.decode()
+
+
+def test_run_and_check_show_progress_on_a_terminal_and_quiet_silences_it(tmp_path):
+    from testbed.twins import record_twins
+
+    capture = str(record_twins(tmp_path / "twins.capture"))
+    code, said = _on_a_terminal("run", capture, "--diff")
+    assert code == 0 and "replayed step 1" in said, said
+    for command in ("run", "check"):
+        code, said = _on_a_terminal(command, capture, "-q")
+        assert code == 0 and "replayed step" not in said, said
