@@ -117,8 +117,8 @@ def _twin_key(rec: RequestAdded) -> tuple | None:
     same = dict(_NOT_SAMPLING)
     if not sp.min_tokens:  # (below min_tokens the stop tokens are masked out of the logits)
         same.update(stop_token_ids=None, all_stop_token_ids=None, eos_token_id=None)
-    if sp.temperature < SAMPLING_EPS:
-        same["seed"] = None
+    if sp.temperature < SAMPLING_EPS:  # greedy, however it was said: no draw, so no seed either
+        same.update(seed=None, temperature=0.0)
     return tuple(req.prompt_token_ids), msgspec.json.encode(msgspec.structs.replace(sp, **same))
 
 

@@ -208,9 +208,9 @@ def test_rows_as_wide_as_their_batch_part_only_over_the_columns_both_hold():
 
 def test_twins_asked_to_stop_apart_or_for_other_logprobs_are_compared_over_their_common_tokens(tmp_path, capsys):
     """The same prompt, greedy, but `b` asks for 6 tokens and 5 logprobs where `a` asks for 10 and 3, and carries a
-    seed (a greedy request's seed draws nothing): still twins, compared over their common 6 tokens and 3 logprobs;
-    stopping 4 tokens sooner is no parting."""
-    b = {"max_tokens": 6, "logprobs": 5, "seed": 7}
+    seed and a temperature below vLLM's greedy threshold (greedy either way: nothing is drawn): still twins, compared
+    over their common 6 tokens and 3 logprobs; stopping 4 tokens sooner is no parting."""
+    b = {"max_tokens": 6, "logprobs": 5, "seed": 7, "temperature": 1e-6}
     same = record_twins(tmp_path / "invariant.capture", batch_invariant=True, b_params=b)
     assert main(["explain", str(same), "--pairs", "-q"]) == 0
     assert "(1 group(s) of twins compared)" in capsys.readouterr().out
