@@ -11,7 +11,7 @@
    schedules where those account for the recorded difference, else both batches' shapes; the margin at p, and
    the knob that removes it).
 
-`twin_groups` lists every group of identical requests whose outputs differ: "did my server ever answer the same
+`replay.diff.twins.twin_groups` lists every group of twins whose outputs differ: "did my server ever answer the same
 prompt twice, differently?".
 """
 
@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-import numpy as np
 import torch
 
 from replay.bisect.commands import command_line
@@ -31,12 +30,12 @@ from replay.bisect.leak import CONTAMINATION, LeakBisect, leak_in_session
 from replay.bisect.open_session import make_session
 from replay.bisect.promise import determinism_promise, promise_clause
 from replay.bisect.session import Run, openai_hint, response_request
-from replay.capture import CaptureReader, RequestAdded, Step
-from replay.contracts import SAMPLING_EPS, RequestOutputKind
+from replay.capture import CaptureReader, Step
+from replay.contracts import SAMPLING_EPS
 from replay.diff.captures import AlignedRun, read_aligned
 from replay.diff.rules import Tolerance, compare_rows, margin, row
 from replay.diff.step import BatchComposition
-from replay.diff.twins import Twins
+from replay.diff.twins import arrivals, parting, prompt_part, prompt_rows, twin_key
 from replay.errors import CannotTestError, UsageError
 from replay.integrations.vllm.engines import Engines
 from replay.replayer import Plant
@@ -75,12 +74,6 @@ class PairExplanation(msgspec.Struct):
     command: str = ""  # a command that reproduces the test the class rests on
 
 
-def _requests(path: str | os.PathLike) -> dict[str, RequestAdded]:
-    """External id -> arrival."""
-    with CaptureReader(path) as r:
-        return {rec.request.name: rec for rec in r.records() if isinstance(rec, RequestAdded)}
-
-
 def _schedules(path: str | os.PathLike, rids: set[str]) -> dict[str, list[tuple[int, int]]]:
     """Internal id -> its own schedule: (tokens computed before, tokens scheduled) in each step that ran it."""
     out: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -92,132 +85,6 @@ def _schedules(path: str | os.PathLike, rids: set[str]) -> dict[str, list[tuple[
                 for rid in rids & so.num_scheduled_tokens.keys():
                     out[rid].append((before.get(rid, 0), so.num_scheduled_tokens[rid]))
     return out
-
-
-# What stops a request, or what it returns beside its tokens: two requests that differ only here still sample the same
-# tokens until the first of them stops (the stop token ids, unless `min_tokens` masks them, and the seed of a greedy
-# request, too), so they are twins over their common length
-_NOT_SAMPLING = dict(n=1, max_tokens=None, stop=None, ignore_eos=False, logprobs=None, prompt_logprobs=None,
-                     logprob_token_ids=None, flat_logprobs=False, detokenize=True, skip_special_tokens=True,
-                     spaces_between_special_tokens=True, include_stop_str_in_output=False,
-                     output_kind=RequestOutputKind.CUMULATIVE, extra_args=None)
-_STOPS = ("max_tokens", "stop", "stop_token_ids", "all_stop_token_ids", "eos_token_id", "ignore_eos",
-          "include_stop_str_in_output", "min_tokens")
-
-
-def _twin_key(rec: RequestAdded) -> tuple | None:
-    """What two requests must share to be twins: the prompt and what decides each sampled token (not when they stop,
-    nor what they return beside it); None for a request whose draws differ by design (unseeded)."""
-    req = rec.request
-    sp = req.sampling_params
-    if sp is None or req.prompt_token_ids is None:
-        return None
-    if sp.temperature >= SAMPLING_EPS and sp.seed is None:
-        return None
-    same = dict(_NOT_SAMPLING)
-    if not sp.min_tokens:  # (below min_tokens the stop tokens are masked out of the logits)
-        same.update(stop_token_ids=None, all_stop_token_ids=None, eos_token_id=None)
-    if sp.temperature < SAMPLING_EPS:  # greedy, however it was said: no draw, so no seed either
-        same.update(seed=None, temperature=0.0)
-    return tuple(req.prompt_token_ids), msgspec.json.encode(msgspec.structs.replace(sp, **same))
-
-
-def _stops_alike(a: RequestAdded, b: RequestAdded) -> bool:
-    """Whether two twins would stop at the same token: else a length apart is no parting."""
-    sa, sb = a.request.sampling_params, b.request.sampling_params
-    return all(getattr(sa, f) == getattr(sb, f) for f in _STOPS)
-
-
-def _part(a: list, b: list, cut: tuple[bool, bool] = (False, False)) -> tuple[int, str, float] | None:
-    """The first position where two (step, token, row) lists part: (position, kind, max |Δlogprob| there). `cut`:
-    whether each list stops where its capture lost data (then a shorter one is no parting)."""
-    for p, ((_, ta, ra), (_, tb, rb)) in enumerate(zip(a, b)):
-        if ta != tb:
-            return p, "token", 0.0
-        n = min(len(ra.ids), len(rb.ids)) if ra is not None and rb is not None else 0
-        # (a row is as wide as its batch's largest `logprobs`: the columns past the narrower row's are no parting)
-        if ra is not None and rb is not None and not (np.array_equal(ra.ids[:n], rb.ids[:n]) and
-                                                      np.array_equal(ra.values[:n], rb.values[:n])):
-            common = ra.ids[np.isin(ra.ids, rb.ids)]
-            va = {int(i): float(v) for i, v in zip(ra.ids, ra.values)}
-            vb = {int(i): float(v) for i, v in zip(rb.ids, rb.values)}
-            return p, "logprobs", max((abs(va[int(i)] - vb[int(i)]) for i in common), default=float("inf"))
-    if len(a) != len(b) and not cut[len(a) > len(b)]:
-        return min(len(a), len(b)), "length", 0.0
-    return None
-
-
-def _cut(key_a: str, key_b: str, side: AlignedRun, a: RequestAdded, b: RequestAdded) -> tuple[bool, bool]:
-    """`_part`'s `cut` for two twins: each stops where its capture lost data, or where it was asked to stop
-    otherwise than the other."""
-    apart = not _stops_alike(a, b)
-    return key_a in side.cut or apart, key_b in side.cut or apart
-
-
-def _prompt_rows(path: str | os.PathLike, rids: set[str]) -> dict[str, np.ndarray]:
-    """Internal id -> its prompt logprobs as recorded ([prompt_len - 1, k + 1] values, the chunks in order), for
-    those of `rids` that asked for them."""
-    parts: dict[str, list[np.ndarray]] = defaultdict(list)
-    with CaptureReader(path) as r:
-        for rec in r.records():
-            if isinstance(rec, Step) and rec.model_runner_output is not None:
-                for rid, t in rec.model_runner_output.prompt_logprobs_dict.items():
-                    if rid in rids and t is not None:
-                        parts[rid].append(np.stack([t.logprob_token_ids.to_numpy().astype(np.float64),
-                                                    t.logprobs.to_numpy().astype(np.float64)]))
-    return {rid: np.concatenate(p, axis=1) for rid, p in parts.items()}
-
-
-def _prompt_part(a: np.ndarray | None, b: np.ndarray | None) -> tuple[int, str, float] | None:
-    """The first prompt position whose logprobs (ids and values) two requests' prompt rows part at."""
-    if a is None or b is None or a.shape[:2] != b.shape[:2]:
-        return None
-    n = min(a.shape[2], b.shape[2])  # as wide as the batch's largest `prompt_logprobs`: the columns both hold
-    a, b = a[:, :, :n], b[:, :, :n]
-    apart = np.flatnonzero((a != b).any(axis=(0, 2)))
-    if not len(apart):
-        return None
-    k = int(apart[0])
-    same_ids = np.array_equal(a[0, k], b[0, k])
-    return k + 1, "prompt_logprobs", float(np.abs(a[1, k] - b[1, k]).max()) if same_ids else float("inf")
-
-
-def twin_groups(path: str | os.PathLike) -> list[Twins]:
-    """Every group of requests with the same prompt and sampling (greedy, or the same seed) whose outputs differ,
-    those that part in a token first, then by the size of their first difference."""
-    return twins_compared(path)[1]
-
-
-def twins_compared(path: str | os.PathLike) -> tuple[int, list[Twins]]:
-    """(How many groups of requests share a prompt and sampling, `twin_groups`): none compared and none differing
-    are two answers."""
-    arrivals = _requests(path)
-    side = read_aligned(path)
-    groups: dict[tuple, list[str]] = defaultdict(list)
-    for name, rec in arrivals.items():
-        key = _twin_key(rec)
-        if key is not None:
-            groups[key].append(name)
-    twins = [names for names in groups.values() if len(names) > 1]
-    prompts = _prompt_rows(path, {arrivals[n].request.request_id for names in twins for n in names})
-    out = []
-    for names in twins:
-        ids = [arrivals[n].request.request_id for n in names]
-        keys = [side.key_of.get(rid, "") for rid in ids]
-        seqs = [side.outputs.get(k, []) for k in keys]
-        pairs = [(i, j) for i in range(len(names)) for j in range(i + 1, len(names))]  # (groups are small)
-        recs = [arrivals[n] for n in names]
-        parts = [(x, i, j) for i, j in pairs
-                 if (x := _part(seqs[i], seqs[j], _cut(keys[i], keys[j], side, recs[i], recs[j]))) is not None]
-        parts = parts or [(x, i, j) for i, j in pairs
-                          if (x := _prompt_part(prompts.get(ids[i]), prompts.get(ids[j]))) is not None]
-        if parts:
-            (p, kind, diff), i, j = min(parts, key=lambda x: x[0][0])  # (the first pair that parts there)
-            shortest = min(map(len, seqs))  # (twins that stop apart by design: their answers over the common length)
-            answers = len({tuple(t for _, t, _ in seq[:shortest]) for seq in seqs})
-            out.append(Twins(names, p, kind, diff, [names[i], names[j]], answers if answers > 1 else 0))
-    return len(twins), sorted(out, key=lambda t: (t.kind != "token",
-                                                  -t.max_abs_logprob_diff if t.kind != "token" else 0))
 
 
 def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | None = None,
@@ -233,28 +100,26 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | 
     log = log or (lambda msg: None)
     path = str(path)
     overrides = check_overrides(overrides, runner)
-    arrivals = _requests(path)
-    by_internal = {rec.request.request_id: name for name, rec in arrivals.items()}
+    arrived = arrivals(path)
+    by_internal = {rec.request.request_id: name for name, rec in arrived.items()}
     a, b = by_internal.get(a, a), by_internal.get(b, b)  # (an internal id, as bisects and divergences print it)
-    a, b = response_request(a, arrivals), response_request(b, arrivals)  # (an OpenAI response's id)
+    a, b = response_request(a, arrived), response_request(b, arrived)  # (an OpenAI response's id)
     if a == b:
         raise UsageError(f"explain --pair {a} {b}: name two different requests (twins: the same prompt and sampling)")
     for name in (a, b):
-        if name not in arrivals:
-            raise UsageError(f"{path}: no request {name!r} (requests: {', '.join(list(arrivals)[:8])}, ...)"
-                             + openai_hint(name, arrivals))
-    if _twin_key(arrivals[a]) is None or _twin_key(arrivals[a]) != _twin_key(arrivals[b]):
+        if name not in arrived:
+            raise UsageError(f"{path}: no request {name!r} (requests: {', '.join(list(arrived)[:8])}, ...)"
+                             + openai_hint(name, arrived))
+    if twin_key(arrived[a]) is None or twin_key(arrived[a]) != twin_key(arrived[b]):
         raise UsageError(f"requests {a} and {b} do not share their prompt and sampling (greedy, or the same seed): "
                          "two answers are expected")
     side = read_aligned(path)
-    key_a, key_b = (side.key_of[arrivals[n].request.request_id] for n in (a, b))
-    seq_a, seq_b = side.outputs.get(key_a, []), side.outputs.get(key_b, [])
-    parted = _part(seq_a, seq_b, _cut(key_a, key_b, side, arrivals[a], arrivals[b]))
+    seq_a, seq_b, parted = parting(side, arrived[a], arrived[b])
     runner = overrides.get("runner", "builtin")
-    ids = {n: arrivals[n].request.request_id for n in (a, b)}
+    ids = {n: arrived[n].request.request_id for n in (a, b)}
     if parted is None:
-        rows = _prompt_rows(path, set(ids.values()))
-        prompt = _prompt_part(rows.get(ids[a]), rows.get(ids[b]))
+        rows = prompt_rows(path, set(ids.values()))
+        prompt = prompt_part(rows.get(ids[a]), rows.get(ids[b]))
         common = min(len(seq_a), len(seq_b))
         if prompt is not None:
             raise CannotTestError(f"requests {a} and {b} gave the same {common} tokens and logprobs and part in "
@@ -280,7 +145,7 @@ def explain_pair(path: str | os.PathLike, a: str, b: str, *, overrides: Knobs | 
     own = engines if engines is not None or runner != "vllm" else Engines(keep=1)
     try:
         mode = side.header.engine_config.logprobs_mode if side.header is not None else "raw_logprobs"
-        reach = _reach(mode, arrivals[a].request.sampling_params.temperature)
+        reach = _reach(mode, arrived[a].request.sampling_params.temperature)
         return _explain(_Parted(path, a, b, p, kind, step_a, step_b, m, recorded, side, ids, reach),
                         _How(overrides, plant, log, from_start, own))
     finally:

@@ -221,8 +221,9 @@ def explain(
     Exit 1 for a bug, 0 for expected numerics or nothing to explain, 3 when that holds of a damaged capture's
     readable prefix, 125 when it cannot test."""
     from replay.bisect.explain_divergence import explain_divergence
-    from replay.bisect.explain_pair import explain_pair, twins_compared
+    from replay.bisect.explain_pair import explain_pair
     from replay.cli.render_explain import render_divergence, render_pair, render_twins
+    from replay.diff.twins import twins_compared
     from replay.errors import UsageError
 
     if pair is not None and pairs:

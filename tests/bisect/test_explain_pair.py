@@ -11,10 +11,11 @@ import json
 
 import pytest
 
-from replay.bisect.explain_pair import BATCH_VARIANCE, NOT_REPEATABLE, NOTHING, explain_pair, twin_groups
+from replay.bisect.explain_pair import BATCH_VARIANCE, NOT_REPEATABLE, NOTHING, explain_pair
 from replay.bisect.leak import CONTAMINATION
 from replay.capture import CaptureReader, RequestAdded
 from replay.cli import main
+from replay.diff.twins import twin_groups
 from replay.errors import UsageError
 from testbed.twins import record_twins
 
@@ -184,26 +185,6 @@ def test_the_bound_on_what_the_schedules_move_follows_the_recorded_quantity():
     assert _reach("raw_logprobs", 0.5) == 2.0 and _reach("raw_logits", 0.5) == 1.0
     assert _reach("processed_logprobs", 0.5) == 4.0 and _reach("processed_logits", 0.25) == 4.0
     assert _reach("processed_logprobs", 0.0) == 2.0  # greedy: no temperature applied
-
-
-def test_rows_as_wide_as_their_batch_part_only_over_the_columns_both_hold():
-    """vLLM returns as many top-k (and prompt top-k) columns as the batch's largest request asks for: twins whose
-    batches asked for 20 and 5 hold the same numbers in the first 5, and did not answer differently."""
-    import numpy as np
-
-    from replay.bisect.explain_pair import _part, _prompt_part
-    from replay.diff.rules import Row
-
-    ids, vals = np.arange(100, 121, dtype=np.int32), -10.0 - 0.01 * np.arange(21, dtype=np.float32)
-    wide, narrow = Row(ids, vals, 3), Row(ids[:6], vals[:6], 3)
-    assert _part([(0, 7, wide)], [(5, 7, narrow)]) is None
-    moved = Row(np.concatenate([ids[:5], [999]]).astype(np.int32), vals[:6], 3)
-    assert _part([(0, 7, wide)], [(5, 7, moved)])[:2] == (0, "logprobs")
-    a = np.stack([np.tile(ids.astype(np.float64), (4, 1)), np.tile(vals.astype(np.float64), (4, 1))])
-    assert _prompt_part(a, a[:, :, :6]) is None
-    b = a[:, :, :6].copy()
-    b[1, 2, 3] += 0.5
-    assert _prompt_part(a, b) == (3, "prompt_logprobs", 0.5)
 
 
 def test_twins_asked_to_stop_apart_or_for_other_logprobs_are_compared_over_their_common_tokens(tmp_path, capsys):

@@ -26,13 +26,14 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from replay.bisect.batch import bisect_batch  # noqa: E402
-from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair, twin_groups  # noqa: E402
+from replay.bisect.explain_pair import BATCH_VARIANCE, NOTHING, explain_pair  # noqa: E402
 from replay.bisect.leak import NO_LEAK, bisect_leak  # noqa: E402
 from replay.capture import CaptureReader, Keyframe, RequestAborted, RequestAdded, Step, StepRange  # noqa: E402
 from replay.capture.writing.filemode import DEFAULT_MODE  # noqa: E402
 from replay.cli.render_replay import render_bisect_batch, render_replay  # noqa: E402
 from replay.cli.render_trainer import render_trainer  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
+from replay.diff.twins import twin_groups  # noqa: E402
 from replay.errors import UsageError  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402

@@ -22,9 +22,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from replay.bisect.explain_pair import NOTHING, explain_pair, twin_groups  # noqa: E402
+from replay.bisect.explain_pair import NOTHING, explain_pair  # noqa: E402
 from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
 from replay.cli import main  # noqa: E402
+from replay.diff.twins import twin_groups  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
 from tests.vllm_jobs import side_by_side  # noqa: E402
 
