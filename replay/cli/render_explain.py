@@ -41,7 +41,9 @@ def render_pair(res: PairExplanation) -> str:
         lines.append(f"  the knob: {res.knob}")
     if res.command:
         lines.append(f"  reproduce: {res.command}")
-    lines.append(f"  {res.re_executions} replays" + (" on vLLM's runner, one engine" if res.runner == "vllm" else ""))
+    if res.re_executions:  # (twins that agree as recorded need none)
+        on = " on vLLM's runner, one engine" if res.runner == "vllm" else ""
+        lines.append(f"  {res.re_executions} replays{on}")
     return "\n".join(lines + [f"  note: {n}" for n in res.notes])
 
 

@@ -113,10 +113,12 @@ def test_a_fault_of_shape_parts_the_cached_twins_alone_and_the_verdict_names_bot
     assert "prefill chunks [20] against prefill chunks [4] after a prefix-cache hit of 16 tokens" in res.verdict
 
 
-def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins, tmp_path):
+def test_a_pair_that_agrees_or_is_not_a_pair_is_said_so(twins, tmp_path, capsys):
     plain, _ = twins
     agree = record_twins(tmp_path / "invariant.capture", batch_invariant=True)
     assert explain_pair(agree, "a", "b").found == NOTHING
+    assert main(["explain", str(agree), "--pair", "a", "b", "-q"]) == 0
+    assert capsys.readouterr().out == f"{NOTHING}: requests a and b gave the same 10 tokens and logprobs\n"  # no replay
     with pytest.raises(UsageError, match="do not share their prompt and sampling"):
         explain_pair(plain, "a", "c")
     with pytest.raises(UsageError, match="name two different requests"):  # a request is not its own twin
