@@ -35,7 +35,9 @@ from replay.capture import StepRange
 from replay.diff import Divergence, Tolerance
 from replay.errors import CannotTestError, UsageError
 from replay.inspect.show import show_steps
+from replay.integrations.vllm.engines import Engines
 from replay.replayer import ReplayOptions, replay_capture
+from replay.replayer.knobs import Knobs
 from replay.replayer.suspects import LORA_SLOTS
 
 NOTHING = "NOTHING TO EXPLAIN"
@@ -76,14 +78,18 @@ def _pick(divergences: list[Divergence], step: int | None, names: set[str] | Non
 
 
 def explain_divergence(path: str | os.PathLike, opts: ReplayOptions | None = None, *, step: int | None = None,
-                       request: str | None = None, log: Callable[[str], None] | None = None) -> DivergenceExplanation:
+                       request: str | None = None, log: Callable[[str], None] | None = None,
+                       overrides: Knobs | None = None, runner: str | None = None,
+                       engines: Engines | None = None) -> DivergenceExplanation:
     """Bug or noise: the class of a replay's first divergence (NOT-ARGMAX, RUN-TO-RUN, SAMPLER, CONFIG, CONTAMINATION,
     BATCH VARIANCE or RECORDING NOT REPEATABLE; the module docstring gives the order), with the evidence and a command
     that reproduces it. `opts`: how to replay (knobs, tolerance, runner); `step`/`request` pick the divergence (default:
-    the first)."""
+    the first); `overrides`, `runner` and `engines` as the bisects take them (over `opts`)."""
     log = log or (lambda msg: None)
     path = str(path)
     opts = opts or ReplayOptions()
+    if overrides is not None or runner is not None or engines is not None:
+        opts = opts.with_knobs(overrides, runner, engines)
     runner = opts.overrides.get("runner", "builtin")
     steps = StepRange(step, step) if step is not None else opts.steps
     internal = None

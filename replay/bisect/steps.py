@@ -9,7 +9,9 @@ import msgspec
 
 from replay.diff import CaptureDiff, Tolerance, diff_captures
 from replay.errors import UsageError
+from replay.integrations.vllm.engines import Engines
 from replay.replayer import ReplayOptions, ReplayReport, replay_capture
+from replay.replayer.knobs import Knobs
 
 
 class StepsBisect(msgspec.Struct):
@@ -22,10 +24,14 @@ class StepsBisect(msgspec.Struct):
 
 
 def bisect_steps(a: str | os.PathLike, b: str | os.PathLike | None = None, *, opts: ReplayOptions | None = None,
-                 tol: Tolerance | None = None) -> StepsBisect:
+                 tol: Tolerance | None = None, overrides: Knobs | None = None, runner: str | None = None,
+                 engines: Engines | None = None) -> StepsBisect:
     """With one capture: replay it (forced mode, so every step's diff is local) and name the first divergent step.
     With two: align their requests and name the step of A where they first part. The tolerance is `tol`, else
-    `opts.tolerance`; replay settings in `opts` (knobs, mode, steps) apply to one capture and are refused for two."""
+    `opts.tolerance`; replay settings in `opts` (knobs, mode, steps) apply to one capture and are refused for two.
+    `overrides`, `runner` and `engines`: as the other bisects take them (over `opts`)."""
+    if overrides is not None or runner is not None or engines is not None:
+        opts = (opts or ReplayOptions()).with_knobs(overrides, runner, engines)
     if tol is not None and opts is not None and opts.tolerance not in (tol, Tolerance()):
         raise UsageError(f"two tolerances given ({tol} and opts.tolerance {opts.tolerance}): give one")
     tol = tol if tol is not None else opts.tolerance if opts is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -10,7 +11,7 @@ from replay.capture import StepRange
 from replay.diff import DEFAULT_TIE_MARGIN, Tolerance
 from replay.errors import UsageError
 from replay.processes.fanout import FanOut
-from replay.replayer.knobs import check_overrides
+from replay.replayer.knobs import Knobs, check_overrides
 from replay.replayer.plant import Plant
 
 if TYPE_CHECKING:
@@ -48,6 +49,14 @@ class ReplayOptions:
         self.overrides = check_overrides(self.overrides)
         if self.steps is not None and not isinstance(self.steps, StepRange):
             raise UsageError(f"steps: expected a StepRange (StepRange.parse('0-3')), not {self.steps!r}")
+
+    def with_knobs(self, overrides: Knobs | None = None, runner: str | None = None,
+                   engines: Engines | None = None) -> ReplayOptions:
+        """These options with knobs given as the bisects take them: `overrides` (a dict, "K=V,K=V" or a list, checked
+        as `--set`) over its own, `runner` ("builtin" or "vllm") and `engines`, where given."""
+        items = [f"{k}={v}" for k, v in {**self.overrides, **check_overrides(overrides)}.items()]
+        return dataclasses.replace(self, overrides=check_overrides(items, runner),
+                                   engines=self.engines if engines is None else engines)
 
     @staticmethod
     def tolerance_from(name: str | None, atol: float = 0.0, rtol: float = 0.0,

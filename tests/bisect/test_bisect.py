@@ -136,6 +136,20 @@ def test_steps_of_two_captures_take_the_tolerance_given_and_refuse_replay_settin
     assert bisect_steps(path, tol=tol, opts=ReplayOptions(steps=StepRange(0, 2))).replay.tolerance == tol
 
 
+def test_bisect_steps_and_explain_take_knobs_as_the_other_bisects_do(crowd):
+    """`overrides` and `runner` from Python, as `bisect_batch` and the rest take them: the same answer as the options'
+    own knobs give."""
+    from replay.bisect.explain_divergence import explain_divergence
+
+    path, _ = crowd
+    as_opts = bisect_steps(path, opts=ReplayOptions(overrides={"dtype": "bfloat16"}))
+    as_knobs = bisect_steps(path, overrides="dtype=bfloat16", runner="builtin")
+    assert as_opts.step is not None and (as_knobs.step, as_knobs.verdict) == (as_opts.step, as_opts.verdict)
+    said = explain_divergence(path, overrides={"dtype": "bfloat16"}, step=as_opts.step)
+    assert said.found == explain_divergence(path, ReplayOptions(overrides={"dtype": "bfloat16"}),
+                                            step=as_opts.step).found != "NOTHING TO EXPLAIN", said.verdict
+
+
 def test_config_bisect_refuses_an_engine_argument_the_steps_fix_before_any_replay(crowd, monkeypatch):
     """vLLM's runner would refuse `vllm.max_num_seqs` only as it starts the engine, after the good side's replay
     (~24 s on vLLM's runner): the bisect says so first."""

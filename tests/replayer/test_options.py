@@ -46,3 +46,14 @@ def test_steps_and_tolerances_from_python_are_checked():
         Tolerance(atol=-1e-4)
     with pytest.raises(UsageError, match="expected numbers >= 0"):
         Tolerance(rtol=float("nan"))
+
+
+def test_knobs_added_as_the_bisects_take_them_go_over_the_options_own():
+    opts = ReplayOptions(overrides={"dtype": "bfloat16", "threads": "2"})
+    more = opts.with_knobs("threads=1,attention=sdpa", runner="builtin")
+    assert more.overrides == {"dtype": "bfloat16", "threads": "1", "attention": "sdpa"}  # (builtin: the default)
+    assert opts.overrides == {"dtype": "bfloat16", "threads": "2"}  # (a copy: the options given stay as they were)
+    with pytest.raises(UsageError, match="unknown knob 'dtyp'"):
+        opts.with_knobs({"dtyp": "float32"})
+    with pytest.raises(UsageError, match="say two things"):
+        opts.with_knobs({"runner": "builtin"}, runner="vllm")
