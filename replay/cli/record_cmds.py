@@ -96,6 +96,7 @@ def record(
                                               help="vLLM engine: any vLLM engine argument, NAME=VALUE by vLLM's name, "
                                                    "e.g. gpu_memory_utilization=0.5 (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
+    quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Run an engine (builtin, or a real vLLM) on a workload with the tap on; write every step to a capture."""
@@ -116,7 +117,8 @@ def record(
                                  output_len=int_range(output_len, "--output-len"), arrival_rate=arrival_rate,
                                  defaults=sampling, **({} if seed is None else {"seed": seed}))
     res = do_record(options, workload_requests(model, prompts, workload), out, overwrite=force,
-                    progress=sys.stderr.isatty(), flush_interval=flush_interval, keyframe_steps=keyframe_steps,
+                    progress=sys.stderr.isatty() and not quiet, flush_interval=flush_interval,
+                    keyframe_steps=keyframe_steps,
                     ring=parse_size(ring, "--ring") if ring else None)
     emit(res, render_record, json=json)
 
@@ -143,13 +145,14 @@ def snapshot(
 def demo(
     output: Path = typer.Option(Path("captures/demo.capture"), "--output", "-o",
                                 help="Where to write the demo capture."),
+    quiet: bool = QuietOpt,
 ) -> None:
     """The main job on the embedded default: record the default workload on `tiny`, inspect the capture, replay it
     bit for bit, then replay it in bfloat16 to show what a divergence report looks like."""
     from replay.cli.render_replay import render_demo
     from replay.demo import run_demo
 
-    emit(run_demo(output, progress=sys.stderr.isatty()), render_demo)
+    emit(run_demo(output, progress=sys.stderr.isatty() and not quiet), render_demo)
 
 
 @command

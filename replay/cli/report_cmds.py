@@ -12,6 +12,7 @@ from replay.cli.common import (
     ForceOpt,
     JsonOpt,
     ModeOpt,
+    QuietOpt,
     RtolOpt,
     RunnerOpt,
     SetOpt,
@@ -47,6 +48,7 @@ def report(
                                            "the JSON that `replay explain ... --json` printed."),
     trainer: Path | None = typer.Option(None, "--trainer", help="Show `replay trainer`'s figures too (a histogram "
                                            "of |Δ|, |Δ| by position): the JSON that `replay trainer --json` printed."),
+    quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """Write one self-contained HTML file (no network; opens from disk) showing the run: provenance, requests, a
@@ -82,7 +84,7 @@ def report(
     if other is None and not diff and (atol or rtol):
         raise UsageError("--atol/--rtol set how a comparison judges logprobs: add --diff, or a second capture")
     opts = replay_options(mode, set_, None, atol, rtol, tie_margin, 1, force, None, runner=runner,
-                          tolerance=tolerance) if diff else None
+                          tolerance=tolerance, quiet=quiet) if diff else None
     res = write_report(capture, output, replay=opts, other=other, bisect=bisect, explain=explain, trainer=trainer,
                        tolerance=Tolerance(atol, rtol, tie_margin) if other is not None else None)
     emit(res, lambda r: f"wrote {r.path} ({r.bytes / 1e3:,.0f} kB in {r.seconds:.1f} s)\n{r.verdict}", json=json)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import IO
 
 import msgspec
@@ -43,7 +44,7 @@ class ProgressBar:
         )
 
         self._p = Progress(TextColumn("recording"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                           TimeElapsedColumn(), transient=True, console=Console(file=file) if file else None)
+                           TimeElapsedColumn(), transient=True, console=Console(file=file or sys.stderr))
         self._p.start()
         self._task = self._p.add_task("record", total=total)
 

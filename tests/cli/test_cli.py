@@ -234,12 +234,17 @@ def _on_a_terminal(*args: str) -> tuple[int, str]:
     return proc.returncode, got.decode()
 
 
-def test_run_and_check_show_progress_on_a_terminal_and_quiet_silences_it(tmp_path):
-    from testbed.twins import record_twins
-
-    capture = str(record_twins(tmp_path / "twins.capture"))
+def test_progress_shows_on_a_terminal_and_quiet_silences_it(tmp_path):
+    """`record`'s bar and the replays' `replayed step N` line draw on a terminal; `-q` leaves them out."""
+    capture = str(tmp_path / "two.capture")
+    record = ("record", "--num-requests", "2", "--max-tokens", "4", "--threads", "1", "--out", capture, "--force")
+    code, said = _on_a_terminal(*record)
+    assert code == 0 and "recording" in said, said
+    code, said = _on_a_terminal(*record, "-q")
+    assert code == 0 and "recording" not in said, said
     code, said = _on_a_terminal("run", capture, "--diff")
     assert code == 0 and "replayed step 1" in said, said
-    for command in ("run", "check"):
-        code, said = _on_a_terminal(command, capture, "-q")
-        assert code == 0 and "replayed step" not in said, said
+    page = str(tmp_path / "r.html")
+    for command in (("run", capture), ("check", capture), ("report", capture, "--diff", "-o", page)):
+        code, said = _on_a_terminal(*command, "-q")
+        assert code == 0 and "replayed step" not in said, (command, said)
