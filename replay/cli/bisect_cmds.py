@@ -45,13 +45,14 @@ def bisect_steps(
     set_: list[str] | None = SetOpt,
     atol: float = AtolOpt,
     rtol: float = RtolOpt,
+    quiet: bool = QuietOpt,
     json: bool = JsonOpt,
 ) -> None:
     """The first step where recorded and replayed (or A and B) part. Exit 1 when they do."""
     from replay.bisect.steps import bisect_steps as run_it
     from replay.cli.render_replay import render_bisect_steps
 
-    opts = replay_options(mode, set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, False, None)
+    opts = replay_options(mode, set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, False, None, quiet=quiet)
     res = run_it(a, b, opts=opts, tol=opts.tolerance)
     emit(res, render_bisect_steps, json=json)
     if res.step is not None:
@@ -233,7 +234,7 @@ def explain(
     from replay.integrations.vllm.engines import Engines
 
     opts = replay_options("forced", set_, None, atol, rtol, DEFAULT_TIE_MARGIN, 1, False, plant, runner=runner,
-                          tolerance=tolerance, from_start=from_start)
+                          tolerance=tolerance, from_start=from_start, quiet=quiet)
     if pair is None and not pairs:
         with Engines() as engines:  # on vLLM's runner every test of it, one engine per configuration
             res = explain_divergence(capture, dataclasses.replace(opts, engines=engines), step=step,

@@ -245,6 +245,7 @@ def test_progress_shows_on_a_terminal_and_quiet_silences_it(tmp_path):
     code, said = _on_a_terminal("run", capture, "--diff")
     assert code == 0 and "replayed step 1" in said, said
     page = str(tmp_path / "r.html")
-    for command in (("run", capture), ("check", capture), ("report", capture, "--diff", "-o", page)):
+    for command in (("run", capture), ("check", capture), ("report", capture, "--diff", "-o", page),
+                    ("bisect", "steps", capture), ("explain", capture)):
         code, said = _on_a_terminal(*command, "-q")
         assert code == 0 and "replayed step" not in said, (command, said)
