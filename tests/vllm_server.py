@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,14 +28,29 @@ _GIVEN: set[int] = set()
 def free_port() -> int:
     """A port no process listens on, and none this process handed out before: servers started together each bind
     theirs only as they come up, and the kernel may offer a just-released port again (two servers of one module once
-    got the same one, and the second's requests reached the first)."""
+    got the same one, and the second's requests reached the first). It lies below the kernel's ephemeral range, from
+    which it hands out the ports vLLM's own processes bind while a server starts (a TP=2 server's API server once
+    found its port taken by another server's engine)."""
+    low = _ephemeral_low()
     while True:
+        port = random.randrange(10000, max(low, 20000))  # (where the range starts lower, as before: any free one)
+        if port in _GIVEN:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # (taken)
+                continue
+        _GIVEN.add(port)
+        return port
+
+
+def _ephemeral_low() -> int:
+    """The first port of the range the kernel hands out for port 0 (32768 where it does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 class Server:
     """A vLLM OpenAI server started with REPLAY_CAPTURE=capture; `up()` waits for it to answer."""
