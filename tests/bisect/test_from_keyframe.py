@@ -183,9 +183,14 @@ def test_a_snapshot_cut_short_still_opens_at_its_first_keyframe(ring, tmp_path):
     with CaptureReader(snap) as r:
         chunks = r.index.chunks
     second = [i for i, c in enumerate(chunks) if c.keyframe >= 0][1]
-    end = chunks[min(second + 2, len(chunks) - 1)]  # (a cut past the second keyframe's steps, inside a chunk)
+    # a cut two steps or more past the second keyframe: inside a chunk (a frame cut short is lost whole, the chunks
+    # before it stay), or just past the last chunk (the index lost), where the snapshot ends soon after that keyframe
+    cuts = [(c.offset + c.length // 2, chunks[j - 1].last_step) for j, c in enumerate(chunks) if j > second]
+    cuts.append((chunks[-1].offset + chunks[-1].length + 3, chunks[-1].last_step))
+    at = next((at for at, kept in cuts if kept >= chunks[second].keyframe + 2), None)
+    assert at is not None, f"the snapshot ends within 2 steps of its second keyframe: {chunks[-1].last_step}"
     cut = tmp_path / "cut.capture"
-    cut.write_bytes(snap.read_bytes()[: end.offset + end.length // 2])
+    cut.write_bytes(snap.read_bytes()[:at])
     with CaptureReader(cut) as r:
         assert r.index is None
         last = max(x.index for x in r.records() if isinstance(x, Step))
