@@ -17,6 +17,7 @@ from replay.capture.reading.keyframe_seek import chunks_from
 from replay.contracts import GrammarOutput, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
 from replay.contracts.lora import lora_fields
 from replay.errors import CaptureDamagedError, UsageError
+from replay.inspect.response_ids import response_prompts
 from replay.provenance import HeaderDifference
 from replay.replayer.start import Start, clear_of, records_from, start_at
 from replay.replayer.swap import Swap
@@ -188,7 +189,7 @@ def response_request(name: str, names: Collection[str]) -> str:
     prompt (`cmpl-X`: its engine's one request `cmpl-X-0`), that request."""
     if name in names:
         return name
-    prompts = [x for x in names if x.startswith(f"{name}-") and x[len(name) + 1:].isdigit()]
+    prompts = response_prompts(name, names)
     return prompts[0] if len(prompts) == 1 else name
 
 

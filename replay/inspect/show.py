@@ -9,6 +9,7 @@ import msgspec
 
 from replay.capture import CaptureReader, Crash, Damage, Keyframe, RequestAdded, Step, StepRange
 from replay.errors import CaptureError, UsageError
+from replay.inspect.response_ids import response_prompts
 
 
 class ShownSteps(msgspec.Struct):
@@ -61,11 +62,10 @@ def show_steps(path: str | os.PathLike, rng: StepRange | None = None, request: s
                 break
         if not out and request is not None and internal == request:
             # no request has that name: an OpenAI response's id, whose one prompt is its engine's request `name-0`
-            prompts = [e for e in ext.values() if e.startswith(f"{request}-") and e[len(request) + 1:].isdigit()]
+            prompts = response_prompts(request, ext.values())
             if len(prompts) == 1:
                 return show_steps(path, rng, prompts[0], limit)
             if prompts:
-                prompts.sort(key=lambda e: int(e.rsplit("-", 1)[1]))
                 raise UsageError(f"{path}: {request!r} is an OpenAI response with {len(prompts)} prompts; name one "
                                  f"of its requests: {', '.join(prompts[:4])}")
         if not out:
