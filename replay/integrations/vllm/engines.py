@@ -129,6 +129,24 @@ def process_engines(keep: int = 2) -> Engines:
     return _PROCESS
 
 
+def shut_down_beside() -> None:
+    """An engine of this process was shut down (a pool's, a replay's own, `replay record --engine vllm`'s): its
+    teardown took the process's parallel state with it, so every pooled engine whose worker steps in this process is
+    stale (`StartedEngine.stale`), and the next replay of its arguments starts a fresh one. Workers of their own
+    (tensor parallelism) keep theirs."""
+    for engine in _ALIVE:
+        if _steps_here(engine):
+            engine.stale = True
+
+
+def _steps_here(engine: StartedEngine) -> bool:
+    """Whether `engine`'s worker runs in this process (vLLM's UniProcExecutor), not in processes of its own."""
+    try:
+        return hasattr(engine.llm.llm_engine.engine_core.engine_core.model_executor, "driver_worker")
+    except AttributeError:  # (an engine of another shape: stale is only slower)
+        return True
+
+
 def shutdown(engine: StartedEngine) -> None:
     """Shut `engine` down (best effort: its replays are over), what vLLM prints meanwhile into its capture's log."""
     from replay.integrations.vllm.logs import VllmLog
@@ -140,5 +158,4 @@ def shutdown(engine: StartedEngine) -> None:
         pass
     if engine in _ALIVE:
         _ALIVE.remove(engine)
-        for other in _ALIVE:  # (see `StartedEngine.stale`)
-            other.stale = True
+    shut_down_beside()  # (a replay's own engine too: see `StartedEngine.stale`)

@@ -148,6 +148,29 @@ def test_a_corpus_of_one_layout_starts_one_engine(mixed, pool, tmp_path):
     assert res.good == 3 and res.engine_starts == 0 and pool.held() == held and not pool.closed, res
 
 
+def test_an_engine_shut_down_beside_a_held_one_leaves_the_pool_replaying(mixed, pool, tmp_path):
+    """An engine of this process that the pool does not hold, shut down while the pool holds one: a recording from
+    Python (`replay record --engine vllm`), a replay given no pool. Its teardown takes the process's parallel state
+    with it, so the pool starts that layout afresh rather than hand out an engine that cannot step ("pipeline model
+    parallel group is not initialized")."""
+    from replay.contracts import SamplingParams
+    from replay.record import WorkloadRequest
+    from replay.record.options import EngineOptions
+    from replay.record.vllm import record_vllm, vllm_record_options
+
+    request = WorkloadRequest(SamplingParams(temperature=0.0, max_tokens=4), None, [5, 17, 200, 3])
+    engine = EngineOptions("vllm", str(mixed.parent / "tiny-llama"), max_model_len=256, block_size=32)
+    first = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=pool))
+    for beside in (lambda: record_vllm(vllm_record_options(engine, [request], tmp_path / "beside.capture")),
+                   lambda: replay_capture(mixed, ReplayOptions(overrides=VLLM))):
+        assert pool.held()
+        beside()
+        before = pool.starts
+        again = replay_capture(mixed, ReplayOptions(overrides=VLLM, engines=pool))
+        assert not again.diverged and again.tokens_compared == first.tokens_compared, again.first_divergence
+        assert pool.starts == before + 1
+
+
 def test_each_local_worker_keeps_its_engine_for_the_captures_it_checks(mixed, tmp_path):
     """`check --jobs 2`: an engine per worker, not per capture (three captures, two workers: at most two starts)."""
     corpus = tmp_path / "corpus"
