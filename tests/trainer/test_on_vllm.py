@@ -9,9 +9,7 @@ tests/integrations/vllm/test_server.py.)"""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
@@ -26,9 +24,8 @@ from replay.replayer import Plant, ReplayOptions, replay_capture  # noqa: E402
 from replay.trainer import TrainerOptions, score_capture  # noqa: E402
 from replay.trainer.layers import trainer_layers  # noqa: E402
 from testbed.checkpoints import real_vocab_qwen2  # noqa: E402
-from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
+from tests.vllm_jobs import succeeded  # noqa: E402
 
-ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
 PROMPTS = [
     {"request_id": "greedy", "prompt_token_ids": [11, 2000, 70000, 151000, 5], "temperature": 0, "logprobs": 3},
     {"request_id": "top-p", "prompt_token_ids": [12, 2001, 70001, 151001, 6], "temperature": 0.7, "top_p": 0.9,
@@ -39,7 +36,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, environment_kept):
+    """The four recordings, one after another through `replay record --engine vllm`'s own entry point in this
+    process, which has vLLM imported already (a process of their own would import it four times over)."""
     d = tmp_path_factory.mktemp("trainer-vllm")
     model = real_vocab_qwen2(d / "qwen2-vocab")
     prompts = d / "prompts.jsonl"
@@ -47,14 +46,13 @@ def runs(tmp_path_factory):
     jobs = {"processed": ["--vllm-arg", "logprobs_mode=processed_logprobs"],
             "bfloat16": ["--vllm-arg", "dtype=bfloat16"],
             **{mode: ["--vllm-arg", f"logprobs_mode={mode}"] for mode in ("raw_logits", "processed_logits")}}
-
-    def run(name: str):
+    runs = {}
+    for name, args in jobs.items():
         capture = d / f"{name}.capture"
-        cmd = [sys.executable, "-m", "replay.cli", "record", "--engine", "vllm", "--model", str(model), "--prompts",
-               str(prompts), "--block-size", "32", "--max-model-len", "256", *jobs[name], "--out", str(capture)]
-        return capture, subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-
-    return side_by_side(run, list(jobs))
+        cmd = ["record", "--engine", "vllm", "--model", str(model), "--prompts", str(prompts), "--block-size", "32",
+               "--max-model-len", "256", *args, "--out", str(capture), "-q"]
+        runs[name] = capture, subprocess.CompletedProcess(cmd, main(cmd))
+    return runs
 
 
 def test_processed_logprobs_agree_like_for_like_and_the_renormalisation_is_named(runs):
