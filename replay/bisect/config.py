@@ -62,6 +62,7 @@ def bisect_config(path: str | os.PathLike, good: Knobs, bad: Knobs, *, steps: St
     envs = stack.enter_context(Environments())  # tests with the same env.* knobs: one process, and its engines
     if engines is None:
         engines = stack.enter_context(Engines())
+    before = engines.starts  # (a pool given may have started engines for earlier calls)
     starts: dict[tuple, int] = {}  # engines started in each of those processes, as they last said
 
     def diverges(subset) -> bool:
@@ -86,7 +87,8 @@ def bisect_config(path: str | os.PathLike, good: Knobs, bad: Knobs, *, steps: St
     what = ", ".join(f"{k}={v}" for k, v in minimal.items())
     verdict = (f"changing {what} alone makes {path} diverge" if len(minimal) == 1
                else f"these changes together make {path} diverge (each alone does not): {what}")
-    return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests, engines.starts + sum(starts.values()))
+    return ConfigBisect(str(path), verdict, g, b, minimal, dd.tests,
+                        engines.starts - before + sum(starts.values()))
 
 
 def _minimize(dd: Ddmin, changes: list[tuple[str, str]], good: str, bad: str,

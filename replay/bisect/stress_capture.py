@@ -81,6 +81,7 @@ def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, s
     rng = random.Random(seed)
     plans = [frozenset()] + [frozenset(rng.sample(neighbours, rng.randint(1, len(neighbours))))
                              for _ in range(trials - 1)]
+    before = engines.starts if engines is not None else 0  # (a pool given may have started engines already)
     built = build_runner(header, overrides, force=force, capture=path, engines=engines)
     runner = built.runner
     empty = runner.snapshot(kv=False) if built.kind == "builtin" else None
@@ -97,7 +98,7 @@ def stress_capture(path: str | os.PathLike, request: str, *, trials: int = 20, s
     finally:
         runner.close()
     rep = _report(path, target, start, runs, plans, neighbours, kept, live, built.kind, overrides,
-                  engines.starts if engines is not None else int(built.kind == "vllm"))
+                  engines.starts - before if engines is not None else int(built.kind == "vllm"))
     return replace(rep, data_lost=lost)
 
 
