@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from replay.cli import main  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
+from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 
 
@@ -29,8 +30,16 @@ def test_a_tp2_capture_records_its_layout_and_the_attention_backend_its_workers_
     assert layout["attention_backend"] == "CPU_ATTN"  # asked of both workers over collective_rpc
 
 
-def test_a_tp2_capture_replays_bitwise_through_vllms_executor_on_two_workers(tp2_capture):
-    rep = replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm"}))
+@pytest.fixture(scope="module")
+def engines():
+    """The module's pool: its TP=2 engine (two worker processes, ~25 s of CPU to start) serves every test below that
+    replays the recorded layout through the API."""
+    with Engines() as pool:
+        yield pool
+
+
+def test_a_tp2_capture_replays_bitwise_through_vllms_executor_on_two_workers(tp2_capture, engines):
+    rep = replay_capture(tp2_capture, ReplayOptions(overrides={"runner": "vllm"}, engines=engines))
     assert not rep.diverged and rep.tokens_compared == 60 and rep.tolerance.bitwise, rep.first_divergence
     assert not [n for n in rep.environment_differences if n.startswith(("tensor_parallel_size", "attention_backend",
                                                                         "distributed_executor_backend"))]
@@ -51,13 +60,15 @@ def test_a_tp2_capture_replays_on_the_builtin_runner_within_1e_4_and_says_the_la
     assert "tensor_parallel_size: recorded 2, replay 1" in rep.environment_differences
 
 
-def test_bisect_config_searches_vllms_layout_knobs(tp2_capture):
+def test_bisect_config_searches_vllms_layout_knobs(tp2_capture, engines):
     from replay.bisect.config import bisect_config
 
-    res = bisect_config(tp2_capture, "runner=vllm", "runner=vllm,tensor_parallel_size=1,enforce_eager=true")
+    held = len(engines.held())  # the recorded layout's engine, where the replay above ran
+    res = bisect_config(tp2_capture, "runner=vllm", "runner=vllm,tensor_parallel_size=1,enforce_eager=true",
+                        engines=engines)
     assert res.minimal_change == {"tensor_parallel_size": "1"}  # eager is how it was recorded: not the cause
     assert "changing tensor_parallel_size=1 alone" in res.verdict
-    assert res.engine_starts == 2  # one engine per layout tested (eager is the recorded setting)
+    assert res.engine_starts == 2 - held  # one engine per layout tested (eager is the recorded setting)
 
 
 def test_bisect_config_on_the_builtin_runner_holds_a_vllm_capture_to_its_tolerance(tp2_capture):
