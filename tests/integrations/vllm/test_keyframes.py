@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -35,56 +33,59 @@ from replay.capture.reading.keyframe_seek import keyframe_steps  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
+from testbed.vllm_record import run_here  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    import json, sys
     from vllm import LLM, SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=160, enforce_eager=True,
-              seed=0, max_num_seqs=5, max_num_batched_tokens=64, num_gpu_blocks_override=8, block_size=32,
-              enable_prefix_caching=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                                  "prompt_lookup_min": 2})
-    snaps = {}
-    real = Scheduler.update_from_output  # (the tap's, once the plugin patched it)
+    def main():
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=160, enforce_eager=True,
+                  seed=0, max_num_seqs=5, max_num_batched_tokens=64, num_gpu_blocks_override=8, block_size=32,
+                  enable_prefix_caching=True,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                      "prompt_lookup_min": 2})
+        snaps = {}
+        real = Scheduler.update_from_output  # (the tap's, once the plugin patched it)
 
-    def update_from_output(self, so, mro):
-        out = real(self, so, mro)
-        state = {}
-        for rid, r in self.requests.items():
-            try:
-                blocks = [list(g) for g in self.kv_cache_manager.get_block_ids(rid)]
-            except (KeyError, AssertionError):
-                blocks = []
-            state[rid] = [r.num_computed_tokens, list(r.output_token_ids), blocks, r.status.name]
-        snaps[self._replay_tap.step - 1] = state
-        return out
+        def update_from_output(self, so, mro):
+            out = real(self, so, mro)
+            state = {}
+            for rid, r in self.requests.items():
+                try:
+                    blocks = [list(g) for g in self.kv_cache_manager.get_block_ids(rid)]
+                except (KeyError, AssertionError):
+                    blocks = []
+                state[rid] = [r.num_computed_tokens, list(r.output_token_ids), blocks, r.status.name]
+            snaps[self._replay_tap.step - 1] = state
+            return out
 
-    Scheduler.update_from_output = update_from_output
-    engine = llm.llm_engine
-    shared = [(11 * j) % 900 + 3 for j in range(70)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3)
-    twice = SamplingParams(temperature=0.8, n=2, max_tokens=20, ignore_eos=True)
-    prompt = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    loop = [5, 6, 7, 8] * 10  # repeats: the ngram proposer finds drafts
-    waves = [[(shared + [(7 * i + 13 * j) % 900 + 3 for j in range(3 + i)], greedy) for i in range(3)],
-             [(loop + [i], greedy) for i in range(2)],
-             [(shared[:40] + [500], twice)],
-             [(shared + [600 + i], prompt if i == 0 else greedy) for i in range(3)]]
-    n = 0
-    for wave in waves:
-        for prompt, params in wave:
-            engine.add_request(f"r{n}", {"prompt_token_ids": prompt}, params)
-            n += 1
-        for _ in range(6):
-            engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
-    json.dump(snaps, open(sys.argv[2], "w"))
-    del llm
+        Scheduler.update_from_output = update_from_output
+        try:
+            engine = llm.llm_engine
+            shared = [(11 * j) % 900 + 3 for j in range(70)]
+            greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3)
+            twice = SamplingParams(temperature=0.8, n=2, max_tokens=20, ignore_eos=True)
+            prompt = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+            loop = [5, 6, 7, 8] * 10  # repeats: the ngram proposer finds drafts
+            waves = [[(shared + [(7 * i + 13 * j) % 900 + 3 for j in range(3 + i)], greedy) for i in range(3)],
+                     [(loop + [i], greedy) for i in range(2)],
+                     [(shared[:40] + [500], twice)],
+                     [(shared + [600 + i], prompt if i == 0 else greedy) for i in range(3)]]
+            n = 0
+            for wave in waves:
+                for prompt, params in wave:
+                    engine.add_request(f"r{n}", {"prompt_token_ids": prompt}, params)
+                    n += 1
+                for _ in range(6):
+                    engine.step()
+            while engine.has_unfinished_requests():
+                engine.step()
+        finally:
+            Scheduler.update_from_output = real
+        json.dump(snaps, open(sys.argv[2], "w"))
+        return llm
 """)
 
 
@@ -94,9 +95,9 @@ def run(tmp_path_factory):
     model = tiny_llama(d / "tiny-llama")
     script, capture, snaps = d / "run.py", d / "run.capture", d / "snaps.json"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script), str(model), str(snaps)], capture_output=True, text=True,
-                         env=dict(os.environ, REPLAY_CAPTURE=str(capture), REPLAY_KEYFRAME_STEPS="6"), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # in this process, whose vLLM is imported already (`run_here`: the engine core in-process too)
+    run_here(script, [str(model), str(snaps)],
+             dict(os.environ, REPLAY_CAPTURE=str(capture), REPLAY_KEYFRAME_STEPS="6", VLLM_CPU_KVCACHE_SPACE="1"))
     return capture, {int(k): v for k, v in json.loads(snaps.read_text()).items()}
 
 

