@@ -102,6 +102,21 @@ def post(port: int, body: dict, *, drop_stream: bool = False):
         return json.loads(r.read())
 
 
+def idle(port: int, timeout: float = 120) -> None:
+    """Wait until the server runs and queues no request (its /metrics gauges): a stream the client dropped has then
+    been aborted, or ran to its end, before a test stops the server (a stop that comes first leaves neither)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            lines = r.read().decode().splitlines()
+        busy = sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                   if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"the server still holds {busy:g} requests after {timeout:g} s"
+        time.sleep(0.2)
+
+
 def stop(proc: subprocess.Popen, sig: int) -> None:
     proc.send_signal(sig)
     proc.wait(timeout=120)
