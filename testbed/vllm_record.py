@@ -109,7 +109,7 @@ def run_here(script: Path, args: list[str], env: dict[str, str]) -> str:
 
     from replay.integrations.vllm import plugin
     from replay.integrations.vllm.compat import guard_kernel_rebind
-    from replay.integrations.vllm.engines import shut_down_beside
+    from replay.integrations.vllm.engines import release
 
     with _HERE:
         saved_env, saved_argv = dict(os.environ), sys.argv
@@ -125,8 +125,7 @@ def run_here(script: Path, args: list[str], env: dict[str, str]) -> str:
             sys.argv = [str(script), *args]
             with contextlib.redirect_stdout(out):
                 llm = runpy.run_path(str(script))["main"]()
-            llm.llm_engine.engine_core.shutdown()
-            shut_down_beside()
+            release(llm)  # (which seals the capture)
             del llm
             gc.collect()
         finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from replay.errors import CaptureError, UsageError
-from replay.integrations.vllm.engines import shut_down_beside
+from replay.integrations.vllm.engines import release
 from replay.integrations.vllm.logs import VllmLog
 from replay.record.options import EngineOptions
 from replay.record.result import ProgressBar, RecordResult
@@ -204,10 +204,6 @@ def _drive(engine, reqs: list[WorkloadRequest], progress: bool, console: IO[str]
 
 def _shutdown(llm) -> None:
     """Free the engine now (KV cache, weights): a process may record several times, and replay on engines it holds."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the capture is already closed
-        pass
-    shut_down_beside()
+    release(llm)
     del llm
     gc.collect()

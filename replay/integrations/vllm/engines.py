@@ -147,15 +147,24 @@ def _steps_here(engine: StartedEngine) -> bool:
         return True
 
 
+def release(llm: Any) -> None:
+    """Shut a vLLM `LLM` of this process down, best effort (what it ran is over), and mark what its teardown broke
+    (`shut_down_beside`): every engine shut down in this process goes through here."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: its work is over
+        pass
+    shut_down_beside()
+
+
 def shutdown(engine: StartedEngine) -> None:
-    """Shut `engine` down (best effort: its replays are over), what vLLM prints meanwhile into its capture's log."""
+    """Shut `engine` down (`release`), what vLLM prints meanwhile into its capture's log."""
     from replay.integrations.vllm.logs import VllmLog
 
-    try:
-        with VllmLog(engine.beside or "replay", ".vllm-replay.log"):  # (never on stdout: a --json result may follow)
-            engine.llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort: its replays are over
-        pass
     if engine in _ALIVE:
         _ALIVE.remove(engine)
-    shut_down_beside()  # (a replay's own engine too: see `StartedEngine.stale`)
+    try:
+        with VllmLog(engine.beside or "replay", ".vllm-replay.log"):  # (never on stdout: a --json result may follow)
+            release(engine.llm)
+    except OSError:  # the log could not be opened: shut it down all the same
+        release(engine.llm)

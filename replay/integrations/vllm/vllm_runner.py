@@ -26,7 +26,7 @@ from replay.integrations.vllm.convert import (
     to_vllm_sampling_params,
 )
 from replay.integrations.vllm.engine_knobs import checked_engine_args
-from replay.integrations.vllm.engines import Engines, StartedEngine, shut_down_beside, shutdown
+from replay.integrations.vllm.engines import Engines, StartedEngine, release, shutdown
 from replay.integrations.vllm.header import engine_adapters, vllm_header
 from replay.integrations.vllm.layout import engine_layout_kwargs, omp_threads_bind
 from replay.integrations.vllm.logs import VllmLog
@@ -224,10 +224,7 @@ class VllmRunner:
             if self._engines is not None:
                 self.reset(probe=self.raised)
             else:
-                try:
-                    self.llm.llm_engine.engine_core.shutdown()
-                finally:
-                    shut_down_beside()  # (the pools' engines that step in this process lost its parallel state)
+                release(self.llm)
         except Exception:  # noqa: BLE001 - the replay is over; an engine that cannot forget its requests goes
             if self._engines is not None:
                 self._engines.discard(self._engine)
