@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,6 +46,7 @@ from testbed.checkpoints import (  # noqa: E402
     tiny_llama,
     tiny_mistral,
 )
+from testbed.vllm_record import run_here  # noqa: E402
 from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
@@ -108,44 +108,61 @@ LORA = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
-    lora = LoRARequest("sql", 1, sys.argv[2])
-    out = llm.generate(prompts, sp, lora_request=[lora, None, lora, None], use_tqdm=False)
-    plain = llm.generate(prompts[:1], sp, use_tqdm=False)
-    print("adapter changes the tokens:", list(out[0].outputs[0].token_ids) != list(plain[0].outputs[0].token_ids))
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                  enforce_eager=True, seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
+        sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+        lora = LoRARequest("sql", 1, sys.argv[2])
+        llm.generate(prompts, sp, lora_request=[lora, None, lora, None], use_tqdm=False)
+        llm.generate(prompts[:1], sp, use_tqdm=False)
+        return llm
+
+    if __name__ == "__main__":
+        main()
 """)
 PRELOADED = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
-    # as a server's --lora-modules does: both slots filled before any request, outside any request
-    adapters = [LoRARequest(f"sql{i}", i, path) for i, path in enumerate(sys.argv[2:], 1)]
-    for a in adapters:
-        assert llm.llm_engine.add_lora(a)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
-    llm.generate(prompts, sp, lora_request=[adapters[0], None, None, None], use_tqdm=False)
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                  enforce_eager=True, seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
+        # as a server's --lora-modules does: both slots filled before any request, outside any request
+        adapters = [LoRARequest(f"sql{i}", i, path) for i, path in enumerate(sys.argv[2:], 1)]
+        for a in adapters:
+            assert llm.llm_engine.add_lora(a)
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
+        sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+        llm.generate(prompts, sp, lora_request=[adapters[0], None, None, None], use_tqdm=False)
+        return llm
+
+    if __name__ == "__main__":
+        main()
 """)
 EMBEDS = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    import torch
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, enable_prompt_embeds=True)
-    torch.manual_seed(0)
-    llm.generate([{"prompt_embeds": torch.randn(6, 128)}, {"prompt_token_ids": [5, 6, 7, 8]}],
-                 SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True), use_tqdm=False)
+
+    def main():
+        import torch
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                  enforce_eager=True, seed=0, enable_prompt_embeds=True)
+        torch.manual_seed(0)
+        llm.generate([{"prompt_embeds": torch.randn(6, 128)}, {"prompt_token_ids": [5, 6, 7, 8]}],
+                     SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True), use_tqdm=False)
+        return llm
+
+    if __name__ == "__main__":
+        main()
 """)
 
 
@@ -153,23 +170,31 @@ MIXED = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                          "prompt_lookup_min": 1})
-    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8},
-               {"prompt_token_ids": [12, 13] * 5}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
-    llm.generate(prompts, [greedy, greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2,
-                                                          ignore_eos=True)], use_tqdm=False)
+
+    def main():
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                  enforce_eager=True, seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+        prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8},
+                   {"prompt_token_ids": [12, 13] * 5}]
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+        llm.generate(prompts, [greedy, greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2,
+                                                              ignore_eos=True)], use_tqdm=False)
+        return llm
+
+    if __name__ == "__main__":
+        main()
 """)
 
 
-def _script(text: str, out: Path, *args: Path) -> tuple[list[str], Path, dict]:
-    """A vLLM script run with REPLAY_CAPTURE=out, as a serving process is recorded: (command, capture, env)."""
+def _script(text: str, out: Path, *args: Path) -> Path:
+    """A vLLM script (its `main()` returns its `LLM`) run with REPLAY_CAPTURE=out, as a serving process is recorded,
+    its engine core in-process: its capture."""
     script = out.with_suffix(".py")
     script.write_text(text)
-    return [sys.executable, str(script), *map(str, args)], out, dict(ENV, REPLAY_CAPTURE=str(out))
+    run_here(script, [str(a) for a in args], dict(ENV, REPLAY_CAPTURE=str(out)))
+    return out
 
 
 def _record(model: Path, requests: list[dict], out: Path, *engine: str) -> tuple[list[str], Path]:
@@ -225,9 +250,9 @@ class Recorded:
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory, environment_kept) -> dict[str, Path]:
-    """Every capture this module reads. `replay record` runs here, through the command line's own entry point, in
-    this process, which has vLLM imported already; meanwhile the scripts run one at a time in processes of their
-    own, as serving processes are recorded (each a vLLM start-up, mostly single-threaded: the two cores stay busy)."""
+    """Every capture this module reads, recorded here, in this process, which has vLLM imported already: `replay
+    record` through the command line's own entry point, and the scripts with REPLAY_CAPTURE set, as serving processes
+    are recorded (`run_here`: the plugin attaches as vLLM's plugin loader attaches it)."""
     d = tmp_path_factory.mktemp("matrix")
     llama = add_tokenizer(tiny_llama(d / "tiny-llama"))
     records = {
@@ -239,23 +264,15 @@ def recordings(tmp_path_factory, environment_kept) -> dict[str, Path]:
         "eagle": _record(llama, NGRAM, d / "eagle.capture", "--vllm-arg", 'speculative_config={"method": "eagle", '
                          f'"model": "{tiny_eagle_head(llama, d / "eagle-head")}", "num_speculative_tokens": 2}}'),
     }
-    scripts = {
+    runs = {name: (out, subprocess.CompletedProcess(args, main(args))) for name, (args, out) in records.items()}
+    captures = {name: succeeded(runs, name) for name in records}
+    return captures | {
         "lora": _script(LORA, d / "lora.capture", llama, lora_adapter(llama, d / "sql-lora")),
         "embeds": _script(EMBEDS, d / "embeds.capture", llama),
         "mixed": _script(MIXED, d / "mixed.capture", llama),  # not a matrix row: its own test below
         "preloaded": _script(PRELOADED, d / "preloaded.capture", llama, lora_adapter(llama, d / "sql1", seed=1),
                              lora_adapter(llama, d / "sql2", seed=2)),  # nor this one
     }
-
-    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
-        cmd, out, env = scripts[name]
-        return out, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        scripted = pool.submit(side_by_side, run, list(scripts), 1)
-        runs = {name: (out, subprocess.CompletedProcess(args, main(args))) for name, (args, out) in records.items()}
-        runs |= scripted.result()
-    return {name: succeeded(runs, name) for name in [*records, *scripts]}
 
 
 @pytest.fixture(scope="module")

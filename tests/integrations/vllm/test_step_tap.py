@@ -59,20 +59,25 @@ ERRORS = textwrap.dedent("""
             return accept(self, request, new_token_ids)
 
         StructuredOutputManager.accept_tokens = reject
-        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-                  seed=0, max_num_seqs=8)
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
-        out = llm.generate(prompts, params, use_tqdm=False)
-        print("finished", [o.outputs[0].finish_reason for o in out], flush=True)
-        # vLLM finishes requests with an error through finish_requests too (a grammar that does not compile, a KV
-        # transfer that failed): called here as its scheduler calls it, between two steps
-        engine = llm.llm_engine
-        engine.add_request("late", {"prompt_token_ids": [5, 6, 7, 8]}, params)
-        engine.step()
-        scheduler = engine.engine_core.engine_core.scheduler
-        scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR)
-        engine.step()  # (the front end is never told: it would wait for that request forever)
+        try:
+            llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                      enforce_eager=True, seed=0, max_num_seqs=8)
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 3 for j in range(5 + 3 * i)]}
+                       for i in range(4)]
+            out = llm.generate(prompts, params, use_tqdm=False)
+            print("finished", [o.outputs[0].finish_reason for o in out], flush=True)
+            # vLLM finishes requests with an error through finish_requests too (a grammar that does not compile, a
+            # KV transfer that failed): called here as its scheduler calls it, between two steps
+            engine = llm.llm_engine
+            engine.add_request("late", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+            engine.step()
+            scheduler = engine.engine_core.engine_core.scheduler
+            scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR)
+            engine.step()  # (the front end is never told: it would wait for that request forever)
+        finally:
+            StructuredOutputManager.accept_tokens = accept  # (run in a test's process: later engines grammar-check)
+        return llm
 
     if __name__ == "__main__":
         main()
@@ -82,16 +87,16 @@ ERRORS = textwrap.dedent("""
 def test_every_request_vllm_finishes_with_an_error_seals_one_snapshot_holding_its_step(tmp_path):
     """A ring seals a snapshot when vLLM finishes a request with an error: through finish_requests, and where vLLM
     sets the status itself (a grammar that rejects a sampled token, planted here), which earlier went unseen. The
-    snapshot holds the step where it happened."""
-    from testbed.checkpoints import tiny_llama
-
+    snapshot holds the step where it happened. The script runs in this process (its engine core too), recorded as
+    a serving process is."""
     pytest.importorskip("vllm")
+    from testbed.checkpoints import tiny_llama
+    from testbed.vllm_record import run_here
+
     script, ring = tmp_path / "errors.py", tmp_path / "ring"
     script.write_text(ERRORS)
-    out = subprocess.run([sys.executable, str(script), str(tiny_llama(tmp_path / "tiny-llama"))],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, REPLAY_CAPTURE=str(ring)))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "finished ['length', 'length', 'error', 'length']" in out.stdout
+    out = run_here(script, [str(tiny_llama(tmp_path / "tiny-llama"))], dict(os.environ, REPLAY_CAPTURE=str(ring)))
+    assert "finished ['length', 'length', 'error', 'length']" in out
     snapshots = {capture_info(p).snapshot["trigger"]: p for p in (ring / "snapshots").glob("*.capture")}
     assert sorted(t.split()[1].split("-")[0] for t in snapshots) == ["2", "late"], list(snapshots)
     [rejected] = [p for t, p in snapshots.items() if t.startswith("request 2-")]
