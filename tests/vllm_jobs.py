@@ -8,8 +8,9 @@ independent captures start them together (`side_by_side`) and each test then che
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,6 +22,14 @@ def side_by_side(run: Callable[[str], T], names: list[str], workers: int = 2) ->
     must go to its own pipes or files (subprocess.run with capture_output does): runs never share one."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return dict(zip(names, pool.map(run, names)))
+
+
+@contextmanager
+def beside(run: Callable[[str], T], names: list[str]) -> Iterator[Future[dict[str, T]]]:
+    """`run(name)` for every name, one at a time, on a thread of its own while the caller records in its own process
+    meanwhile; the future's result is name -> its result, in the order given. Leaving the block waits for them."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(lambda: {name: run(name) for name in names})
 
 
 def succeeded(runs: dict[str, tuple[Path, subprocess.CompletedProcess]], name: str) -> Path:

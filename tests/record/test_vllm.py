@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from replay.diff import Tolerance, diff_captures  # noqa: E402
 from replay.inspect import capture_info  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from testbed.checkpoints import add_tokenizer, tiny_llama, tiny_qwen3  # noqa: E402
-from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
+from tests.vllm_jobs import beside, succeeded  # noqa: E402
 
 REPLAY = [sys.executable, "-m", "replay.cli"]
 ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
@@ -103,8 +102,7 @@ def runs(tmp_path_factory):
 
     # the two whose terminal output is the test run as processes of their own, one at a time beside the rest, which
     # run here, through the command line's own entry point (this process has vLLM imported already)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        apart = pool.submit(side_by_side, run, ["seeded-long", "full"], 1)
+    with beside(run, ["seeded-long", "full"]) as apart:
         runs = {name: here(name) for name in ("qwen3", "alone")}
         # `batched` leaves the KV cache's size to the command (unbounded, vllm-cpu takes most of the machine)
         kv_space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

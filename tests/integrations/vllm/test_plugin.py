@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from replay.provenance import current_hardware  # noqa: E402
 from replay.replayer import ReplayOptions, replay_capture  # noqa: E402
 from testbed.checkpoints import tiny_llama  # noqa: E402
 from testbed.vllm_record import run_here  # noqa: E402
-from tests.vllm_jobs import side_by_side, succeeded  # noqa: E402
+from tests.vllm_jobs import beside, succeeded  # noqa: E402
 
 RUN = textwrap.dedent("""
     import os, sys
@@ -76,8 +75,7 @@ def recorded(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProc
         cmd, capture, env = start(name, apart)
         return capture, subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, timeout=600)
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        processes = pool.submit(side_by_side, run, list(apart), 1)
+    with beside(run, list(apart)) as processes:
         runs = {}
         for name in here:
             (script, *args), capture, env = start(name, here)
